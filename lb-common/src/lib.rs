@@ -1,0 +1,252 @@
+//! Types shared by Sluice's eBPF programs and its userspace.
+//!
+//! Every type here is `#[repr(C)]` with explicit padding: the kernel object is compiled for
+//! the host target and retargeted to BPF, and userspace reads the same bytes, so layouts must
+//! not depend on implicit padding. Addresses and ports are stored in network byte order, as
+//! they appear on the wire; an IPv4 address sits in `addr[0]` with the other words zero.
+#![no_std]
+
+pub mod hash;
+
+/// Bumped whenever a map's key or value layout changes; pinned maps carry it so a newer
+/// program refuses to reuse maps it cannot read.
+pub const LAYOUT_VERSION: u32 = 1;
+
+pub const MAX_VIPS: u32 = 128;
+/// Backend ids index the backend array; id 0 is the "unset" sentinel (a ring slot or
+/// connection entry holding 0 is never forwarded).
+pub const MAX_BACKENDS: u32 = 4096;
+/// Largest (and default) Maglev ring, a prime. Each VIP owns two rings of this stride in
+/// `MAGLEV_RINGS` (the active one and the one being rewritten), so a VIP's table is
+/// replaced by flipping `VipMeta::active_ring` after the new one is complete.
+pub const RING_SIZE_MAX: u32 = 65537;
+pub const RINGS_PER_VIP: u32 = 2;
+/// Default connection-table capacity; the loader may override it.
+pub const CONN_TABLE_SIZE: u32 = 1 << 20;
+pub const AFFINITY_TABLE_SIZE: u32 = 1 << 18;
+/// Ring positions a new flow tries before giving up (the first is its Maglev slot). Bounded
+/// so the verifier accepts the loop and a flow's choice stays deterministic.
+pub const MAX_PROBES: u32 = 4;
+/// Interfaces reachable through the redirect devmap.
+pub const MAX_TX_PORTS: u32 = 64;
+
+pub const FAMILY_V4: u8 = 4;
+pub const FAMILY_V6: u8 = 6;
+
+pub const PROTO_ICMP: u8 = 1;
+pub const PROTO_IPIP: u8 = 4;
+pub const PROTO_TCP: u8 = 6;
+pub const PROTO_UDP: u8 = 17;
+pub const PROTO_IPV6: u8 = 41;
+pub const PROTO_ICMPV6: u8 = 58;
+
+/// Hash on the source address only: every connection of a client, and its reconnections,
+/// reach the same backend while the table does not change.
+pub const VIP_F_SRC_HASH: u32 = 1 << 0;
+
+/// Key of the VIP hash map. `port` 0 matches every port of the address and protocol.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct VipKey {
+    pub addr: [u32; 4],
+    pub port: u16,
+    pub proto: u8,
+    pub family: u8,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VipMeta {
+    /// Index into per-VIP arrays (rings, statistics); 0..MAX_VIPS.
+    pub id: u32,
+    pub flags: u32,
+    /// Prime number of slots in this VIP's rings, at most `RING_SIZE_MAX`.
+    pub ring_size: u32,
+    /// Which of the VIP's two rings is live (0 or 1).
+    pub active_ring: u32,
+    /// Client-affinity window in seconds; 0 disables the affinity table for this VIP.
+    pub affinity_secs: u32,
+    /// Priority class for admission control (0 = most important).
+    pub priority: u32,
+}
+
+pub const BACKEND_UNSET: u8 = 0;
+/// Takes new flows and keeps its established ones.
+pub const BACKEND_ACTIVE: u8 = 1;
+/// Takes no new flows; established flows continue.
+pub const BACKEND_DRAINING: u8 = 2;
+/// Takes no new flows; its established flows are re-steered to the table's current choice.
+pub const BACKEND_DOWN: u8 = 3;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Backend {
+    pub addr: [u32; 4],
+    pub family: u8,
+    pub state: u8,
+    pub flags: u8,
+    pub _pad: u8,
+    /// The VIP this backend serves (backends are per VIP so drains and weights are per VIP).
+    pub vip: u32,
+}
+
+/// Connection-table key: the client's 5-tuple as it arrives.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowKey {
+    pub src: [u32; 4],
+    pub dst: [u32; 4],
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub family: u8,
+    pub _pad: [u8; 2],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnEntry {
+    pub backend: u32,
+    pub vip: u32,
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet.
+    pub last_seen_ns: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AffinityKey {
+    pub addr: [u32; 4],
+    pub vip: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AffinityEntry {
+    pub backend: u32,
+    pub _pad: u32,
+    pub last_seen_ns: u64,
+}
+
+/// Global data-plane settings, element 0 of the `CONFIG` array.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LbConfig {
+    /// Outer IPv4 source: `encap_src_v4 | (flow_hash & encap_src_v4_hostmask)`, so a backend
+    /// NIC's RSS spreads flows while every packet of one flow carries the same source.
+    pub encap_src_v4: u32,
+    pub encap_src_v4_hostmask: u32,
+    /// Outer IPv6 source; the flow hash fills the bits of the last word's host mask.
+    pub encap_src_v6: [u32; 4],
+    pub encap_src_v6_hostmask: u32,
+    /// Seed of the flow hash; the same on every LB host so they all steer alike.
+    pub hash_seed: u32,
+    /// Next-hop MAC used when the FIB has no neighbour entry; all zero means "drop instead".
+    pub fallback_mac: [u8; 6],
+    pub _pad: [u8; 2],
+    /// New flows per second per CPU above which flows are steered by hash alone and not
+    /// inserted into the connection table, so a SYN flood cannot evict live flows. 0 = off.
+    pub flood_new_flows_per_sec: u32,
+    pub _pad2: u32,
+}
+
+/// Per-VIP and per-backend traffic counters (per-CPU arrays; userspace sums the CPUs).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TrafficStats {
+    pub packets: u64,
+    pub bytes: u64,
+    pub new_flows: u64,
+}
+
+/// Per-CPU flood-guard window.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FloodWindow {
+    pub start_ns: u64,
+    pub new_flows: u64,
+}
+
+/// Indexes of the global per-CPU counter array: every pass, drop and fallback has one.
+pub mod stat {
+    pub const RX: u32 = 0;
+    pub const PASS_NOT_IP: u32 = 1;
+    pub const PASS_NOT_VIP: u32 = 2;
+    pub const PASS_TRUNCATED_L2: u32 = 3;
+    pub const PASS_TRUNCATED_L3: u32 = 4;
+    pub const PASS_TRUNCATED_L4: u32 = 5;
+    pub const PASS_BAD_IP_LEN: u32 = 6;
+    pub const PASS_FRAGMENT: u32 = 7;
+    pub const PASS_UNSUPPORTED_L4: u32 = 8;
+    pub const PASS_EXT_HDR_LIMIT: u32 = 9;
+    pub const PASS_ICMP_NOT_VIP: u32 = 10;
+    pub const ICMP_TOO_BIG_STEERED: u32 = 11;
+    pub const CONN_HIT: u32 = 12;
+    pub const CONN_MISS: u32 = 13;
+    pub const CONN_RESTEER_DOWN: u32 = 14;
+    pub const CONN_INSERT_FAILED: u32 = 15;
+    pub const FLOOD_BYPASS: u32 = 16;
+    pub const AFFINITY_HIT: u32 = 17;
+    pub const PROBE_SKIP: u32 = 18;
+    pub const DROP_NO_BACKEND: u32 = 19;
+    pub const DROP_BAD_BACKEND: u32 = 20;
+    pub const DROP_ADJUST_HEAD: u32 = 21;
+    pub const FIB_FALLBACK_MAC: u32 = 22;
+    pub const DROP_NO_NEXTHOP: u32 = 23;
+    pub const TX: u32 = 24;
+    pub const REDIRECT: u32 = 25;
+    pub const DROP_NO_CONFIG: u32 = 26;
+    pub const DECAP_OK: u32 = 27;
+    pub const DECAP_PASS_NOT_ENCAP: u32 = 28;
+    pub const DECAP_DROP_ADJUST: u32 = 29;
+    pub const COUNT: u32 = 30;
+
+    /// Names as exported (Prometheus label values, CLI); index = counter.
+    pub const NAMES: [&str; COUNT as usize] = [
+        "rx",
+        "pass_not_ip",
+        "pass_not_vip",
+        "pass_truncated_l2",
+        "pass_truncated_l3",
+        "pass_truncated_l4",
+        "pass_bad_ip_len",
+        "pass_fragment",
+        "pass_unsupported_l4",
+        "pass_ext_hdr_limit",
+        "pass_icmp_not_vip",
+        "icmp_too_big_steered",
+        "conn_hit",
+        "conn_miss",
+        "conn_resteer_down",
+        "conn_insert_failed",
+        "flood_bypass",
+        "affinity_hit",
+        "probe_skip",
+        "drop_no_backend",
+        "drop_bad_backend",
+        "drop_adjust_head",
+        "fib_fallback_mac",
+        "drop_no_nexthop",
+        "tx",
+        "redirect",
+        "drop_no_config",
+        "decap_ok",
+        "decap_pass_not_encap",
+        "decap_drop_adjust",
+    ];
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: all of these are repr(C), contain only integers and have explicit padding.
+    unsafe impl aya::Pod for VipKey {}
+    unsafe impl aya::Pod for VipMeta {}
+    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for FlowKey {}
+    unsafe impl aya::Pod for ConnEntry {}
+    unsafe impl aya::Pod for AffinityKey {}
+    unsafe impl aya::Pod for AffinityEntry {}
+    unsafe impl aya::Pod for LbConfig {}
+    unsafe impl aya::Pod for TrafficStats {}
+    unsafe impl aya::Pod for FloodWindow {}
+}

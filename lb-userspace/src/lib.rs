@@ -1,0 +1,3 @@
+//! Sluice userspace: the steering logic as a library, and the shells around it.
+
+pub mod maglev;
