@@ -1,0 +1,63 @@
+//! Backend side: strips the outer IPv4/IPv6 header so the stack receives the client's own
+//! packet to the VIP (configured on the backend's `lo`) and replies straight to the client.
+
+use aya_ebpf::{
+    bindings::xdp_action, helpers::bpf_xdp_adjust_head, programs::XdpContext, EbpfContext,
+};
+use lb_common::{stat, PROTO_IPIP, PROTO_IPV6};
+
+use crate::{
+    parse::{at, be16_at, l2, u8_at, ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
+    stats::count,
+};
+
+pub fn decap(ctx: &XdpContext) -> u32 {
+    match try_decap(ctx) {
+        Ok(a) => a,
+        Err(c) => {
+            count(c);
+            xdp_action::XDP_PASS
+        }
+    }
+}
+
+#[inline(always)]
+fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
+    let (proto, l3) = l2(ctx).map_err(|_| stat::DECAP_PASS_NOT_ENCAP)?;
+    let (outer_len, inner) = match proto {
+        ETH_P_IP => {
+            let p = at(ctx, l3, 20).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
+            let ihl = ((unsafe { u8_at(p) } & 0x0f) as usize) * 4;
+            // A fragmented tunnel packet cannot be stripped in place.
+            if ihl < 20 || unsafe { be16_at(p + 6) } & 0x3fff != 0 {
+                return Err(stat::DECAP_PASS_NOT_ENCAP);
+            }
+            (ihl, unsafe { u8_at(p + 9) })
+        }
+        ETH_P_IPV6 => {
+            let p = at(ctx, l3, 40).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
+            (40, unsafe { u8_at(p + 6) })
+        }
+        _ => return Err(stat::DECAP_PASS_NOT_ENCAP),
+    };
+    let inner_eth = match inner {
+        PROTO_IPIP => ETH_P_IP,
+        PROTO_IPV6 => ETH_P_IPV6,
+        _ => return Err(stat::DECAP_PASS_NOT_ENCAP),
+    };
+    let macs = at(ctx, 0, 12).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
+    let macs = unsafe { core::ptr::read_unaligned(macs as *const [u8; 12]) };
+    // Keep the MACs, drop VLAN tags and the outer header: the inner packet follows a fresh
+    // Ethernet header.
+    let shrink = (l3 + outer_len - ETH_HLEN) as i32;
+    if unsafe { bpf_xdp_adjust_head(ctx.as_ptr() as *mut _, shrink) } != 0 {
+        return Err(stat::DECAP_DROP_ADJUST);
+    }
+    let hdr = at(ctx, 0, ETH_HLEN).ok_or(stat::DECAP_DROP_ADJUST)?;
+    unsafe {
+        core::ptr::write_unaligned(hdr as *mut [u8; 12], macs);
+        core::ptr::write_unaligned((hdr + 12) as *mut u16, inner_eth.to_be());
+    }
+    count(stat::DECAP_OK);
+    Ok(xdp_action::XDP_PASS)
+}

@@ -1,0 +1,255 @@
+//! Header parsing, bounds-checked at every step and separate from the steering decision.
+//!
+//! The result is either the flow key to steer (plus where the L3 packet sits) or the
+//! counter that explains why the frame passes untouched: Sluice only acts on what it fully
+//! understands and leaves everything else to the kernel.
+
+use aya_ebpf::programs::XdpContext;
+use lb_common::{
+    stat, FlowKey, FAMILY_V4, FAMILY_V6, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+};
+
+pub const ETH_HLEN: usize = 14;
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
+const IPV6_HLEN: usize = 40;
+const IPV4_HLEN: usize = 20;
+/// IPv6 extension headers walked before giving up (hop-by-hop, routing, destination options).
+const MAX_EXT_HDRS: usize = 4;
+
+pub struct Parsed {
+    /// The flow as a client sends it (for an ICMP error, the flow the error quotes, reversed).
+    pub key: FlowKey,
+    /// Offset of the L3 header (the L2 header's length, VLAN tags included).
+    pub l3_off: usize,
+    /// Length of the L3 packet to carry (from its own length field, so Ethernet padding is
+    /// not encapsulated).
+    pub l3_len: usize,
+    /// Traffic class copied to the outer header so DSCP and ECN survive encapsulation.
+    pub tos: u8,
+    pub icmp_error: bool,
+}
+
+/// A frame that passes untouched, with the counter that says why.
+pub type Pass = u32;
+
+/// Pointer to `len` bytes at `off`, or `None` when the frame is shorter.
+#[inline(always)]
+pub fn at(ctx: &XdpContext, off: usize, len: usize) -> Option<usize> {
+    let p = ctx.data() + off;
+    if p + len > ctx.data_end() {
+        return None;
+    }
+    Some(p)
+}
+
+#[inline(always)]
+pub unsafe fn u8_at(p: usize) -> u8 {
+    *(p as *const u8)
+}
+
+#[inline(always)]
+pub unsafe fn be16_at(p: usize) -> u16 {
+    u16::from_be(core::ptr::read_unaligned(p as *const u16))
+}
+
+/// Raw (network order) 32-bit word.
+#[inline(always)]
+pub unsafe fn raw32_at(p: usize) -> u32 {
+    core::ptr::read_unaligned(p as *const u32)
+}
+
+#[inline(always)]
+unsafe fn addr6_at(p: usize) -> [u32; 4] {
+    core::ptr::read_unaligned(p as *const [u32; 4])
+}
+
+/// Ethernet and up to two VLAN tags: returns (ethertype, L3 offset).
+#[inline(always)]
+pub fn l2(ctx: &XdpContext) -> Result<(u16, usize), Pass> {
+    let p = at(ctx, 0, ETH_HLEN).ok_or(stat::PASS_TRUNCATED_L2)?;
+    let mut proto = unsafe { be16_at(p + 12) };
+    let mut off = ETH_HLEN;
+    for _ in 0..2 {
+        if proto != ETH_P_8021Q && proto != ETH_P_8021AD {
+            break;
+        }
+        let v = at(ctx, off, 4).ok_or(stat::PASS_TRUNCATED_L2)?;
+        proto = unsafe { be16_at(v + 2) };
+        off += 4;
+    }
+    Ok((proto, off))
+}
+
+pub fn parse(ctx: &XdpContext) -> Result<Parsed, Pass> {
+    let (proto, l3_off) = l2(ctx)?;
+    match proto {
+        ETH_P_IP => ipv4(ctx, l3_off),
+        ETH_P_IPV6 => ipv6(ctx, l3_off),
+        _ => Err(stat::PASS_NOT_IP),
+    }
+}
+
+#[inline(always)]
+fn ipv4(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
+    let p = at(ctx, l3, IPV4_HLEN).ok_or(stat::PASS_TRUNCATED_L3)?;
+    let vihl = unsafe { u8_at(p) };
+    let ihl = ((vihl & 0x0f) as usize) * 4;
+    if vihl >> 4 != 4 || ihl < IPV4_HLEN {
+        return Err(stat::PASS_BAD_IP_LEN);
+    }
+    at(ctx, l3, ihl).ok_or(stat::PASS_TRUNCATED_L3)?;
+    let tot_len = unsafe { be16_at(p + 2) } as usize;
+    if tot_len < ihl || at(ctx, l3, tot_len).is_none() {
+        return Err(stat::PASS_BAD_IP_LEN);
+    }
+    // More-fragments flag or a fragment offset: only the first fragment has ports, so
+    // steering fragments by 5-tuple would split them. They go to the kernel.
+    if unsafe { be16_at(p + 6) } & 0x3fff != 0 {
+        return Err(stat::PASS_FRAGMENT);
+    }
+    let mut key = FlowKey {
+        family: FAMILY_V4,
+        proto: unsafe { u8_at(p + 9) },
+        ..FlowKey::default()
+    };
+    key.src[0] = unsafe { raw32_at(p + 12) };
+    key.dst[0] = unsafe { raw32_at(p + 16) };
+    let tos = unsafe { u8_at(p + 1) };
+    let icmp_error = match key.proto {
+        PROTO_TCP | PROTO_UDP => {
+            ports(ctx, l3 + ihl, &mut key)?;
+            false
+        }
+        PROTO_ICMP => {
+            icmp4_too_big(ctx, l3 + ihl, &mut key)?;
+            true
+        }
+        _ => return Err(stat::PASS_UNSUPPORTED_L4),
+    };
+    Ok(Parsed {
+        key,
+        l3_off: l3,
+        l3_len: tot_len,
+        tos,
+        icmp_error,
+    })
+}
+
+#[inline(always)]
+fn ipv6(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
+    let p = at(ctx, l3, IPV6_HLEN).ok_or(stat::PASS_TRUNCATED_L3)?;
+    let vtc = unsafe { be16_at(p) };
+    if vtc >> 12 != 6 {
+        return Err(stat::PASS_BAD_IP_LEN);
+    }
+    let l3_len = unsafe { be16_at(p + 4) } as usize + IPV6_HLEN;
+    if at(ctx, l3, l3_len).is_none() {
+        return Err(stat::PASS_BAD_IP_LEN);
+    }
+    let mut key = FlowKey {
+        family: FAMILY_V6,
+        ..FlowKey::default()
+    };
+    key.src = unsafe { addr6_at(p + 8) };
+    key.dst = unsafe { addr6_at(p + 24) };
+    let (nh, l4) = ext_headers(ctx, unsafe { u8_at(p + 6) }, l3 + IPV6_HLEN)?;
+    key.proto = nh;
+    let tos = (vtc >> 4) as u8;
+    let icmp_error = match nh {
+        PROTO_TCP | PROTO_UDP => {
+            ports(ctx, l4, &mut key)?;
+            false
+        }
+        PROTO_ICMPV6 => {
+            icmp6_too_big(ctx, l4, &mut key)?;
+            true
+        }
+        _ => return Err(stat::PASS_UNSUPPORTED_L4),
+    };
+    Ok(Parsed {
+        key,
+        l3_off: l3,
+        l3_len,
+        tos,
+        icmp_error,
+    })
+}
+
+/// Skips hop-by-hop (0), routing (43) and destination-options (60) headers.
+#[inline(always)]
+fn ext_headers(ctx: &XdpContext, mut nh: u8, mut off: usize) -> Result<(u8, usize), Pass> {
+    for _ in 0..MAX_EXT_HDRS {
+        match nh {
+            0 | 43 | 60 => {
+                let e = at(ctx, off, 8).ok_or(stat::PASS_TRUNCATED_L3)?;
+                nh = unsafe { u8_at(e) };
+                off += (unsafe { u8_at(e + 1) } as usize + 1) * 8;
+            }
+            44 => return Err(stat::PASS_FRAGMENT),
+            _ => return Ok((nh, off)),
+        }
+    }
+    Err(stat::PASS_EXT_HDR_LIMIT)
+}
+
+#[inline(always)]
+fn ports(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), Pass> {
+    let min = if key.proto == PROTO_TCP { 20 } else { 8 };
+    let p = at(ctx, l4, min).ok_or(stat::PASS_TRUNCATED_L4)?;
+    key.sport = unsafe { core::ptr::read_unaligned(p as *const u16) };
+    key.dport = unsafe { core::ptr::read_unaligned((p + 2) as *const u16) };
+    Ok(())
+}
+
+/// Quoted ports of an ICMP error, reversed: the quoted packet went VIP -> client, so the
+/// client's flow has the quoted destination as source.
+#[inline(always)]
+fn quoted_ports(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), Pass> {
+    let p = at(ctx, l4, 4).ok_or(stat::PASS_TRUNCATED_L4)?;
+    key.dport = unsafe { core::ptr::read_unaligned(p as *const u16) };
+    key.sport = unsafe { core::ptr::read_unaligned((p + 2) as *const u16) };
+    Ok(())
+}
+
+/// ICMP "fragmentation needed" (type 3 code 4) about a VIP flow: steer it with that flow so
+/// the backend that sends the stream learns the path MTU.
+#[inline(always)]
+fn icmp4_too_big(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), Pass> {
+    let p = at(ctx, l4, 8 + IPV4_HLEN).ok_or(stat::PASS_TRUNCATED_L4)?;
+    if unsafe { u8_at(p) } != 3 || unsafe { u8_at(p + 1) } != 4 {
+        return Err(stat::PASS_ICMP_NOT_VIP);
+    }
+    let q = p + 8;
+    let ihl = ((unsafe { u8_at(q) } & 0x0f) as usize) * 4;
+    if ihl < IPV4_HLEN {
+        return Err(stat::PASS_BAD_IP_LEN);
+    }
+    key.proto = unsafe { u8_at(q + 9) };
+    if key.proto != PROTO_TCP && key.proto != PROTO_UDP {
+        return Err(stat::PASS_ICMP_NOT_VIP);
+    }
+    key.src[0] = unsafe { raw32_at(q + 16) };
+    key.dst[0] = unsafe { raw32_at(q + 12) };
+    quoted_ports(ctx, l4 + 8 + ihl, key)
+}
+
+/// ICMPv6 "packet too big" (type 2) about a VIP flow; the quoted header must be followed
+/// directly by TCP or UDP.
+#[inline(always)]
+fn icmp6_too_big(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), Pass> {
+    let p = at(ctx, l4, 8 + IPV6_HLEN).ok_or(stat::PASS_TRUNCATED_L4)?;
+    if unsafe { u8_at(p) } != 2 {
+        return Err(stat::PASS_ICMP_NOT_VIP);
+    }
+    let q = p + 8;
+    key.proto = unsafe { u8_at(q + 6) };
+    if key.proto != PROTO_TCP && key.proto != PROTO_UDP {
+        return Err(stat::PASS_ICMP_NOT_VIP);
+    }
+    key.src = unsafe { addr6_at(q + 24) };
+    key.dst = unsafe { addr6_at(q + 8) };
+    quoted_ports(ctx, l4 + 8 + IPV6_HLEN, key)
+}

@@ -1,0 +1,192 @@
+//! The steering decision: VIP, connection table, client affinity, Maglev ring with bounded
+//! probing past backends that take no new flows.
+
+use aya_ebpf::helpers::bpf_ktime_get_ns;
+use lb_common::{
+    hash, stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta,
+    BACKEND_ACTIVE, BACKEND_DRAINING, MAX_PROBES, RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SRC_HASH,
+};
+
+use crate::{
+    maps::{AFFINITY, BACKENDS, CONNS, FLOOD, MAGLEV_RINGS, VIPS},
+    stats::count,
+};
+
+const NS_PER_SEC: u64 = 1_000_000_000;
+
+pub struct Decision {
+    pub backend_id: u32,
+    pub backend: Backend,
+    pub new_flow: bool,
+    pub hash: u32,
+}
+
+/// Exact (address, port, protocol) first, then the address's all-ports VIP.
+#[inline(always)]
+pub fn vip(key: &FlowKey) -> Option<VipMeta> {
+    let mut vk = VipKey {
+        addr: key.dst,
+        port: key.dport,
+        proto: key.proto,
+        family: key.family,
+    };
+    if let Some(m) = unsafe { VIPS.get(&vk) } {
+        return Some(*m);
+    }
+    vk.port = 0;
+    unsafe { VIPS.get(&vk) }.copied()
+}
+
+#[inline(always)]
+fn backend(id: u32, vip: &VipMeta) -> Option<Backend> {
+    let b = BACKENDS.get(id)?;
+    // A backend id reused for another VIP since the entry was written is not this flow's.
+    if b.vip != vip.id {
+        return None;
+    }
+    Some(*b)
+}
+
+/// Steers one packet of a VIP flow: `Err` carries the drop counter.
+/// `track` is false for ICMP errors: they follow a flow but never create one.
+#[inline(always)]
+pub fn decide(key: &FlowKey, vip: &VipMeta, cfg: &LbConfig, track: bool) -> Result<Decision, u32> {
+    let h = if vip.flags & VIP_F_SRC_HASH != 0 {
+        hash::src_hash(key, cfg.hash_seed)
+    } else {
+        hash::flow_hash(key, cfg.hash_seed)
+    };
+    let now = unsafe { bpf_ktime_get_ns() };
+
+    if let Some(e) = CONNS.get_ptr_mut(key) {
+        let id = unsafe { (*e).backend };
+        if let Some(b) = backend(id, vip) {
+            if b.state == BACKEND_ACTIVE || b.state == BACKEND_DRAINING {
+                unsafe { (*e).last_seen_ns = now };
+                count(stat::CONN_HIT);
+                return Ok(Decision {
+                    backend_id: id,
+                    backend: b,
+                    new_flow: false,
+                    hash: h,
+                });
+            }
+        }
+        // Its backend is down (or gone): re-steer to the table's current choice and keep
+        // the flow pinned there from now on.
+        count(stat::CONN_RESTEER_DOWN);
+        let (id, b) = choose(key, vip, h, now)?;
+        unsafe {
+            (*e).backend = id;
+            (*e).last_seen_ns = now;
+        }
+        return Ok(Decision {
+            backend_id: id,
+            backend: b,
+            new_flow: true,
+            hash: h,
+        });
+    }
+
+    count(stat::CONN_MISS);
+    let (id, b) = choose(key, vip, h, now)?;
+    if !track {
+        // Nothing to pin.
+    } else if flood_guard(cfg, now) {
+        count(stat::FLOOD_BYPASS);
+    } else {
+        let e = ConnEntry {
+            backend: id,
+            vip: vip.id,
+            last_seen_ns: now,
+        };
+        if CONNS.insert(key, &e, 0).is_err() {
+            count(stat::CONN_INSERT_FAILED);
+        }
+    }
+    Ok(Decision {
+        backend_id: id,
+        backend: b,
+        new_flow: true,
+        hash: h,
+    })
+}
+
+/// A backend for a new flow: the client's affinity entry while it is fresh, otherwise the
+/// first of the flow's probe positions in the live ring whose backend takes new flows.
+#[inline(always)]
+fn choose(key: &FlowKey, vip: &VipMeta, h: u32, now: u64) -> Result<(u32, Backend), u32> {
+    let akey = AffinityKey {
+        addr: key.src,
+        vip: vip.id,
+    };
+    if vip.affinity_secs != 0 {
+        if let Some(a) = unsafe { AFFINITY.get(&akey) } {
+            if now.wrapping_sub(a.last_seen_ns) < vip.affinity_secs as u64 * NS_PER_SEC {
+                if let Some(b) = backend(a.backend, vip) {
+                    if b.state == BACKEND_ACTIVE {
+                        count(stat::AFFINITY_HIT);
+                        let id = a.backend;
+                        remember(&akey, id, now);
+                        return Ok((id, b));
+                    }
+                }
+            }
+        }
+    }
+    let ring_size = vip.ring_size;
+    if ring_size < 2 || ring_size > RING_SIZE_MAX {
+        return Err(stat::DROP_NO_BACKEND);
+    }
+    let base = (vip.id * RINGS_PER_VIP + (vip.active_ring & 1)) * RING_SIZE_MAX;
+    for i in 0..MAX_PROBES {
+        let slot = hash::probe_slot(h, i, ring_size);
+        let id = match MAGLEV_RINGS.get(base + slot) {
+            Some(id) if *id != 0 => *id,
+            _ => return Err(stat::DROP_NO_BACKEND),
+        };
+        match backend(id, vip) {
+            Some(b) if b.state == BACKEND_ACTIVE => {
+                if vip.affinity_secs != 0 {
+                    remember(&akey, id, now);
+                }
+                return Ok((id, b));
+            }
+            _ => count(stat::PROBE_SKIP),
+        }
+    }
+    Err(stat::DROP_NO_BACKEND)
+}
+
+#[inline(always)]
+fn remember(akey: &AffinityKey, backend: u32, now: u64) {
+    let _ = AFFINITY.insert(
+        akey,
+        &AffinityEntry {
+            backend,
+            _pad: 0,
+            last_seen_ns: now,
+        },
+        0,
+    );
+}
+
+/// True when this CPU has seen more new flows in the current second than the configured
+/// limit: such flows are steered by hash alone so a SYN flood cannot evict live entries.
+#[inline(always)]
+fn flood_guard(cfg: &LbConfig, now: u64) -> bool {
+    if cfg.flood_new_flows_per_sec == 0 {
+        return false;
+    }
+    let Some(w) = FLOOD.get_ptr_mut(0) else {
+        return false;
+    };
+    unsafe {
+        if now.wrapping_sub((*w).start_ns) >= NS_PER_SEC {
+            (*w).start_ns = now;
+            (*w).new_flows = 0;
+        }
+        (*w).new_flows += 1;
+        (*w).new_flows > cfg.flood_new_flows_per_sec as u64
+    }
+}
