@@ -218,11 +218,11 @@ fn quoted_ports(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), Pa
 /// the backend that sends the stream learns the path MTU.
 #[inline(always)]
 fn icmp4_too_big(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), Pass> {
-    let p = at(ctx, l4, 8 + IPV4_HLEN).ok_or(stat::PASS_TRUNCATED_L4)?;
+    let p = at(ctx, l4, 8).ok_or(stat::PASS_TRUNCATED_L4)?;
     if unsafe { u8_at(p) } != 3 || unsafe { u8_at(p + 1) } != 4 {
         return Err(stat::PASS_ICMP_NOT_VIP);
     }
-    let q = p + 8;
+    let q = at(ctx, l4 + 8, IPV4_HLEN).ok_or(stat::PASS_TRUNCATED_L4)?;
     let ihl = ((unsafe { u8_at(q) } & 0x0f) as usize) * 4;
     if ihl < IPV4_HLEN {
         return Err(stat::PASS_BAD_IP_LEN);
@@ -240,11 +240,11 @@ fn icmp4_too_big(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), P
 /// directly by TCP or UDP.
 #[inline(always)]
 fn icmp6_too_big(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), Pass> {
-    let p = at(ctx, l4, 8 + IPV6_HLEN).ok_or(stat::PASS_TRUNCATED_L4)?;
+    let p = at(ctx, l4, 8).ok_or(stat::PASS_TRUNCATED_L4)?;
     if unsafe { u8_at(p) } != 2 {
         return Err(stat::PASS_ICMP_NOT_VIP);
     }
-    let q = p + 8;
+    let q = at(ctx, l4 + 8, IPV6_HLEN).ok_or(stat::PASS_TRUNCATED_L4)?;
     key.proto = unsafe { u8_at(q + 6) };
     if key.proto != PROTO_TCP && key.proto != PROTO_UDP {
         return Err(stat::PASS_ICMP_NOT_VIP);

@@ -1,1 +1,223 @@
-//! Shared helpers for the packet and namespace tests.
+//! Shared helpers for the packet (BPF_PROG_TEST_RUN) and namespace tests. Both need root and
+//! the eBPF object built by `cargo xtask build`; they fail, never skip, when either is missing.
+
+pub mod frames;
+pub mod netns;
+
+use std::net::IpAddr;
+
+use anyhow::{bail, Context, Result};
+use aya::programs::{TestRun, TestRunOptions};
+use lb_common::{hash, Backend, FlowKey, LbConfig, VipKey, VipMeta, BACKEND_ACTIVE, MAX_PROBES};
+use sluice::{
+    addr::{from_words, to_words},
+    dataplane::{Dataplane, LoadOptions, PROG_XDP},
+    maglev::{self, MaglevBackend},
+    object::BPF_OBJECT,
+};
+
+/// Fails with a message saying what is missing when the process cannot do BPF.
+pub fn require_root() {
+    if unsafe { libc::geteuid() } != 0 {
+        panic!("this test loads BPF programs and needs root (CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON); run `cargo xtask test` as root");
+    }
+}
+
+pub const RING: u32 = 65537;
+pub const SEED: u32 = 0x5eed;
+pub const FALLBACK_MAC: [u8; 6] = [0x02, 0xfa, 0x11, 0xba, 0xc4, 0x00];
+
+/// A loaded data plane with the settings the fixtures assume.
+pub struct Lab {
+    pub dp: Dataplane,
+    pub cfg: LbConfig,
+    tables: std::collections::HashMap<u32, Vec<u32>>,
+}
+
+impl Lab {
+    /// Loads a fresh data plane in a fresh network namespace for this thread, so the FIB is
+    /// empty and next hops come from the fallback MAC unless a test adds routes.
+    pub fn new() -> Lab {
+        require_root();
+        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+            panic!(
+                "unshare(CLONE_NEWNET) failed: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        let opts = LoadOptions {
+            conn_table_size: 1 << 16,
+            affinity_table_size: 1 << 12,
+            max_vips: 4,
+        };
+        let mut dp = Dataplane::load(BPF_OBJECT, &opts).expect("load the data plane");
+        let (src4, _) = to_words("172.16.0.0".parse().unwrap());
+        let (src6, _) = to_words("fd00:5:1::".parse().unwrap());
+        let cfg = LbConfig {
+            encap_src_v4: src4[0],
+            encap_src_v4_hostmask: u32::from_ne_bytes([0, 0, 0xff, 0xff]),
+            encap_src_v6: src6,
+            encap_src_v6_hostmask: u32::MAX,
+            hash_seed: SEED,
+            fallback_mac: FALLBACK_MAC,
+            ..Default::default()
+        };
+        dp.set_config(&cfg).unwrap();
+        Lab {
+            dp,
+            cfg,
+            tables: Default::default(),
+        }
+    }
+
+    pub fn vip(
+        &mut self,
+        id: u32,
+        addr: &str,
+        port: u16,
+        proto: u8,
+        flags: u32,
+        affinity_secs: u32,
+    ) -> VipKey {
+        let (a, family) = to_words(addr.parse().unwrap());
+        let key = VipKey {
+            addr: a,
+            port: port.to_be(),
+            proto,
+            family,
+        };
+        let meta = VipMeta {
+            id,
+            flags,
+            ring_size: RING,
+            active_ring: 0,
+            affinity_secs,
+            priority: 0,
+        };
+        self.dp.set_vip(&key, &meta).unwrap();
+        key
+    }
+
+    /// Writes the backends (all active) and publishes the VIP's Maglev table built from them.
+    pub fn backends(&mut self, vip: &VipKey, list: &[(u32, &str, u32)]) {
+        let meta = self.dp.vip(vip).unwrap().unwrap();
+        for (id, addr, _) in list {
+            let (a, family) = to_words(addr.parse().unwrap());
+            let b = Backend {
+                addr: a,
+                family,
+                state: BACKEND_ACTIVE,
+                vip: meta.id,
+                ..Default::default()
+            };
+            self.dp.set_backend(*id, &b).unwrap();
+        }
+        let mb: Vec<MaglevBackend> = list
+            .iter()
+            .map(|(id, key, weight)| MaglevBackend {
+                id: *id,
+                key,
+                weight: *weight,
+            })
+            .collect();
+        let table = maglev::build(&mb, RING, SEED).unwrap();
+        self.dp.publish_ring(vip, &table).unwrap();
+        self.tables.insert(meta.id, table);
+    }
+
+    pub fn set_state(&mut self, id: u32, state: u8) {
+        let mut b = self.dp.backend(id).unwrap();
+        b.state = state;
+        self.dp.set_backend(id, &b).unwrap();
+    }
+
+    /// The backend the ring gives this flow (first probe), as the data plane computes it.
+    pub fn ring_choice(&mut self, vip: &VipKey, key: &FlowKey, src_only: bool) -> u32 {
+        let meta = self.dp.vip(vip).unwrap().unwrap();
+        let h = self.flow_hash(key, src_only);
+        self.tables[&meta.id][hash::probe_slot(h, 0, RING) as usize]
+    }
+
+    pub fn flow_hash(&self, key: &FlowKey, src_only: bool) -> u32 {
+        if src_only {
+            hash::src_hash(key, SEED)
+        } else {
+            hash::flow_hash(key, SEED)
+        }
+    }
+
+    /// Probe positions of a flow, in order (for tests of bounded probing).
+    pub fn probes(&mut self, vip: &VipKey, key: &FlowKey) -> Vec<u32> {
+        let meta = self.dp.vip(vip).unwrap().unwrap();
+        let h = self.flow_hash(key, false);
+        (0..MAX_PROBES)
+            .map(|i| self.tables[&meta.id][hash::probe_slot(h, i, RING) as usize])
+            .collect()
+    }
+
+    pub fn backend_addr(&mut self, id: u32) -> IpAddr {
+        let b = self.dp.backend(id).unwrap();
+        from_words(b.addr, b.family)
+    }
+
+    /// Outer source address the data plane derives from the flow hash.
+    pub fn outer_src(&self, h: u32, v6: bool) -> IpAddr {
+        if v6 {
+            let mut w = self.cfg.encap_src_v6;
+            w[3] |= h & self.cfg.encap_src_v6_hostmask;
+            from_words(w, lb_common::FAMILY_V6)
+        } else {
+            from_words(
+                [
+                    self.cfg.encap_src_v4 | (h & self.cfg.encap_src_v4_hostmask),
+                    0,
+                    0,
+                    0,
+                ],
+                lb_common::FAMILY_V4,
+            )
+        }
+    }
+
+    /// Runs `sluice_xdp` once on `frame`: (XDP action, output frame).
+    pub fn run(&mut self, frame: &[u8]) -> (u32, Vec<u8>) {
+        run_prog(&mut self.dp, PROG_XDP, frame).unwrap()
+    }
+
+    pub fn stat(&mut self, idx: u32) -> u64 {
+        self.dp.stats().unwrap()[idx as usize]
+    }
+}
+
+/// BPF_PROG_TEST_RUN of one program on one frame, with room for the encapsulation header.
+pub fn run_prog(dp: &mut Dataplane, prog: &str, frame: &[u8]) -> Result<(u32, Vec<u8>)> {
+    let mut out = vec![0u8; frame.len() + 128];
+    let r = dp
+        .program(prog)?
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ..Default::default()
+        })
+        .with_context(|| format!("BPF_PROG_TEST_RUN of {prog}"))?;
+    if r.data_size_out as usize > out.len() {
+        bail!("output larger than the buffer");
+    }
+    out.truncate(r.data_size_out as usize);
+    Ok((r.return_value, out))
+}
+
+/// The flow key of a client packet, as the data plane builds it.
+pub fn flow(src: &str, sport: u16, dst: &str, dport: u16, proto: u8) -> FlowKey {
+    let (s, family) = to_words(src.parse().unwrap());
+    let (d, _) = to_words(dst.parse().unwrap());
+    FlowKey {
+        src: s,
+        dst: d,
+        sport: sport.to_be(),
+        dport: dport.to_be(),
+        proto,
+        family,
+        _pad: [0; 2],
+    }
+}

@@ -1,0 +1,725 @@
+//! Packet fixtures: the real `sluice_xdp` / `sluice_decap` programs run through
+//! BPF_PROG_TEST_RUN on crafted frames, asserting the XDP action, the exact output bytes and
+//! the counter that explains the outcome. Each test is named for the behaviour it proves.
+
+use std::net::IpAddr;
+
+use lb_common::{
+    stat, BACKEND_DOWN, BACKEND_DRAINING, PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6,
+    PROTO_TCP, PROTO_UDP, VIP_F_SRC_HASH,
+};
+use sluice::dataplane::PROG_DECAP;
+use sluice_tests::{flow, frames::*, run_prog, Lab, FALLBACK_MAC};
+
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
+const XDP_REDIRECT: u32 = 4;
+
+const LB_MAC: Mac = [0x02, 0, 0, 0, 0, 0x01];
+const CLIENT_MAC: Mac = [0x02, 0, 0, 0, 0, 0x02];
+
+const VIP4: &str = "10.200.0.1";
+const VIP6: &str = "fd00:200::1";
+const CLIENT4: &str = "192.0.2.10";
+const CLIENT6: &str = "2001:db8:c::10";
+const BACKENDS4: [(u32, &str, u32); 3] =
+    [(1, "10.1.0.1", 1), (2, "10.1.0.2", 1), (3, "10.1.0.3", 1)];
+const BACKENDS6: [(u32, &str, u32); 3] = [
+    (11, "fd00:1::1", 1),
+    (12, "fd00:1::2", 1),
+    (13, "fd00:1::3", 1),
+];
+
+fn v4_tcp(src: &str, sport: u16, dst: &str, dport: u16, flags: u8, tos: u8) -> Vec<u8> {
+    let mut h = V4::new(src, dst, PROTO_TCP);
+    h.tos = tos;
+    h.build(&tcp(sport, dport, flags, b""))
+}
+
+fn on_wire(l3: &[u8]) -> Vec<u8> {
+    let ty = if l3[0] >> 4 == 4 { ETH_IP } else { ETH_IPV6 };
+    eth(LB_MAC, CLIENT_MAC, ty, l3)
+}
+
+/// The frame the data plane must emit for `inner` (an L3 packet) sent to `backend` through
+/// the fallback next hop.
+fn encapsulated(lab: &Lab, inner: &[u8], backend: IpAddr, h: u32) -> Vec<u8> {
+    let inner_v4 = inner[0] >> 4 == 4;
+    let next = if inner_v4 { PROTO_IPIP } else { PROTO_IPV6 };
+    let tos = if inner_v4 {
+        inner[1]
+    } else {
+        (u16::from_be_bytes([inner[0], inner[1]]) >> 4) as u8
+    };
+    match backend {
+        IpAddr::V4(b) => {
+            let IpAddr::V4(src) = lab.outer_src(h, false) else {
+                unreachable!()
+            };
+            let outer = V4 {
+                src,
+                dst: b,
+                proto: next,
+                tos,
+                ttl: 64,
+                frag: 0,
+                options: vec![],
+            };
+            eth(FALLBACK_MAC, LB_MAC, ETH_IP, &outer.build(inner))
+        }
+        IpAddr::V6(b) => {
+            let src = lab.outer_src(h, true).to_string();
+            eth(
+                FALLBACK_MAC,
+                LB_MAC,
+                ETH_IPV6,
+                &ipv6(&src, &b.to_string(), next, tos, h, inner),
+            )
+        }
+    }
+}
+
+fn lab_v4() -> (Lab, lb_common::VipKey) {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip, &BACKENDS4);
+    (lab, vip)
+}
+
+/// Sends `l3` from the client and asserts it left encapsulated to the ring's backend.
+fn assert_steered(lab: &mut Lab, l3: &[u8], expected_backend: u32, h: u32) {
+    let (action, out) = lab.run(&on_wire(l3));
+    assert_eq!(action, XDP_TX, "expected XDP_TX");
+    let addr = lab.backend_addr(expected_backend);
+    assert_eq!(out, encapsulated(lab, l3, addr, h), "output frame differs");
+}
+
+#[test]
+fn v4_syn_to_vip_is_ipip_encapsulated_to_its_maglev_backend() {
+    let (mut lab, vip) = lab_v4();
+    let key = flow(CLIENT4, 40000, VIP4, 443, PROTO_TCP);
+    let want = lab.ring_choice(&vip, &key, false);
+    let h = lab.flow_hash(&key, false);
+    let syn = v4_tcp(CLIENT4, 40000, VIP4, 443, SYN, 0x28);
+    assert_steered(&mut lab, &syn, want, h);
+    assert_eq!(lab.dp.conn(&key).unwrap().unwrap().backend, want);
+    assert_eq!(lab.stat(stat::CONN_MISS), 1);
+    assert_eq!(lab.stat(stat::FIB_FALLBACK_MAC), 1);
+    let vs = lab.dp.vip_stats(0).unwrap();
+    assert_eq!(
+        (vs.packets, vs.bytes, vs.new_flows),
+        (1, syn.len() as u64, 1)
+    );
+    assert_eq!(lab.dp.backend_stats(want).unwrap().new_flows, 1);
+}
+
+#[test]
+fn v6_syn_to_vip_is_ipv6_encapsulated_with_flow_label_from_hash() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip, &BACKENDS6);
+    let key = flow(CLIENT6, 40001, VIP6, 443, PROTO_TCP);
+    let want = lab.ring_choice(&vip, &key, false);
+    let h = lab.flow_hash(&key, false);
+    let syn = ipv6(CLIENT6, VIP6, PROTO_TCP, 0, 7, &tcp(40001, 443, SYN, b""));
+    assert_steered(&mut lab, &syn, want, h);
+}
+
+#[test]
+fn v4_vip_on_v6_backends_is_ipv4_in_ipv6() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip, &BACKENDS6);
+    let key = flow(CLIENT4, 40002, VIP4, 443, PROTO_TCP);
+    let want = lab.ring_choice(&vip, &key, false);
+    let h = lab.flow_hash(&key, false);
+    assert_steered(
+        &mut lab,
+        &v4_tcp(CLIENT4, 40002, VIP4, 443, SYN, 0),
+        want,
+        h,
+    );
+}
+
+#[test]
+fn udp_flow_to_vip_is_steered_like_tcp() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_UDP, 0, 0);
+    lab.backends(&vip, &BACKENDS4);
+    let key = flow(CLIENT4, 50000, VIP4, 443, PROTO_UDP);
+    let want = lab.ring_choice(&vip, &key, false);
+    let h = lab.flow_hash(&key, false);
+    let pkt = V4::new(CLIENT4, VIP4, PROTO_UDP).build(&udp(50000, 443, b"quic initial"));
+    assert_steered(&mut lab, &pkt, want, h);
+}
+
+#[test]
+fn all_ports_vip_matches_any_destination_port() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 0, PROTO_TCP, 0, 0);
+    lab.backends(&vip, &BACKENDS4);
+    for port in [80, 8000, 65535] {
+        let key = flow(CLIENT4, 40003, VIP4, port, PROTO_TCP);
+        let want = lab.ring_choice(&vip, &key, false);
+        let h = lab.flow_hash(&key, false);
+        assert_steered(
+            &mut lab,
+            &v4_tcp(CLIENT4, 40003, VIP4, port, SYN, 0),
+            want,
+            h,
+        );
+    }
+}
+
+#[test]
+fn established_flow_keeps_its_backend_after_backends_are_added_and_removed() {
+    let (mut lab, vip) = lab_v4();
+    // Find flows whose ring choice changes when the backend set changes.
+    let changed: Vec<u16> = (41000..42000)
+        .filter(|&p| {
+            let k = flow(CLIENT4, p, VIP4, 443, PROTO_TCP);
+            lab.ring_choice(&vip, &k, false) == 1
+        })
+        .take(40)
+        .collect();
+    let mut before = vec![];
+    for &p in &changed {
+        let (a, _) = lab.run(&on_wire(&v4_tcp(CLIENT4, p, VIP4, 443, SYN, 0)));
+        assert_eq!(a, XDP_TX);
+        before.push(
+            lab.dp
+                .conn(&flow(CLIENT4, p, VIP4, 443, PROTO_TCP))
+                .unwrap()
+                .unwrap()
+                .backend,
+        );
+    }
+    // Backend 3 leaves, four arrive: the ring moves many of these flows elsewhere.
+    lab.set_state(3, BACKEND_DOWN);
+    lab.backends(
+        &vip,
+        &[
+            (1, "10.1.0.1", 1),
+            (2, "10.1.0.2", 1),
+            (4, "10.1.0.4", 1),
+            (5, "10.1.0.5", 1),
+            (6, "10.1.0.6", 1),
+            (7, "10.1.0.7", 1),
+        ],
+    );
+    let mut moved_in_ring = 0;
+    for (&p, &b) in changed.iter().zip(&before) {
+        let key = flow(CLIENT4, p, VIP4, 443, PROTO_TCP);
+        if lab.ring_choice(&vip, &key, false) != b {
+            moved_in_ring += 1;
+        }
+        let h = lab.flow_hash(&key, false);
+        assert_steered(&mut lab, &v4_tcp(CLIENT4, p, VIP4, 443, ACK, 0), b, h);
+    }
+    assert!(
+        moved_in_ring > 10,
+        "the new table must move some of these flows ({moved_in_ring})"
+    );
+    assert_eq!(lab.stat(stat::CONN_HIT), changed.len() as u64);
+}
+
+#[test]
+fn client_affinity_vip_sends_every_source_port_of_a_client_to_one_backend() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_SRC_HASH, 0);
+    lab.backends(&vip, &BACKENDS4);
+    let mut seen = std::collections::BTreeSet::new();
+    for client in [
+        "192.0.2.1",
+        "192.0.2.2",
+        "192.0.2.3",
+        "192.0.2.4",
+        "192.0.2.5",
+        "192.0.2.6",
+    ] {
+        let key = flow(client, 1, VIP4, 443, PROTO_TCP);
+        let want = lab.ring_choice(&vip, &key, true);
+        seen.insert(want);
+        for sport in [1000, 2000, 3000] {
+            let k = flow(client, sport, VIP4, 443, PROTO_TCP);
+            let h = lab.flow_hash(&k, true);
+            assert_steered(&mut lab, &v4_tcp(client, sport, VIP4, 443, SYN, 0), want, h);
+        }
+    }
+    assert!(
+        seen.len() > 1,
+        "different clients should not all share one backend"
+    );
+}
+
+#[test]
+fn affinity_window_keeps_a_reconnecting_client_on_its_backend_after_a_table_change() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, 0, 600);
+    lab.backends(&vip, &BACKENDS4);
+    let first = flow(CLIENT4, 1000, VIP4, 443, PROTO_TCP);
+    let (a, _) = lab.run(&on_wire(&v4_tcp(CLIENT4, 1000, VIP4, 443, SYN, 0)));
+    assert_eq!(a, XDP_TX);
+    let b = lab.dp.conn(&first).unwrap().unwrap().backend;
+    // More backends: most new 5-tuples would hash elsewhere, yet the client returns to `b`.
+    lab.backends(
+        &vip,
+        &[
+            (1, "10.1.0.1", 1),
+            (2, "10.1.0.2", 1),
+            (3, "10.1.0.3", 1),
+            (4, "10.1.0.4", 1),
+            (5, "10.1.0.5", 1),
+        ],
+    );
+    for sport in 2000..2010 {
+        let (a, _) = lab.run(&on_wire(&v4_tcp(CLIENT4, sport, VIP4, 443, SYN, 0)));
+        assert_eq!(a, XDP_TX);
+        let k = flow(CLIENT4, sport, VIP4, 443, PROTO_TCP);
+        assert_eq!(lab.dp.conn(&k).unwrap().unwrap().backend, b);
+    }
+    assert_eq!(lab.stat(stat::AFFINITY_HIT), 10);
+}
+
+#[test]
+fn draining_backend_takes_no_new_flow_but_keeps_its_established_one() {
+    let (mut lab, vip) = lab_v4();
+    let port_on = |lab: &mut Lab, id: u32, from: u16| {
+        (from..60000)
+            .find(|&p| lab.ring_choice(&vip, &flow(CLIENT4, p, VIP4, 443, PROTO_TCP), false) == id)
+            .unwrap()
+    };
+    let old = port_on(&mut lab, 2, 1000);
+    lab.run(&on_wire(&v4_tcp(CLIENT4, old, VIP4, 443, SYN, 0)));
+    lab.set_state(2, BACKEND_DRAINING);
+    // The established flow stays.
+    let key = flow(CLIENT4, old, VIP4, 443, PROTO_TCP);
+    let h = lab.flow_hash(&key, false);
+    assert_steered(&mut lab, &v4_tcp(CLIENT4, old, VIP4, 443, ACK, 0), 2, h);
+    // A new flow whose ring slot is the draining backend goes to its next probe.
+    let new = port_on(&mut lab, 2, old + 1);
+    let nkey = flow(CLIENT4, new, VIP4, 443, PROTO_TCP);
+    let next = *lab.probes(&vip, &nkey).iter().find(|&&id| id != 2).unwrap();
+    let h = lab.flow_hash(&nkey, false);
+    assert_steered(&mut lab, &v4_tcp(CLIENT4, new, VIP4, 443, SYN, 0), next, h);
+    assert!(lab.stat(stat::PROBE_SKIP) >= 1);
+}
+
+#[test]
+fn down_backend_flow_is_resteered_to_the_current_table_choice() {
+    let (mut lab, vip) = lab_v4();
+    let p = (1000..60000)
+        .find(|&p| lab.ring_choice(&vip, &flow(CLIENT4, p, VIP4, 443, PROTO_TCP), false) == 3)
+        .unwrap();
+    lab.run(&on_wire(&v4_tcp(CLIENT4, p, VIP4, 443, SYN, 0)));
+    lab.set_state(3, BACKEND_DOWN);
+    lab.backends(&vip, &BACKENDS4[..2]);
+    let key = flow(CLIENT4, p, VIP4, 443, PROTO_TCP);
+    let want = lab.ring_choice(&vip, &key, false);
+    assert_ne!(want, 3);
+    let h = lab.flow_hash(&key, false);
+    assert_steered(&mut lab, &v4_tcp(CLIENT4, p, VIP4, 443, ACK, 0), want, h);
+    assert_eq!(lab.stat(stat::CONN_RESTEER_DOWN), 1);
+    assert_eq!(lab.dp.conn(&key).unwrap().unwrap().backend, want);
+}
+
+#[test]
+fn vip_without_backends_drops_and_counts() {
+    let mut lab = Lab::new();
+    lab.vip(0, VIP4, 443, PROTO_TCP, 0, 0);
+    let frame = on_wire(&v4_tcp(CLIENT4, 1, VIP4, 443, SYN, 0));
+    assert_eq!(lab.run(&frame).0, XDP_DROP);
+    assert_eq!(lab.stat(stat::DROP_NO_BACKEND), 1);
+}
+
+#[test]
+fn icmp_fragmentation_needed_follows_the_flow_it_quotes() {
+    let (mut lab, _vip) = lab_v4();
+    let key = flow(CLIENT4, 40100, VIP4, 443, PROTO_TCP);
+    lab.run(&on_wire(&v4_tcp(CLIENT4, 40100, VIP4, 443, SYN, 0)));
+    let b = lab.dp.conn(&key).unwrap().unwrap().backend;
+    // The backend's reply (VIP:443 -> client) hit a small MTU; a router reports it to the VIP.
+    let quoted = v4_tcp(VIP4, 443, CLIENT4, 40100, ACK, 0);
+    let icmp =
+        V4::new("198.51.100.1", VIP4, PROTO_ICMP).build(&icmp_error(3, 4, 1400, &quoted[..28]));
+    let h = lab.flow_hash(&key, false);
+    assert_steered(&mut lab, &icmp, b, h);
+    assert_eq!(lab.stat(stat::ICMP_TOO_BIG_STEERED), 1);
+    assert_eq!(lab.stat(stat::CONN_HIT), 1);
+}
+
+#[test]
+fn icmpv6_packet_too_big_follows_the_flow_it_quotes() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip, &BACKENDS6);
+    let key = flow(CLIENT6, 40101, VIP6, 443, PROTO_TCP);
+    lab.run(&on_wire(&ipv6(
+        CLIENT6,
+        VIP6,
+        PROTO_TCP,
+        0,
+        0,
+        &tcp(40101, 443, SYN, b""),
+    )));
+    let b = lab.dp.conn(&key).unwrap().unwrap().backend;
+    let quoted = ipv6(VIP6, CLIENT6, PROTO_TCP, 0, 0, &tcp(443, 40101, ACK, b"x"));
+    let icmp = ipv6(
+        "2001:db8:ffff::1",
+        VIP6,
+        PROTO_ICMPV6,
+        0,
+        0,
+        &icmp_error(2, 0, 1280, &quoted[..48]),
+    );
+    let h = lab.flow_hash(&key, false);
+    assert_steered(&mut lab, &icmp, b, h);
+}
+
+#[test]
+fn vlan_tagged_vip_traffic_is_steered_and_leaves_untagged() {
+    let (mut lab, vip) = lab_v4();
+    let l3 = v4_tcp(CLIENT4, 40200, VIP4, 443, SYN, 0);
+    let key = flow(CLIENT4, 40200, VIP4, 443, PROTO_TCP);
+    let want = lab.ring_choice(&vip, &key, false);
+    let h = lab.flow_hash(&key, false);
+    let addr = lab.backend_addr(want);
+    let expect = encapsulated(&lab, &l3, addr, h);
+    let single = vlan_tag(&on_wire(&l3), 0x8100, 100);
+    let double = vlan_tag(&single, 0x88a8, 200);
+    for frame in [single, double] {
+        let (a, out) = lab.run(&frame);
+        assert_eq!(a, XDP_TX);
+        assert_eq!(out, expect);
+    }
+}
+
+#[test]
+fn ipv4_options_and_ipv6_extension_headers_are_skipped_and_carried() {
+    let (mut lab, vip) = lab_v4();
+    let mut h4 = V4::new(CLIENT4, VIP4, PROTO_TCP);
+    h4.options = vec![0x01, 0x01, 0x01, 0x00]; // NOP, NOP, NOP, EOL
+    let l3 = h4.build(&tcp(40300, 443, SYN, b""));
+    let key = flow(CLIENT4, 40300, VIP4, 443, PROTO_TCP);
+    let want = lab.ring_choice(&vip, &key, false);
+    let h = lab.flow_hash(&key, false);
+    assert_steered(&mut lab, &l3, want, h);
+
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip6, &BACKENDS6);
+    // Hop-by-hop (PadN) then destination options (PadN), then TCP.
+    let mut ext = vec![60, 0, 1, 4, 0, 0, 0, 0];
+    ext.extend_from_slice(&[PROTO_TCP, 0, 1, 4, 0, 0, 0, 0]);
+    ext.extend_from_slice(&tcp(40301, 443, SYN, b""));
+    let l3 = ipv6(CLIENT6, VIP6, 0, 0, 0, &ext);
+    let key = flow(CLIENT6, 40301, VIP6, 443, PROTO_TCP);
+    let want = lab.ring_choice(&vip6, &key, false);
+    let h = lab.flow_hash(&key, false);
+    assert_steered(&mut lab, &l3, want, h);
+}
+
+#[test]
+fn flood_guard_stops_inserting_new_flows_above_the_rate() {
+    let (mut lab, _vip) = lab_v4();
+    lab.cfg.flood_new_flows_per_sec = 3;
+    let cfg = lab.cfg;
+    lab.dp.set_config(&cfg).unwrap();
+    for p in 0..5u16 {
+        assert_eq!(
+            lab.run(&on_wire(&v4_tcp(CLIENT4, 7000 + p, VIP4, 443, SYN, 0)))
+                .0,
+            XDP_TX
+        );
+    }
+    assert_eq!(lab.stat(stat::FLOOD_BYPASS), 2);
+    assert_eq!(lab.dp.conns().unwrap().len(), 3);
+}
+
+#[test]
+fn fib_next_hop_redirects_through_the_devmap() {
+    let (mut lab, vip) = lab_v4();
+    // In this test's namespace: a veth whose neighbour table knows the backends' router.
+    let sh = |c: &str| {
+        let ok = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(c)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "{c}");
+    };
+    sh("ip link add fibA type veth peer name fibB && ip link set fibA address 02:00:00:00:0a:0a && ip link set fibA up && ip link set fibB up && ip link set lo up");
+    sh("ip addr add 10.1.0.254/24 dev fibA && ip neigh replace 10.1.0.1 lladdr 02:00:00:00:0b:01 nud permanent dev fibA && ip neigh replace 10.1.0.2 lladdr 02:00:00:00:0b:02 nud permanent dev fibA && ip neigh replace 10.1.0.3 lladdr 02:00:00:00:0b:03 nud permanent dev fibA");
+    sh("sysctl -qw net.ipv4.conf.all.forwarding=1 net.ipv4.conf.lo.forwarding=1");
+    // /sys shows the namespace it was mounted in, so ask the kernel by name from this thread.
+    let name = std::ffi::CString::new("fibA").unwrap();
+    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    assert_ne!(ifindex, 0);
+    lab.dp.add_tx_port(ifindex).unwrap();
+    let key = flow(CLIENT4, 40400, VIP4, 443, PROTO_TCP);
+    let want = lab.ring_choice(&vip, &key, false);
+    let h = lab.flow_hash(&key, false);
+    let l3 = v4_tcp(CLIENT4, 40400, VIP4, 443, SYN, 0);
+    let (a, out) = lab.run(&on_wire(&l3));
+    assert_eq!(a, XDP_REDIRECT);
+    let addr = lab.backend_addr(want);
+    let mut expect = encapsulated(&lab, &l3, addr, h);
+    expect[0..6].copy_from_slice(&[0x02, 0, 0, 0, 0x0b, want as u8]);
+    expect[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0x0a, 0x0a]);
+    assert_eq!(out, expect);
+    assert_eq!(lab.stat(stat::REDIRECT), 1);
+    assert_eq!(lab.stat(stat::FIB_FALLBACK_MAC), 0);
+}
+
+/// Frames that are not Sluice's to steer: each passes byte-identical and bumps its counter.
+#[test]
+fn frames_not_steered_pass_untouched_and_are_counted() {
+    let (mut lab, _vip) = lab_v4();
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip6, &BACKENDS6);
+    let arp = eth([0xff; 6], CLIENT_MAC, ETH_ARP, &[0u8; 28]);
+    let ns = ipv6(
+        CLIENT6,
+        "ff02::1:ff00:1",
+        PROTO_ICMPV6,
+        0,
+        0,
+        &[
+            135, 0, 0, 0, 0, 0, 0, 0, 0xfd, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1,
+        ],
+    );
+    let mut frag = V4::new(CLIENT4, VIP4, PROTO_TCP);
+    frag.frag = 0x2000; // more fragments
+    let mut later_frag = V4::new(CLIENT4, VIP4, PROTO_TCP);
+    later_frag.frag = 0x0010;
+    let frag6 = ipv6(
+        CLIENT6,
+        VIP6,
+        44,
+        0,
+        0,
+        &[PROTO_TCP, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0],
+    );
+    let gre = V4::new(CLIENT4, VIP4, 47).build(&[0u8; 8]);
+    let echo = V4::new(CLIENT4, VIP4, PROTO_ICMP).build(&[
+        8, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    ]);
+    let mut deep = vec![];
+    for _ in 0..5 {
+        deep.extend_from_slice(&[60, 0, 1, 4, 0, 0, 0, 0]);
+    }
+    deep[5 * 8 - 8] = PROTO_TCP;
+    deep.extend_from_slice(&tcp(1, 443, SYN, b""));
+    let cases: Vec<(&str, Vec<u8>, u32)> = vec![
+        ("arp", arp, stat::PASS_NOT_IP),
+        (
+            "ipv6_neighbour_solicitation",
+            on_wire(&ns),
+            stat::PASS_ICMP_NOT_VIP,
+        ),
+        ("icmp_echo_to_vip", on_wire(&echo), stat::PASS_ICMP_NOT_VIP),
+        (
+            "tcp_to_other_address",
+            on_wire(&v4_tcp(CLIENT4, 1, "10.9.9.9", 443, SYN, 0)),
+            stat::PASS_NOT_VIP,
+        ),
+        (
+            "tcp_to_vip_other_port",
+            on_wire(&v4_tcp(CLIENT4, 1, VIP4, 80, SYN, 0)),
+            stat::PASS_NOT_VIP,
+        ),
+        (
+            "udp_to_tcp_vip",
+            on_wire(&V4::new(CLIENT4, VIP4, PROTO_UDP).build(&udp(1, 443, b""))),
+            stat::PASS_NOT_VIP,
+        ),
+        (
+            "ipv4_first_fragment",
+            on_wire(&frag.build(&tcp(1, 443, SYN, b""))),
+            stat::PASS_FRAGMENT,
+        ),
+        (
+            "ipv4_later_fragment",
+            on_wire(&later_frag.build(&[0u8; 16])),
+            stat::PASS_FRAGMENT,
+        ),
+        ("ipv6_fragment_header", on_wire(&frag6), stat::PASS_FRAGMENT),
+        ("gre_to_vip", on_wire(&gre), stat::PASS_UNSUPPORTED_L4),
+        (
+            "ipv6_five_extension_headers",
+            on_wire(&ipv6(CLIENT6, VIP6, 60, 0, 0, &deep)),
+            stat::PASS_EXT_HDR_LIMIT,
+        ),
+    ];
+    for (name, frame, counter) in cases {
+        let before = lab.stat(counter);
+        let (a, out) = lab.run(&frame);
+        assert_eq!(a, XDP_PASS, "{name}: action");
+        assert_eq!(out, frame, "{name}: frame must pass byte-identical");
+        assert_eq!(
+            lab.stat(counter),
+            before + 1,
+            "{name}: counter {}",
+            stat::NAMES[counter as usize]
+        );
+    }
+}
+
+/// Lying length fields: the frame passes untouched (the kernel applies its own checks).
+#[test]
+fn lying_length_fields_pass_untouched_and_are_counted() {
+    let (mut lab, _vip) = lab_v4();
+    let good = v4_tcp(CLIENT4, 1, VIP4, 443, SYN, 0);
+    let patch = |f: &dyn Fn(&mut Vec<u8>)| {
+        let mut p = good.clone();
+        f(&mut p);
+        eth(LB_MAC, CLIENT_MAC, ETH_IP, &p)
+    };
+    let v6 = ipv6(CLIENT6, VIP6, PROTO_TCP, 0, 0, &tcp(1, 443, SYN, b""));
+    let mut v6_long = v6.clone();
+    v6_long[4..6].copy_from_slice(&100u16.to_be_bytes());
+    let mut short_l4 = V4::new(CLIENT4, VIP4, PROTO_TCP).build(&[0u8; 10]);
+    short_l4[2..4].copy_from_slice(&30u16.to_be_bytes());
+    let cases: Vec<(&str, Vec<u8>, u32)> = vec![
+        (
+            "ipv4_total_length_beyond_frame",
+            patch(&|p| p[2..4].copy_from_slice(&1500u16.to_be_bytes())),
+            stat::PASS_BAD_IP_LEN,
+        ),
+        (
+            "ipv4_total_length_below_header",
+            patch(&|p| p[2..4].copy_from_slice(&10u16.to_be_bytes())),
+            stat::PASS_BAD_IP_LEN,
+        ),
+        (
+            "ipv4_ihl_below_five",
+            patch(&|p| p[0] = 0x44),
+            stat::PASS_BAD_IP_LEN,
+        ),
+        (
+            "ipv4_ihl_beyond_frame",
+            patch(&|p| p[0] = 0x4f),
+            stat::PASS_TRUNCATED_L3,
+        ),
+        (
+            "ipv4_version_six_in_ipv4_frame",
+            patch(&|p| p[0] = 0x65),
+            stat::PASS_BAD_IP_LEN,
+        ),
+        (
+            "ipv6_payload_length_beyond_frame",
+            on_wire(&v6_long),
+            stat::PASS_BAD_IP_LEN,
+        ),
+        (
+            "tcp_header_shorter_than_20",
+            on_wire(&short_l4),
+            stat::PASS_TRUNCATED_L4,
+        ),
+    ];
+    for (name, frame, counter) in cases {
+        let before = lab.stat(counter);
+        let (a, out) = lab.run(&frame);
+        assert_eq!(a, XDP_PASS, "{name}: action");
+        assert_eq!(out, frame, "{name}: untouched");
+        assert_eq!(
+            lab.stat(counter),
+            before + 1,
+            "{name}: counter {}",
+            stat::NAMES[counter as usize]
+        );
+    }
+}
+
+/// Every prefix of valid VIP frames (tagged IPv4, IPv6 with an extension header) passes
+/// untouched with the counter of the header it was cut in.
+#[test]
+fn frames_truncated_at_every_length_pass_untouched_and_are_counted() {
+    let (mut lab, _vip) = lab_v4();
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip6, &BACKENDS6);
+    let v4 = vlan_tag(&on_wire(&v4_tcp(CLIENT4, 1, VIP4, 443, SYN, 0)), 0x8100, 5);
+    let mut ext = vec![PROTO_TCP, 0, 1, 4, 0, 0, 0, 0];
+    ext.extend_from_slice(&tcp(1, 443, SYN, b""));
+    let v6 = on_wire(&ipv6(CLIENT6, VIP6, 0, 0, 0, &ext));
+    for (frame, l3) in [(v4, 18usize), (v6, 14)] {
+        let ip_hlen = if l3 == 18 { 20 } else { 40 };
+        assert_eq!(lab.run(&frame).0, XDP_TX, "the full frame is steered");
+        for cut in 0..frame.len() {
+            let f = &frame[..cut];
+            let counter = if cut < l3 {
+                stat::PASS_TRUNCATED_L2
+            } else if cut < l3 + ip_hlen {
+                stat::PASS_TRUNCATED_L3
+            } else {
+                stat::PASS_BAD_IP_LEN // the IP length field now claims more than the frame
+            };
+            let before = lab.stat(counter);
+            let (a, out) = match run_prog(&mut lab.dp, sluice::dataplane::PROG_XDP, f) {
+                Ok(r) => r,
+                // The kernel itself refuses frames shorter than an Ethernet header.
+                Err(_) if cut < 14 => continue,
+                Err(e) => panic!("cut {cut}: {e:#}"),
+            };
+            assert_eq!(a, XDP_PASS, "cut at {cut}");
+            assert_eq!(out, f, "cut at {cut}: untouched");
+            assert_eq!(
+                lab.stat(counter),
+                before + 1,
+                "cut at {cut}: {}",
+                stat::NAMES[counter as usize]
+            );
+        }
+    }
+}
+
+#[test]
+fn decap_strips_each_outer_header_and_passes_the_client_packet() {
+    let mut lab = Lab::new();
+    let inner4 = v4_tcp(CLIENT4, 1, VIP4, 443, SYN, 0);
+    let inner6 = ipv6(CLIENT6, VIP6, PROTO_TCP, 0, 0, &tcp(1, 443, SYN, b"hi"));
+    let bmac: Mac = [0x02, 0, 0, 0, 0x0b, 0x01];
+    let mut o4 = V4::new("172.16.1.2", "10.1.0.1", PROTO_IPIP);
+    o4.frag = 0;
+    let cases = [
+        (
+            "ipip",
+            eth(bmac, LB_MAC, ETH_IP, &o4.build(&inner4)),
+            &inner4,
+            ETH_IP,
+        ),
+        (
+            "ipv6_in_ipv6",
+            eth(
+                bmac,
+                LB_MAC,
+                ETH_IPV6,
+                &ipv6("fd00:5:1::1", "fd00:1::1", PROTO_IPV6, 0, 0, &inner6),
+            ),
+            &inner6,
+            ETH_IPV6,
+        ),
+        (
+            "ipv4_in_ipv6",
+            eth(
+                bmac,
+                LB_MAC,
+                ETH_IPV6,
+                &ipv6("fd00:5:1::1", "fd00:1::1", PROTO_IPIP, 0, 0, &inner4),
+            ),
+            &inner4,
+            ETH_IP,
+        ),
+    ];
+    for (name, frame, inner, ty) in cases {
+        let (a, out) = run_prog(&mut lab.dp, PROG_DECAP, &frame).unwrap();
+        assert_eq!(a, XDP_PASS, "{name}");
+        assert_eq!(out, eth(bmac, LB_MAC, ty, inner), "{name}");
+    }
+    assert_eq!(lab.stat(stat::DECAP_OK), 3);
+    let plain = on_wire(&inner4);
+    let (a, out) = run_prog(&mut lab.dp, PROG_DECAP, &plain).unwrap();
+    assert_eq!((a, out), (XDP_PASS, plain));
+    assert_eq!(lab.stat(stat::DECAP_PASS_NOT_ENCAP), 1);
+}
