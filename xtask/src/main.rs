@@ -1,10 +1,13 @@
 //! Sluice's developer tasks, run as `cargo xtask <command>` (alias in .cargo/config.toml).
 //! Each command prints what it does and every command line it runs.
 
+mod build;
 mod cmd;
+mod exports;
 mod setup;
 #[cfg(test)]
 mod test_util;
+mod verify;
 
 use std::process::ExitCode;
 
@@ -22,11 +25,22 @@ enum Cmd {
     /// Install or check bpf-linker (against rustc's LLVM), bpffs and the Debian packages
     /// the tests use. Idempotent.
     Setup,
+    /// Build the eBPF object (target/bpf/sluice.bpf.o), then the workspace (release).
+    Build {
+        /// Build the workspace in the dev profile instead of release.
+        #[arg(long)]
+        debug: bool,
+    },
 }
 
 fn main() -> ExitCode {
     let result = match Cli::parse().command {
         Cmd::Setup => setup::run(),
+        Cmd::Build { debug } => build::run(if debug {
+            build::Profile::Debug
+        } else {
+            build::Profile::Release
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
