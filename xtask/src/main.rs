@@ -1,10 +1,14 @@
 //! Sluice's developer tasks, run as `cargo xtask <command>` (alias in .cargo/config.toml).
 //! Each command prints what it does and every command line it runs.
 
+mod bench;
 mod build;
 mod cmd;
+mod demo;
 mod exports;
+mod lint;
 mod setup;
+mod test;
 #[cfg(test)]
 mod test_util;
 mod verify;
@@ -31,6 +35,20 @@ enum Cmd {
         #[arg(long)]
         debug: bool,
     },
+    /// setup, build, then all tests (the packet and namespace tests need root).
+    Test,
+    /// rustfmt --check and clippy -D warnings, for the workspace and the eBPF crate.
+    Lint,
+    /// Build (release), then run `sluice-bench <name> [args...]` as root.
+    Bench {
+        /// The benchmark to run.
+        name: String,
+        /// Passed to the benchmark.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// setup, build, then the namespace-lab demo (coming in a later change).
+    Demo,
 }
 
 fn main() -> ExitCode {
@@ -41,6 +59,10 @@ fn main() -> ExitCode {
         } else {
             build::Profile::Release
         }),
+        Cmd::Test => test::run(),
+        Cmd::Lint => lint::run(),
+        Cmd::Bench { name, args } => bench::run(&name, &args),
+        Cmd::Demo => demo::run(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,46 @@
+//! `cargo xtask bench <name> [args...]`: builds (release), then runs `sluice-bench` as root.
+
+use std::{env, path::PathBuf, process::Command};
+
+use anyhow::{bail, Result};
+
+use crate::{
+    build::{self, Profile},
+    cmd::{self, step},
+};
+
+pub fn run(name: &str, args: &[String]) -> Result<()> {
+    build::run(Profile::Release)?;
+    step(&format!("benchmark {name}"));
+    let bin = target_dir().join("release/sluice-bench");
+    if !bin.is_file() {
+        bail!("the build did not produce {}", bin.display());
+    }
+    // Benchmarks load BPF programs and create namespaces: root.
+    let mut command = if cmd::is_root() {
+        Command::new(&bin)
+    } else if cmd::find_on_path("sudo").is_some() {
+        println!("not root: running the benchmark through sudo");
+        let mut sudo = Command::new("sudo");
+        sudo.arg(&bin);
+        sudo
+    } else {
+        bail!("benchmarks need root (BPF programs, namespaces): run this as root");
+    };
+    cmd::run(
+        command
+            .current_dir(cmd::workspace_root())
+            .arg(name)
+            .args(args),
+    )
+}
+
+/// The workspace's cargo target directory, taken from where this xtask binary was built
+/// (`<target>/<profile>/xtask`), so `CARGO_TARGET_DIR` and `build.target-dir` are honoured.
+fn target_dir() -> PathBuf {
+    env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.to_path_buf()))
+        .filter(|dir| dir.join("CACHEDIR.TAG").exists())
+        .unwrap_or_else(|| cmd::workspace_root().join("target"))
+}
