@@ -18,7 +18,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "cargo xtask", about = "Sluice developer tasks")]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "Sluice developer tasks"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
