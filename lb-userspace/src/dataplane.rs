@@ -62,6 +62,8 @@ struct RingShadow {
 pub struct Dataplane {
     ebpf: Ebpf,
     max_vips: u32,
+    /// The maps were pinned by an earlier run and reused.
+    reused: bool,
     shadows: StdHashMap<u32, RingShadow>,
 }
 
@@ -99,6 +101,7 @@ impl Dataplane {
         Ok(Self {
             ebpf,
             max_vips: opts.max_vips,
+            reused: false,
             shadows: StdHashMap::new(),
         })
     }
@@ -181,13 +184,11 @@ impl Dataplane {
         Ok(())
     }
 
-    /// Makes `table` the live ring of the VIP at `key`: writes only the slots that differ
-    /// from what its inactive ring holds, then flips `active_ring`, so the XDP program sees
-    /// either the old table or the new one, never a mix. Returns the slots written.
-    pub fn publish_ring(&mut self, key: &VipKey, table: &[u32]) -> Result<usize> {
-        let mut meta = self
-            .vip(key)?
-            .ok_or_else(|| anyhow!("publish_ring: no such VIP {key:?}; add the VIP first"))?;
+    /// Makes `table` the live ring of the VIP at `key` and writes its settings: only the
+    /// slots that differ from what its inactive ring holds are written, then `active_ring`
+    /// flips in the same VIPS update, so the XDP program sees the old table or the new one,
+    /// never a mix. A table equal to the live one writes nothing. Returns the slots written.
+    pub fn publish(&mut self, key: &VipKey, mut meta: VipMeta, table: &[u32]) -> Result<usize> {
         if table.len() != meta.ring_size as usize {
             bail!(
                 "table has {} slots but the VIP's ring size is {}",
@@ -195,35 +196,43 @@ impl Dataplane {
                 meta.ring_size
             );
         }
-        let next = (meta.active_ring ^ 1) & 1;
-        let base = (meta.id * RINGS_PER_VIP + next) * RING_SIZE_MAX;
-        let mut shadow = self.shadows.remove(&meta.id).unwrap_or_else(|| RingShadow {
-            rings: [
-                vec![0; RING_SIZE_MAX as usize],
-                vec![0; RING_SIZE_MAX as usize],
-            ],
+        let live = self.vip(key)?;
+        let active = live.map(|m| m.active_ring & 1);
+        let reused = self.reused;
+        let shadow = self.shadows.entry(meta.id).or_insert_with(|| RingShadow {
+            // Maps this process created start zeroed; reused (pinned) maps are unknown, so
+            // their first table is written in full.
+            rings: [0, 1].map(|_| vec![if reused { u32::MAX } else { 0 }; RING_SIZE_MAX as usize]),
         });
-        let written = {
-            let mut rings: Array<&mut MapData, u32> = Array::try_from(self.map("MAGLEV_RINGS")?)?;
-            let old = &mut shadow.rings[next as usize];
-            let mut n = 0;
-            let changes: Vec<(u32, u32)> = maglev::diff(&old[..table.len()], table).collect();
-            for (slot, id) in changes {
-                if let Err(e) = rings.set(base + slot, id, 0) {
-                    // The inactive ring is half-written but not live; the shadow records what
-                    // landed so the next attempt rewrites the rest.
-                    self.shadows.insert(meta.id, shadow);
-                    return Err(anyhow!(e).context(format!("writing ring slot {slot}")));
-                }
-                old[slot as usize] = id;
-                n += 1;
+        if let (Some(a), Some(m)) = (active, live) {
+            let same_settings = VipMeta {
+                active_ring: a,
+                ..meta
+            } == m;
+            if same_settings && shadow.rings[a as usize][..table.len()] == *table {
+                return Ok(0);
             }
-            n
-        };
+        }
+        let next = active.map_or(0, |a| a ^ 1);
+        let base = (meta.id * RINGS_PER_VIP + next) * RING_SIZE_MAX;
+        let old = &mut shadow.rings[next as usize];
+        let changes: Vec<(u32, u32)> = maglev::diff(&old[..table.len()], table).collect();
+        let map = self
+            .ebpf
+            .map_mut("MAGLEV_RINGS")
+            .ok_or_else(|| anyhow!("map MAGLEV_RINGS missing"))?;
+        let mut rings: Array<&mut MapData, u32> = Array::try_from(map)?;
+        for &(slot, id) in &changes {
+            // On failure the inactive ring is half-written but not live; the shadow records
+            // what landed, so the next attempt writes the rest.
+            rings
+                .set(base + slot, id, 0)
+                .with_context(|| format!("writing ring slot {slot}"))?;
+            old[slot as usize] = id;
+        }
         meta.active_ring = next;
-        self.shadows.insert(meta.id, shadow);
         self.set_vip(key, &meta)?;
-        Ok(written)
+        Ok(changes.len())
     }
 
     pub fn conn(&mut self, key: &FlowKey) -> Result<Option<ConnEntry>> {

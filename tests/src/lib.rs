@@ -121,7 +121,7 @@ impl Lab {
             })
             .collect();
         let table = maglev::build(&mb, RING, SEED).unwrap();
-        self.dp.publish_ring(vip, &table).unwrap();
+        self.dp.publish(vip, meta, &table).unwrap();
         self.tables.insert(meta.id, table);
     }
 

@@ -1,0 +1,738 @@
+//! The desired steering state and the operations that change it.
+//!
+//! Pure: no maps, no clock. Every operation validates against a copy and returns the new
+//! state, so a rejected request changes nothing and an accepted one is applied whole.
+
+use std::{collections::BTreeMap, fmt, net::IpAddr};
+
+use lb_common::{MAX_BACKENDS, RING_SIZE_MAX};
+use serde::{Deserialize, Serialize};
+
+use crate::maglev;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+impl Protocol {
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => lb_common::PROTO_TCP,
+            Protocol::Udp => lb_common::PROTO_UDP,
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HashMode {
+    #[default]
+    FiveTuple,
+    /// Client affinity: the source address alone picks the backend.
+    Source,
+}
+
+/// A VIP as an operator describes it (config file or admin API).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VipSpec {
+    pub name: String,
+    pub address: IpAddr,
+    /// 0 = every port.
+    pub port: u16,
+    pub protocol: Protocol,
+    #[serde(default)]
+    pub hash: HashMode,
+    /// Client-affinity window; 0 = off.
+    #[serde(default)]
+    pub affinity_secs: u32,
+    #[serde(default)]
+    pub priority: u32,
+    #[serde(default = "default_ring")]
+    pub ring_size: u32,
+}
+
+fn default_ring() -> u32 {
+    RING_SIZE_MAX
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendSpec {
+    pub address: IpAddr,
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Concurrent-session cap for admission control; 0 = none.
+    #[serde(default)]
+    pub max_sessions: u32,
+}
+
+fn default_weight() -> u32 {
+    100
+}
+
+pub const MAX_WEIGHT: u32 = 65535;
+
+/// What the operator asked of a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "state")]
+pub enum Admin {
+    Active,
+    /// No new flows; removed when its flows reach zero or at the deadline (unix ms).
+    Draining {
+        since_ms: u64,
+        deadline_ms: Option<u64>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Backend {
+    pub id: u32,
+    pub spec: BackendSpec,
+    pub admin: Admin,
+    /// Set by health checks; a down backend takes no flows and its flows re-steer.
+    #[serde(default = "yes")]
+    pub healthy: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The data-plane state a backend is written with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PlaneState {
+    Active,
+    Draining,
+    Down,
+}
+
+impl Backend {
+    pub fn plane_state(&self) -> PlaneState {
+        if !self.healthy {
+            PlaneState::Down
+        } else if matches!(self.admin, Admin::Draining { .. }) {
+            PlaneState::Draining
+        } else {
+            PlaneState::Active
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Vip {
+    pub id: u32,
+    pub spec: VipSpec,
+    pub backends: BTreeMap<IpAddr, Backend>,
+}
+
+impl Vip {
+    /// Backends and weights that make up the Maglev table: active ones with weight > 0.
+    /// `weight_of` lets adaptive steering scale the configured weight.
+    pub fn table(
+        &self,
+        seed: u32,
+        weight_of: impl Fn(&Backend) -> u32,
+    ) -> Result<Vec<u32>, maglev::MaglevError> {
+        let keys: Vec<(u32, String, u32)> = self
+            .backends
+            .values()
+            .filter(|b| b.plane_state() == PlaneState::Active)
+            .map(|b| (b.id, b.spec.address.to_string(), weight_of(b)))
+            .collect();
+        let mb: Vec<maglev::MaglevBackend> = keys
+            .iter()
+            .map(|(id, key, weight)| maglev::MaglevBackend {
+                id: *id,
+                key,
+                weight: *weight,
+            })
+            .collect();
+        maglev::build(&mb, self.spec.ring_size, seed)
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct State {
+    pub vips: BTreeMap<String, Vip>,
+    /// Next backend id to hand out; ids are not reused until the space wraps, so a stale
+    /// connection entry never points at a different backend.
+    pub next_backend_id: u32,
+}
+
+/// A change requested through the admin API (also what the audit log records).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Op {
+    AddVip {
+        vip: VipSpec,
+        #[serde(default)]
+        backends: Vec<BackendSpec>,
+    },
+    RemoveVip {
+        vip: String,
+    },
+    AddBackend {
+        vip: String,
+        backend: BackendSpec,
+    },
+    RemoveBackend {
+        vip: String,
+        address: IpAddr,
+    },
+    SetWeight {
+        vip: String,
+        address: IpAddr,
+        weight: u32,
+    },
+    /// `deadline_ms` is absolute (unix ms); the API turns "--deadline 10m" into it.
+    Drain {
+        vip: String,
+        address: IpAddr,
+        deadline_ms: Option<u64>,
+    },
+    Undrain {
+        vip: String,
+        address: IpAddr,
+    },
+    SetHealth {
+        vip: String,
+        address: IpAddr,
+        healthy: bool,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OpError {
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl OpError {
+    pub fn http_status(&self) -> u16 {
+        match self {
+            OpError::NotFound(_) => 404,
+            OpError::Conflict(_) => 409,
+            OpError::Invalid(_) => 400,
+        }
+    }
+}
+
+pub struct Limits {
+    pub max_vips: u32,
+}
+
+fn valid_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 32
+        && n.bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'_')
+}
+
+impl State {
+    pub fn vip(&self, name: &str) -> Result<&Vip, OpError> {
+        self.vips.get(name).ok_or_else(|| {
+            OpError::NotFound(format!(
+                "no VIP named {name:?}; `sluice vip list` shows the VIPs"
+            ))
+        })
+    }
+
+    fn vip_mut(&mut self, name: &str) -> Result<&mut Vip, OpError> {
+        self.vip(name)?;
+        Ok(self.vips.get_mut(name).expect("checked"))
+    }
+
+    fn backend_mut(&mut self, vip: &str, addr: IpAddr) -> Result<&mut Backend, OpError> {
+        self.vip_mut(vip)?.backends.get_mut(&addr).ok_or_else(|| {
+            OpError::NotFound(format!(
+                "VIP {vip:?} has no backend {addr}; `sluice backend list {vip}` shows its backends"
+            ))
+        })
+    }
+
+    pub fn backend(&self, vip: &str, addr: IpAddr) -> Result<&Backend, OpError> {
+        self.vip(vip)?.backends.get(&addr).ok_or_else(|| {
+            OpError::NotFound(format!(
+                "VIP {vip:?} has no backend {addr}; `sluice backend list {vip}` shows its backends"
+            ))
+        })
+    }
+
+    fn alloc_vip_id(&self, limits: &Limits) -> Result<u32, OpError> {
+        (0..limits.max_vips)
+            .find(|id| !self.vips.values().any(|v| v.id == *id))
+            .ok_or_else(|| {
+                OpError::Conflict(format!(
+                    "all {} VIP slots are in use; remove a VIP or raise dataplane.max_vips (needs a data-plane restart)",
+                    limits.max_vips
+                ))
+            })
+    }
+
+    fn alloc_backend_id(&mut self) -> Result<u32, OpError> {
+        let used: std::collections::BTreeSet<u32> = self
+            .vips
+            .values()
+            .flat_map(|v| v.backends.values().map(|b| b.id))
+            .collect();
+        let start = self.next_backend_id.clamp(1, MAX_BACKENDS - 1);
+        let id = (start..MAX_BACKENDS)
+            .chain(1..start)
+            .find(|id| !used.contains(id))
+            .ok_or_else(|| {
+                OpError::Conflict(format!("all {} backend ids are in use", MAX_BACKENDS - 1))
+            })?;
+        self.next_backend_id = id + 1;
+        Ok(id)
+    }
+
+    fn check_vip(&self, spec: &VipSpec) -> Result<(), OpError> {
+        if !valid_name(&spec.name) {
+            return Err(OpError::Invalid(format!(
+                "VIP name {:?} is invalid: use 1-32 characters from a-z, 0-9, '-' and '_'",
+                spec.name
+            )));
+        }
+        if self.vips.contains_key(&spec.name) {
+            return Err(OpError::Conflict(format!(
+                "a VIP named {:?} exists already",
+                spec.name
+            )));
+        }
+        if let Some(other) = self.vips.values().find(|v| {
+            v.spec.address == spec.address
+                && v.spec.port == spec.port
+                && v.spec.protocol == spec.protocol
+        }) {
+            return Err(OpError::Conflict(format!(
+                "{} {}:{} is already VIP {:?}",
+                spec.protocol, spec.address, spec.port, other.spec.name
+            )));
+        }
+        if spec.ring_size > RING_SIZE_MAX || !maglev::is_prime(spec.ring_size) {
+            return Err(OpError::Invalid(format!(
+                "ring_size {} must be a prime no larger than {RING_SIZE_MAX} (e.g. 65537, 16381, 4099)",
+                spec.ring_size
+            )));
+        }
+        if spec.priority > 7 {
+            return Err(OpError::Invalid(format!(
+                "priority {} must be 0 (highest) to 7",
+                spec.priority
+            )));
+        }
+        if spec.affinity_secs > 86_400 {
+            return Err(OpError::Invalid(format!(
+                "affinity window {}s is longer than the 24h allowed",
+                spec.affinity_secs
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_backend(vip: &Vip, b: &BackendSpec) -> Result<(), OpError> {
+        if vip.backends.contains_key(&b.address) {
+            return Err(OpError::Conflict(format!(
+                "VIP {:?} already has backend {}",
+                vip.spec.name, b.address
+            )));
+        }
+        if vip.spec.address.is_ipv6() && b.address.is_ipv4() {
+            return Err(OpError::Invalid(format!(
+                "backend {} is IPv4 but VIP {:?} is IPv6: IPv6 cannot be carried in IPv4",
+                b.address, vip.spec.name
+            )));
+        }
+        if b.address.is_unspecified() || b.address.is_multicast() || b.address.is_loopback() {
+            return Err(OpError::Invalid(format!(
+                "backend address {} is not a unicast host address",
+                b.address
+            )));
+        }
+        Self::check_weight(b.weight)?;
+        if vip.backends.len() + 1 > vip.spec.ring_size as usize {
+            return Err(OpError::Invalid(format!(
+                "VIP {:?} would have more backends than its {} ring slots",
+                vip.spec.name, vip.spec.ring_size
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_weight(w: u32) -> Result<(), OpError> {
+        if w > MAX_WEIGHT {
+            return Err(OpError::Invalid(format!(
+                "weight {w} is out of range: use 0 to {MAX_WEIGHT}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn add_backend(&mut self, vip: &str, spec: BackendSpec) -> Result<(), OpError> {
+        Self::check_backend(self.vip(vip)?, &spec)?;
+        let id = self.alloc_backend_id()?;
+        let v = self.vip_mut(vip)?;
+        v.backends.insert(
+            spec.address,
+            Backend {
+                id,
+                spec,
+                admin: Admin::Active,
+                healthy: true,
+            },
+        );
+        Ok(())
+    }
+
+    /// Applies `op` to a copy: the new state, or why it was refused (nothing changed).
+    pub fn apply(&self, op: &Op, now_ms: u64, limits: &Limits) -> Result<State, OpError> {
+        let mut s = self.clone();
+        match op {
+            Op::AddVip { vip, backends } => {
+                s.check_vip(vip)?;
+                let id = s.alloc_vip_id(limits)?;
+                s.vips.insert(
+                    vip.name.clone(),
+                    Vip {
+                        id,
+                        spec: vip.clone(),
+                        backends: BTreeMap::new(),
+                    },
+                );
+                for b in backends {
+                    s.add_backend(&vip.name, b.clone())?;
+                }
+            }
+            Op::RemoveVip { vip } => {
+                s.vip(vip)?;
+                s.vips.remove(vip);
+            }
+            Op::AddBackend { vip, backend } => s.add_backend(vip, backend.clone())?,
+            Op::RemoveBackend { vip, address } => {
+                s.backend(vip, *address)?;
+                s.vip_mut(vip)?.backends.remove(address);
+            }
+            Op::SetWeight {
+                vip,
+                address,
+                weight,
+            } => {
+                Self::check_weight(*weight)?;
+                s.backend_mut(vip, *address)?.spec.weight = *weight;
+            }
+            Op::Drain {
+                vip,
+                address,
+                deadline_ms,
+            } => {
+                if let Some(d) = deadline_ms {
+                    if *d <= now_ms {
+                        return Err(OpError::Invalid("the drain deadline is in the past".into()));
+                    }
+                }
+                let b = s.backend_mut(vip, *address)?;
+                if let Admin::Draining { .. } = b.admin {
+                    return Err(OpError::Conflict(format!(
+                        "backend {address} of {vip:?} is already draining"
+                    )));
+                }
+                b.admin = Admin::Draining {
+                    since_ms: now_ms,
+                    deadline_ms: *deadline_ms,
+                };
+            }
+            Op::Undrain { vip, address } => {
+                let b = s.backend_mut(vip, *address)?;
+                if b.admin == Admin::Active {
+                    return Err(OpError::Conflict(format!(
+                        "backend {address} of {vip:?} is not draining"
+                    )));
+                }
+                b.admin = Admin::Active;
+            }
+            Op::SetHealth {
+                vip,
+                address,
+                healthy,
+            } => s.backend_mut(vip, *address)?.healthy = *healthy,
+        }
+        Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vip(name: &str, addr: &str) -> VipSpec {
+        VipSpec {
+            name: name.into(),
+            address: addr.parse().unwrap(),
+            port: 443,
+            protocol: Protocol::Tcp,
+            hash: HashMode::FiveTuple,
+            affinity_secs: 0,
+            priority: 0,
+            ring_size: 65537,
+        }
+    }
+
+    fn be(addr: &str) -> BackendSpec {
+        BackendSpec {
+            address: addr.parse().unwrap(),
+            weight: 100,
+            labels: BTreeMap::new(),
+            max_sessions: 0,
+        }
+    }
+
+    const L: Limits = Limits { max_vips: 4 };
+
+    fn base() -> State {
+        State::default()
+            .apply(
+                &Op::AddVip {
+                    vip: vip("chat", "10.0.0.1"),
+                    backends: vec![be("10.1.0.1"), be("10.1.0.2")],
+                },
+                0,
+                &L,
+            )
+            .unwrap()
+    }
+
+    #[test]
+    fn rejected_ops_leave_the_state_unchanged() {
+        let s = base();
+        let bad = [
+            Op::AddVip {
+                vip: vip("chat", "10.0.0.2"),
+                backends: vec![],
+            },
+            Op::AddVip {
+                vip: vip("other", "10.0.0.1"),
+                backends: vec![],
+            },
+            Op::AddVip {
+                vip: vip("Bad Name", "10.0.0.3"),
+                backends: vec![],
+            },
+            // The second backend is invalid: the VIP must not be half-added.
+            Op::AddVip {
+                vip: vip("new", "10.0.0.9"),
+                backends: vec![be("10.1.0.1"), be("10.1.0.1")],
+            },
+            Op::AddBackend {
+                vip: "chat".into(),
+                backend: be("10.1.0.1"),
+            },
+            Op::AddBackend {
+                vip: "nope".into(),
+                backend: be("10.1.0.9"),
+            },
+            Op::SetWeight {
+                vip: "chat".into(),
+                address: "10.1.0.1".parse().unwrap(),
+                weight: 70000,
+            },
+            Op::RemoveBackend {
+                vip: "chat".into(),
+                address: "10.9.9.9".parse().unwrap(),
+            },
+            Op::Undrain {
+                vip: "chat".into(),
+                address: "10.1.0.1".parse().unwrap(),
+            },
+        ];
+        for op in bad {
+            assert!(s.apply(&op, 0, &L).is_err(), "{op:?} should be refused");
+        }
+        assert_eq!(s, base());
+    }
+
+    #[test]
+    fn v4_backend_on_v6_vip_is_refused_with_reason() {
+        let s = State::default()
+            .apply(
+                &Op::AddVip {
+                    vip: vip("v6", "fd00::1"),
+                    backends: vec![],
+                },
+                0,
+                &L,
+            )
+            .unwrap();
+        let e = s
+            .apply(
+                &Op::AddBackend {
+                    vip: "v6".into(),
+                    backend: be("10.1.0.1"),
+                },
+                0,
+                &L,
+            )
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "backend 10.1.0.1 is IPv4 but VIP \"v6\" is IPv6: IPv6 cannot be carried in IPv4"
+        );
+        assert_eq!(e.http_status(), 400);
+    }
+
+    #[test]
+    fn backend_ids_are_not_reused_right_after_removal() {
+        let s = base();
+        let a: IpAddr = "10.1.0.2".parse().unwrap();
+        let old = s.backend("chat", a).unwrap().id;
+        let s = s
+            .apply(
+                &Op::RemoveBackend {
+                    vip: "chat".into(),
+                    address: a,
+                },
+                0,
+                &L,
+            )
+            .unwrap();
+        let s = s
+            .apply(
+                &Op::AddBackend {
+                    vip: "chat".into(),
+                    backend: be("10.1.0.3"),
+                },
+                0,
+                &L,
+            )
+            .unwrap();
+        assert_ne!(
+            s.backend("chat", "10.1.0.3".parse().unwrap()).unwrap().id,
+            old
+        );
+    }
+
+    #[test]
+    fn draining_backend_leaves_the_table_and_undrain_restores_it() {
+        let s = base();
+        let a: IpAddr = "10.1.0.1".parse().unwrap();
+        let id = s.backend("chat", a).unwrap().id;
+        let d = s
+            .apply(
+                &Op::Drain {
+                    vip: "chat".into(),
+                    address: a,
+                    deadline_ms: Some(10),
+                },
+                1,
+                &L,
+            )
+            .unwrap();
+        assert_eq!(
+            d.backend("chat", a).unwrap().plane_state(),
+            PlaneState::Draining
+        );
+        assert!(!d
+            .vip("chat")
+            .unwrap()
+            .table(1, |b| b.spec.weight)
+            .unwrap()
+            .contains(&id));
+        assert!(d
+            .apply(
+                &Op::Drain {
+                    vip: "chat".into(),
+                    address: a,
+                    deadline_ms: None
+                },
+                1,
+                &L
+            )
+            .is_err());
+        let u = d
+            .apply(
+                &Op::Undrain {
+                    vip: "chat".into(),
+                    address: a,
+                },
+                2,
+                &L,
+            )
+            .unwrap();
+        assert_eq!(u, s);
+        let past = s.apply(
+            &Op::Drain {
+                vip: "chat".into(),
+                address: a,
+                deadline_ms: Some(5),
+            },
+            9,
+            &L,
+        );
+        assert_eq!(
+            past.unwrap_err().to_string(),
+            "the drain deadline is in the past"
+        );
+    }
+
+    #[test]
+    fn vip_slots_are_limited() {
+        let mut s = State::default();
+        for i in 0..4 {
+            s = s
+                .apply(
+                    &Op::AddVip {
+                        vip: vip(&format!("v{i}"), &format!("10.0.0.{i}")),
+                        backends: vec![],
+                    },
+                    0,
+                    &L,
+                )
+                .unwrap();
+        }
+        let e = s
+            .apply(
+                &Op::AddVip {
+                    vip: vip("v9", "10.0.0.9"),
+                    backends: vec![],
+                },
+                0,
+                &L,
+            )
+            .unwrap_err();
+        assert_eq!(e.http_status(), 409);
+    }
+
+    #[test]
+    fn ops_round_trip_as_json() {
+        let op = Op::Drain {
+            vip: "chat".into(),
+            address: "10.1.0.1".parse().unwrap(),
+            deadline_ms: Some(5),
+        };
+        let j = serde_json::to_string(&op).unwrap();
+        assert_eq!(
+            j,
+            r#"{"op":"drain","vip":"chat","address":"10.1.0.1","deadline_ms":5}"#
+        );
+        assert_eq!(serde_json::from_str::<Op>(&j).unwrap(), op);
+    }
+}
