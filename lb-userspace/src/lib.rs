@@ -1,4 +1,8 @@
 //! Sluice userspace: the steering logic as a library, and the shells around it.
 
+pub mod addr;
+pub mod apply;
+pub mod dataplane;
 pub mod maglev;
 pub mod object;
+pub mod state;
