@@ -16,6 +16,11 @@ use lb_common::{
 /// map, and a flow that moves CPU is still found).
 const BPF_F_NO_COMMON_LRU: u32 = 1 << 1;
 
+/// Element 0 holds `lb_common::LAYOUT_VERSION` of the program that created the maps, so a
+/// later program can tell whether pinned maps are readable by it.
+#[map]
+pub static META: Array<u32> = Array::with_max_entries(1, 0);
+
 #[map]
 pub static CONFIG: Array<LbConfig> = Array::with_max_entries(1, 0);
 

@@ -3,17 +3,27 @@
 //! Everything that touches a map goes through here, so the rest of the library deals in
 //! plain Rust values.
 
-use std::collections::HashMap as StdHashMap;
+use std::{
+    collections::HashMap as StdHashMap,
+    fs,
+    mem::size_of,
+    path::{Path, PathBuf},
+};
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
-    maps::{Array, DevMapHash, HashMap, MapData, PerCpuArray},
-    programs::{Xdp, XdpMode},
+    maps::{Array, DevMapHash, HashMap, MapData, MapInfo, PerCpuArray},
+    programs::{
+        links::{FdLink, PinnedLink},
+        xdp::XdpLink,
+        Xdp, XdpMode,
+    },
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    stat, Backend, ConnEntry, FlowKey, LbConfig, TrafficStats, VipKey, VipMeta,
-    AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
+    stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig,
+    TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, LAYOUT_VERSION,
+    MAX_BACKENDS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
 use crate::maglev;
@@ -30,6 +40,9 @@ pub struct LoadOptions {
     pub affinity_table_size: u32,
     /// VIPs the ring array has room for (each costs 2 × 65537 × 4 bytes of kernel memory).
     pub max_vips: u32,
+    /// bpffs directory to pin the maps in; maps already pinned there are reused (after a
+    /// layout check), which is what keeps flows through a restart.
+    pub pin_dir: Option<PathBuf>,
 }
 
 impl Default for LoadOptions {
@@ -38,8 +51,111 @@ impl Default for LoadOptions {
             conn_table_size: CONN_TABLE_SIZE,
             affinity_table_size: AFFINITY_TABLE_SIZE,
             max_vips: MAX_VIPS,
+            pin_dir: None,
         }
     }
+}
+
+/// (map, key size, value size, required entries or 0) as this build reads them.
+fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 12] {
+    let u32s = size_of::<u32>();
+    [
+        ("META", u32s, u32s, 1),
+        ("CONFIG", u32s, size_of::<LbConfig>(), 1),
+        ("VIPS", size_of::<VipKey>(), size_of::<VipMeta>(), 0),
+        ("BACKENDS", u32s, size_of::<Backend>(), MAX_BACKENDS),
+        (
+            "MAGLEV_RINGS",
+            u32s,
+            u32s,
+            opts.max_vips * RINGS_PER_VIP * RING_SIZE_MAX,
+        ),
+        ("CONNS", size_of::<FlowKey>(), size_of::<ConnEntry>(), 0),
+        (
+            "AFFINITY",
+            size_of::<AffinityKey>(),
+            size_of::<AffinityEntry>(),
+            0,
+        ),
+        ("TX_PORTS", u32s, 0, 0),
+        ("STATS", u32s, size_of::<u64>(), stat::COUNT),
+        ("VIP_STATS", u32s, size_of::<TrafficStats>(), MAX_VIPS),
+        (
+            "BACKEND_STATS",
+            u32s,
+            size_of::<TrafficStats>(),
+            MAX_BACKENDS,
+        ),
+        ("FLOOD", u32s, size_of::<FloodWindow>(), 1),
+    ]
+}
+
+/// Checks maps pinned in `dir` by an earlier run: all or none must be there, and each must
+/// have the layout this build reads. Returns whether they are there.
+fn check_pinned(dir: &Path, opts: &LoadOptions) -> Result<bool> {
+    let layouts = map_layouts(opts);
+    let present: Vec<_> = layouts
+        .iter()
+        .filter(|(n, ..)| dir.join(n).exists())
+        .collect();
+    if present.is_empty() {
+        return Ok(false);
+    }
+    if present.len() != layouts.len() {
+        bail!(
+            "{} holds only some of Sluice's pinned maps ({} of {}): it was left by a failed \
+             start or another program; remove it (`sluice cleanup`) and start again",
+            dir.display(),
+            present.len(),
+            layouts.len()
+        );
+    }
+    let incompatible = |what: String| {
+        anyhow!(
+            "the data plane pinned in {} was created by an incompatible Sluice ({what}); this \
+             build (layout {LAYOUT_VERSION}) will not reuse it. Stop it with `sluice cleanup` \
+             (established flows lose their pinning) or run the matching Sluice version",
+            dir.display()
+        )
+    };
+    for (name, key, value, entries) in layouts {
+        let info = MapInfo::from_pin(dir.join(name))
+            .with_context(|| format!("reading pinned map {}", dir.join(name).display()))?;
+        if info.key_size() as usize != key || (value != 0 && info.value_size() as usize != value) {
+            return Err(incompatible(format!(
+                "map {name} has key/value sizes {}/{}, expected {key}/{value}",
+                info.key_size(),
+                info.value_size()
+            )));
+        }
+        if entries != 0 && info.max_entries() < entries {
+            return Err(incompatible(format!(
+                "map {name} has {} entries, this configuration needs {entries}",
+                info.max_entries()
+            )));
+        }
+    }
+    let meta: Array<MapData, u32> = Array::try_from(aya::maps::Map::Array(
+        MapData::from_pin(dir.join("META")).context("opening pinned META")?,
+    ))?;
+    let version = meta.get(&0, 0)?;
+    if version != LAYOUT_VERSION {
+        return Err(incompatible(format!("layout version {version}")));
+    }
+    Ok(true)
+}
+
+/// Removes a pinned data plane: the XDP links (detaching the program) and the maps.
+pub fn remove_pinned(dir: &Path) -> Result<()> {
+    if !dir.exists() {
+        return Ok(());
+    }
+    for entry in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let p = entry?.path();
+        fs::remove_file(&p).with_context(|| format!("unpinning {}", p.display()))?;
+    }
+    fs::remove_dir(dir).with_context(|| format!("removing {}", dir.display()))?;
+    Ok(())
 }
 
 impl LoadOptions {
@@ -49,6 +165,7 @@ impl LoadOptions {
             conn_table_size: 1,
             affinity_table_size: 1,
             max_vips: 1,
+            pin_dir: None,
         }
     }
 }
@@ -81,13 +198,28 @@ impl Dataplane {
                 opts.max_vips
             );
         }
-        let mut ebpf = EbpfLoader::new()
+        let mut loader = EbpfLoader::new();
+        loader
             .map_max_entries("CONNS", opts.conn_table_size)
             .map_max_entries("AFFINITY", opts.affinity_table_size)
             .map_max_entries(
                 "MAGLEV_RINGS",
                 opts.max_vips * RINGS_PER_VIP * RING_SIZE_MAX,
-            )
+            );
+        let mut reused = false;
+        if let Some(dir) = &opts.pin_dir {
+            fs::create_dir_all(dir).with_context(|| {
+                format!(
+                    "creating pin directory {} (is bpffs mounted?)",
+                    dir.display()
+                )
+            })?;
+            reused = check_pinned(dir, opts)?;
+            for (name, ..) in map_layouts(opts) {
+                loader.map_pin_path(name, dir.join(name));
+            }
+        }
+        let mut ebpf = loader
             .load(object)
             .context("loading the eBPF object (are you root, with bpffs and BPF enabled?)")?;
         for name in [PROG_XDP, PROG_DECAP, PROG_PASS] {
@@ -98,12 +230,22 @@ impl Dataplane {
             prog.load()
                 .with_context(|| format!("verifier rejected {name}"))?;
         }
-        Ok(Self {
+        let mut dp = Self {
             ebpf,
             max_vips: opts.max_vips,
-            reused: false,
+            reused,
             shadows: StdHashMap::new(),
-        })
+        };
+        if !reused {
+            let mut meta: Array<&mut MapData, u32> = Array::try_from(dp.map("META")?)?;
+            meta.set(0, LAYOUT_VERSION, 0).context("writing META")?;
+        }
+        Ok(dp)
+    }
+
+    /// Whether the maps came from an earlier run (a restart or upgrade).
+    pub fn reused(&self) -> bool {
+        self.reused
     }
 
     pub fn program(&mut self, name: &str) -> Result<&mut Xdp> {
@@ -120,6 +262,38 @@ impl Dataplane {
             .attach_to_if_index(ifindex, mode)
             .with_context(|| format!("attaching {prog} to ifindex {ifindex} in {mode:?} mode"))?;
         Ok(())
+    }
+
+    /// Attaches `prog` to `ifindex` through a bpf_link pinned at `pin`, so the program keeps
+    /// running when this process exits. If a link is pinned there already, its program is
+    /// replaced atomically (BPF_LINK_UPDATE): no packet sees the interface without a program.
+    /// Returns true when an existing link was updated.
+    pub fn attach_pinned(
+        &mut self,
+        prog: &str,
+        ifindex: u32,
+        mode: XdpMode,
+        pin: &Path,
+    ) -> Result<bool> {
+        if pin.exists() {
+            let link = PinnedLink::from_pin(pin)
+                .with_context(|| format!("opening pinned link {}", pin.display()))?;
+            let link = XdpLink::try_from(FdLink::from(link))
+                .with_context(|| format!("{} is not an XDP link", pin.display()))?;
+            self.program(prog)?
+                .attach_to_link(link)
+                .with_context(|| format!("replacing the program of link {}", pin.display()))?;
+            return Ok(true);
+        }
+        let p = self.program(prog)?;
+        let id = p
+            .attach_to_if_index(ifindex, mode)
+            .with_context(|| format!("attaching {prog} to ifindex {ifindex} in {mode:?} mode"))?;
+        let link = FdLink::try_from(p.take_link(id)?)
+            .context("the kernel attached XDP without a bpf_link; pinning needs Linux >= 5.9")?;
+        link.pin(pin)
+            .with_context(|| format!("pinning the XDP link at {}", pin.display()))?;
+        Ok(false)
     }
 
     fn map(&mut self, name: &str) -> Result<&mut aya::maps::Map> {

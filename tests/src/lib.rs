@@ -49,6 +49,7 @@ impl Lab {
             conn_table_size: 1 << 16,
             affinity_table_size: 1 << 12,
             max_vips: 4,
+            pin_dir: None,
         };
         let mut dp = Dataplane::load(BPF_OBJECT, &opts).expect("load the data plane");
         let (src4, _) = to_words("172.16.0.0".parse().unwrap());
