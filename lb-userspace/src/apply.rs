@@ -106,3 +106,62 @@ pub fn apply(
     }
     Ok(done)
 }
+
+/// The controller's plane: the real maps.
+pub struct MapPlane {
+    pub dp: Dataplane,
+    pub seed: u32,
+}
+
+/// CLOCK_MONOTONIC in ns, the clock `bpf_ktime_get_ns` stamps connections with.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the struct we pass.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+impl crate::controller::Plane for MapPlane {
+    fn apply(
+        &mut self,
+        old: &State,
+        new: &State,
+        weight_of: &dyn Fn(&Vip, &Backend) -> u32,
+    ) -> Result<()> {
+        let done = apply(&mut self.dp, old, new, self.seed, weight_of)?;
+        tracing::debug!(?done, "data plane updated");
+        Ok(())
+    }
+
+    fn active_flows(
+        &mut self,
+        idle: std::time::Duration,
+    ) -> Result<std::collections::BTreeMap<u32, u64>> {
+        let now = monotonic_ns();
+        let mut out = std::collections::BTreeMap::new();
+        for (_, c) in self.dp.conns()? {
+            if now.saturating_sub(c.last_seen_ns) <= idle.as_nanos() as u64 {
+                *out.entry(c.backend).or_default() += 1;
+            }
+        }
+        Ok(out)
+    }
+
+    fn counters(&mut self, state: &State) -> Result<crate::controller::Counters> {
+        let global = self.dp.stats()?;
+        let mut c = crate::controller::Counters::default();
+        for (i, v) in global.into_iter().enumerate() {
+            c.global.insert(lb_common::stat::NAMES[i].to_string(), v);
+        }
+        for vip in state.vips.values() {
+            c.vips.insert(vip.id, self.dp.vip_stats(vip.id)?.into());
+            for b in vip.backends.values() {
+                c.backends.insert(b.id, self.dp.backend_stats(b.id)?.into());
+            }
+        }
+        Ok(c)
+    }
+}

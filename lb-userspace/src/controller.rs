@@ -1,0 +1,548 @@
+//! The controller: owns the steering state, turns validated requests into data-plane
+//! writes, persists the result, audits every request and completes drains.
+//!
+//! It is written against the `Plane` trait, so its logic runs in tests with a fake plane
+//! and a fake clock; the daemon plugs in the map writer.
+
+use std::{
+    collections::{BTreeMap, VecDeque},
+    fs,
+    io::Write,
+    net::IpAddr,
+    path::PathBuf,
+    time::Duration,
+};
+
+use anyhow::{Context, Result};
+use lb_common::TrafficStats;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::state::{Admin, Backend, Limits, Op, OpError, State, Vip};
+
+/// Where the data plane lives, as the controller needs it.
+pub trait Plane: Send {
+    /// Writes `new` (coming from `old`); `weight_of` gives each backend's Maglev weight.
+    fn apply(
+        &mut self,
+        old: &State,
+        new: &State,
+        weight_of: &dyn Fn(&Vip, &Backend) -> u32,
+    ) -> Result<()>;
+    /// Connection-table entries seen within `idle`, per backend id.
+    fn active_flows(&mut self, idle: Duration) -> Result<BTreeMap<u32, u64>>;
+    /// Global counters by name, and traffic of the VIPs and backends in `state` by id.
+    fn counters(&mut self, state: &State) -> Result<Counters>;
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Counters {
+    pub global: BTreeMap<String, u64>,
+    pub vips: BTreeMap<u32, Traffic>,
+    pub backends: BTreeMap<u32, Traffic>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Traffic {
+    pub packets: u64,
+    pub bytes: u64,
+    pub new_flows: u64,
+}
+
+impl From<TrafficStats> for Traffic {
+    fn from(t: TrafficStats) -> Self {
+        Traffic {
+            packets: t.packets,
+            bytes: t.bytes,
+            new_flows: t.new_flows,
+        }
+    }
+}
+
+/// Who made a request (SO_PEERCRED of the admin socket's client).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Peer {
+    pub uid: u32,
+    pub gid: u32,
+    pub pid: i32,
+}
+
+/// A control-plane event: shown by the API, counted in metrics, logged.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Event {
+    pub time_ms: u64,
+    pub kind: String,
+    pub vip: String,
+    pub backend: Option<IpAddr>,
+    pub reason: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error(transparent)]
+    Rejected(#[from] OpError),
+    #[error("the data plane refused the change, which was rolled back: {0:#}")]
+    Plane(anyhow::Error),
+}
+
+impl RequestError {
+    pub fn http_status(&self) -> u16 {
+        match self {
+            RequestError::Rejected(e) => e.http_status(),
+            RequestError::Plane(_) => 500,
+        }
+    }
+}
+
+/// What is persisted so a restarted daemon restores config plus runtime changes.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Persisted {
+    pub layout: u32,
+    /// Hash of the config file the state was built from; a changed config is merged in.
+    pub config_hash: u64,
+    pub state: State,
+}
+
+pub struct Settings {
+    pub limits: Limits,
+    pub seed: u32,
+    /// A connection seen within this long counts as active (drain completion, listings).
+    pub flow_idle: Duration,
+    pub state_file: Option<PathBuf>,
+    pub audit_log: Option<PathBuf>,
+    pub config_hash: u64,
+}
+
+const EVENTS_KEPT: usize = 1000;
+
+pub struct Controller<P: Plane> {
+    state: State,
+    plane: P,
+    settings: Settings,
+    events: VecDeque<Event>,
+    event_counts: BTreeMap<String, u64>,
+    /// Maglev weight per backend id when it differs from the configured weight (the adaptive
+    /// policy sets these).
+    weight_overrides: BTreeMap<u32, u32>,
+}
+
+fn affected(state: &State, op: &Op) -> serde_json::Value {
+    let vip = match op {
+        Op::AddVip { vip, .. } => &vip.name,
+        Op::RemoveVip { vip }
+        | Op::AddBackend { vip, .. }
+        | Op::RemoveBackend { vip, .. }
+        | Op::SetWeight { vip, .. }
+        | Op::Drain { vip, .. }
+        | Op::Undrain { vip, .. }
+        | Op::SetHealth { vip, .. } => vip,
+    };
+    state.vips.get(vip).map_or(serde_json::Value::Null, |v| {
+        serde_json::to_value(v).unwrap_or_default()
+    })
+}
+
+impl<P: Plane> Controller<P> {
+    /// Takes over `state` and writes it to the plane (`previous` is what the plane holds:
+    /// an empty state for fresh maps, the restored state after a restart).
+    pub fn new(state: State, previous: &State, mut plane: P, settings: Settings) -> Result<Self> {
+        plane
+            .apply(previous, &state, &|_, b| b.spec.weight)
+            .context("writing the initial state")?;
+        let c = Controller {
+            state,
+            plane,
+            settings,
+            events: VecDeque::new(),
+            event_counts: BTreeMap::new(),
+            weight_overrides: BTreeMap::new(),
+        };
+        c.persist()?;
+        Ok(c)
+    }
+
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    pub fn plane(&mut self) -> &mut P {
+        &mut self.plane
+    }
+
+    pub fn events(&self) -> impl Iterator<Item = &Event> {
+        self.events.iter()
+    }
+
+    pub fn event_counts(&self) -> &BTreeMap<String, u64> {
+        &self.event_counts
+    }
+
+    /// The Maglev weight a backend is steered with now.
+    pub fn effective_weight(&self, b: &Backend) -> u32 {
+        self.weight_overrides
+            .get(&b.id)
+            .copied()
+            .unwrap_or(b.spec.weight)
+    }
+
+    pub fn record(&mut self, e: Event) {
+        match &e.backend {
+            Some(b) => {
+                tracing::info!(kind = %e.kind, vip = %e.vip, backend = %b, reason = %e.reason, "event")
+            }
+            None => tracing::info!(kind = %e.kind, vip = %e.vip, reason = %e.reason, "event"),
+        }
+        *self.event_counts.entry(e.kind.clone()).or_default() += 1;
+        if self.events.len() == EVENTS_KEPT {
+            self.events.pop_front();
+        }
+        self.events.push_back(e);
+    }
+
+    fn write(&mut self, new: State) -> Result<(), RequestError> {
+        let overrides = self.weight_overrides.clone();
+        let w = move |_: &Vip, b: &Backend| overrides.get(&b.id).copied().unwrap_or(b.spec.weight);
+        if let Err(e) = self.plane.apply(&self.state, &new, &w) {
+            // Put back what was there; the request fails as a whole.
+            if let Err(back) = self.plane.apply(&new, &self.state, &w) {
+                tracing::error!(error = %format!("{back:#}"), "rolling back a failed data-plane write also failed");
+            }
+            return Err(RequestError::Plane(e));
+        }
+        self.state = new;
+        if let Err(e) = self.persist() {
+            tracing::error!(error = %format!("{e:#}"), "the change is live but could not be persisted");
+        }
+        Ok(())
+    }
+
+    /// Validates and applies one request; rejected requests change nothing. Both outcomes
+    /// are audited.
+    pub fn submit(&mut self, op: Op, peer: Peer, now_ms: u64) -> Result<(), RequestError> {
+        let before = affected(&self.state, &op);
+        let result = self
+            .state
+            .apply(&op, now_ms, &self.settings.limits)
+            .map_err(RequestError::from)
+            .and_then(|new| self.write(new));
+        let after = affected(&self.state, &op);
+        self.audit(json!({
+            "time_ms": now_ms,
+            "peer": peer,
+            "request": op,
+            "result": match &result { Ok(()) => "ok".to_string(), Err(e) => format!("error: {e}") },
+            "before": before,
+            "after": after,
+        }));
+        result
+    }
+
+    /// Sets the adaptive weights (backend id → weight) and rewrites the tables that change.
+    pub fn set_weights(&mut self, overrides: BTreeMap<u32, u32>) -> Result<()> {
+        if overrides == self.weight_overrides {
+            return Ok(());
+        }
+        let old = std::mem::replace(&mut self.weight_overrides, overrides);
+        let state = self.state.clone();
+        let w = self.weight_overrides.clone();
+        if let Err(e) = self.plane.apply(&state, &state, &move |_, b| {
+            w.get(&b.id).copied().unwrap_or(b.spec.weight)
+        }) {
+            self.weight_overrides = old;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn audit(&self, line: serde_json::Value) {
+        let Some(path) = &self.settings.audit_log else {
+            return;
+        };
+        let r = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .and_then(|mut f| writeln!(f, "{line}"));
+        if let Err(e) = r {
+            tracing::error!(path = %path.display(), error = %e, "cannot write the audit log");
+        }
+    }
+
+    fn persist(&self) -> Result<()> {
+        let Some(path) = &self.settings.state_file else {
+            return Ok(());
+        };
+        let p = Persisted {
+            layout: lb_common::LAYOUT_VERSION,
+            config_hash: self.settings.config_hash,
+            state: self.state.clone(),
+        };
+        if let Some(dir) = path.parent() {
+            fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let tmp = path.with_extension("tmp");
+        fs::write(&tmp, serde_json::to_vec_pretty(&p)?)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))?;
+        Ok(())
+    }
+
+    pub fn active_flows(&mut self) -> Result<BTreeMap<u32, u64>> {
+        let idle = self.settings.flow_idle;
+        self.plane.active_flows(idle)
+    }
+
+    /// Completes drains: a draining backend is removed once it has no active flow, or at
+    /// its deadline (its remaining flows then re-steer). Returns what happened.
+    pub fn tick(&mut self, now_ms: u64) -> Result<Vec<Event>> {
+        let draining: Vec<(String, IpAddr, u32, Option<u64>)> = self
+            .state
+            .vips
+            .values()
+            .flat_map(|v| {
+                v.backends.values().filter_map(move |b| match b.admin {
+                    Admin::Draining { deadline_ms, .. } => {
+                        Some((v.spec.name.clone(), b.spec.address, b.id, deadline_ms))
+                    }
+                    Admin::Active => None,
+                })
+            })
+            .collect();
+        if draining.is_empty() {
+            return Ok(vec![]);
+        }
+        let flows = self.active_flows()?;
+        let mut out = vec![];
+        for (vip, addr, id, deadline) in draining {
+            let left = flows.get(&id).copied().unwrap_or(0);
+            let (kind, reason) = if left == 0 {
+                ("drain-complete", "no active flows left".to_string())
+            } else if deadline.is_some_and(|d| now_ms >= d) {
+                (
+                    "drain-deadline",
+                    format!("deadline reached with {left} active flows; they re-steer"),
+                )
+            } else {
+                continue;
+            };
+            let op = Op::RemoveBackend {
+                vip: vip.clone(),
+                address: addr,
+            };
+            let new = self
+                .state
+                .apply(&op, now_ms, &self.settings.limits)
+                .map_err(anyhow::Error::from)?;
+            self.write(new).map_err(|e| anyhow::anyhow!("{e}"))?;
+            self.audit(json!({"time_ms": now_ms, "peer": null, "request": op, "result": "ok", "reason": reason}));
+            let e = Event {
+                time_ms: now_ms,
+                kind: kind.into(),
+                vip,
+                backend: Some(addr),
+                reason,
+            };
+            self.record(e.clone());
+            out.push(e);
+        }
+        Ok(out)
+    }
+
+    pub fn counters(&mut self) -> Result<Counters> {
+        self.plane.counters(&self.state)
+    }
+}
+
+#[cfg(test)]
+pub mod fake {
+    //! A plane that records what it was told, for controller and API tests.
+    use super::*;
+
+    #[derive(Default)]
+    pub struct FakePlane {
+        pub applied: Vec<State>,
+        pub flows: BTreeMap<u32, u64>,
+        pub fail_next: bool,
+    }
+
+    impl Plane for FakePlane {
+        fn apply(
+            &mut self,
+            _old: &State,
+            new: &State,
+            _w: &dyn Fn(&Vip, &Backend) -> u32,
+        ) -> Result<()> {
+            if std::mem::take(&mut self.fail_next) {
+                anyhow::bail!("injected failure");
+            }
+            self.applied.push(new.clone());
+            Ok(())
+        }
+        fn active_flows(&mut self, _idle: Duration) -> Result<BTreeMap<u32, u64>> {
+            Ok(self.flows.clone())
+        }
+        fn counters(&mut self, _state: &State) -> Result<Counters> {
+            Ok(Counters::default())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{fake::FakePlane, *};
+    use crate::state::{BackendSpec, HashMode, Protocol, VipSpec};
+
+    fn settings(dir: &std::path::Path) -> Settings {
+        Settings {
+            limits: Limits { max_vips: 4 },
+            seed: 1,
+            flow_idle: Duration::from_secs(30),
+            state_file: Some(dir.join("state.json")),
+            audit_log: Some(dir.join("audit.jsonl")),
+            config_hash: 7,
+        }
+    }
+
+    fn tmp() -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "sluice-ctl-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn add_chat() -> Op {
+        Op::AddVip {
+            vip: VipSpec {
+                name: "chat".into(),
+                address: "10.0.0.1".parse().unwrap(),
+                port: 443,
+                protocol: Protocol::Tcp,
+                hash: HashMode::FiveTuple,
+                affinity_secs: 0,
+                priority: 0,
+                ring_size: 65537,
+            },
+            backends: ["10.1.0.1", "10.1.0.2"]
+                .iter()
+                .map(|a| BackendSpec {
+                    address: a.parse().unwrap(),
+                    weight: 100,
+                    labels: Default::default(),
+                    max_sessions: 0,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn accepted_requests_are_applied_persisted_and_audited_with_peer() {
+        let d = tmp();
+        let mut c = Controller::new(
+            State::default(),
+            &State::default(),
+            FakePlane::default(),
+            settings(&d),
+        )
+        .unwrap();
+        let peer = Peer {
+            uid: 1000,
+            gid: 1000,
+            pid: 42,
+        };
+        c.submit(add_chat(), peer, 5).unwrap();
+        let st = c.state().clone();
+        assert_eq!(c.plane().applied.last().unwrap(), &st);
+        let saved: Persisted =
+            serde_json::from_slice(&fs::read(d.join("state.json")).unwrap()).unwrap();
+        assert_eq!(&saved.state, c.state());
+        let audit = fs::read_to_string(d.join("audit.jsonl")).unwrap();
+        let line: serde_json::Value = serde_json::from_str(audit.lines().last().unwrap()).unwrap();
+        assert_eq!(line["peer"]["pid"], 42);
+        assert_eq!(line["result"], "ok");
+        assert_eq!(line["before"], serde_json::Value::Null);
+        assert_eq!(line["after"]["backends"].as_object().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_plane_failure_rolls_back_and_changes_nothing() {
+        let d = tmp();
+        let mut c = Controller::new(
+            State::default(),
+            &State::default(),
+            FakePlane::default(),
+            settings(&d),
+        )
+        .unwrap();
+        c.plane().fail_next = true;
+        let e = c.submit(add_chat(), Peer::default(), 5).unwrap_err();
+        assert_eq!(e.http_status(), 500);
+        assert!(c.state().vips.is_empty());
+        // The rollback wrote the old (empty) state back.
+        assert!(c.plane().applied.last().unwrap().vips.is_empty());
+        let audit = fs::read_to_string(d.join("audit.jsonl")).unwrap();
+        assert!(audit.contains("injected failure"));
+    }
+
+    #[test]
+    fn drains_complete_at_zero_flows_or_at_the_deadline() {
+        let d = tmp();
+        let mut c = Controller::new(
+            State::default(),
+            &State::default(),
+            FakePlane::default(),
+            settings(&d),
+        )
+        .unwrap();
+        c.submit(add_chat(), Peer::default(), 0).unwrap();
+        let a: IpAddr = "10.1.0.1".parse().unwrap();
+        let b: IpAddr = "10.1.0.2".parse().unwrap();
+        let (ia, ib) = (
+            c.state().backend("chat", a).unwrap().id,
+            c.state().backend("chat", b).unwrap().id,
+        );
+        c.plane().flows = BTreeMap::from([(ia, 3), (ib, 2)]);
+        c.submit(
+            Op::Drain {
+                vip: "chat".into(),
+                address: a,
+                deadline_ms: None,
+            },
+            Peer::default(),
+            10,
+        )
+        .unwrap();
+        c.submit(
+            Op::Drain {
+                vip: "chat".into(),
+                address: b,
+                deadline_ms: Some(1000),
+            },
+            Peer::default(),
+            10,
+        )
+        .unwrap();
+        assert!(
+            c.tick(500).unwrap().is_empty(),
+            "flows left, deadline ahead: nothing happens"
+        );
+        c.plane().flows = BTreeMap::from([(ib, 2)]);
+        let ev = c.tick(600).unwrap();
+        assert_eq!(ev.len(), 1);
+        assert_eq!(
+            (ev[0].kind.as_str(), ev[0].backend),
+            ("drain-complete", Some(a))
+        );
+        let ev = c.tick(1000).unwrap();
+        assert_eq!(
+            (ev[0].kind.as_str(), ev[0].backend),
+            ("drain-deadline", Some(b))
+        );
+        assert!(ev[0].reason.contains("2 active flows"));
+        assert!(c.state().vip("chat").unwrap().backends.is_empty());
+        assert_eq!(c.event_counts()["drain-complete"], 1);
+    }
+}
