@@ -18,7 +18,7 @@ use lb_common::TrafficStats;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::state::{Admin, Backend, Limits, Op, OpError, State, Vip};
+use crate::state::{Admin, Backend, BackendSpec, Limits, Op, OpError, State, Vip, VipSpec};
 
 /// Where the data plane lives, as the controller needs it.
 pub trait Plane: Send {
@@ -237,6 +237,38 @@ impl<P: Plane> Controller<P> {
         result
     }
 
+    /// Replaces the VIPs and backends with a reloaded configuration's (ids, drains and health
+    /// of what stays are kept). All or nothing, like a request.
+    pub fn reload(
+        &mut self,
+        specs: &[(VipSpec, Vec<BackendSpec>)],
+        config_hash: u64,
+        now_ms: u64,
+    ) -> Result<(), RequestError> {
+        let new = self.state.with_specs(specs, &self.settings.limits)?;
+        let result = self.write(new);
+        if result.is_ok() {
+            self.settings.config_hash = config_hash;
+            if let Err(e) = self.persist() {
+                tracing::error!(error = %format!("{e:#}"), "the reload is live but could not be persisted");
+            }
+            self.record(Event {
+                time_ms: now_ms,
+                kind: "config-reload".into(),
+                vip: String::new(),
+                backend: None,
+                reason: format!("{} VIPs", specs.len()),
+            });
+        }
+        self.audit(json!({
+            "time_ms": now_ms,
+            "peer": null,
+            "request": {"op": "reload", "vips": specs.iter().map(|(v, _)| &v.name).collect::<Vec<_>>()},
+            "result": match &result { Ok(()) => "ok".to_string(), Err(e) => format!("error: {e}") },
+        }));
+        result
+    }
+
     /// Sets the adaptive weights (backend id → weight) and rewrites the tables that change.
     pub fn set_weights(&mut self, overrides: BTreeMap<u32, u32>) -> Result<()> {
         if overrides == self.weight_overrides {
@@ -390,7 +422,7 @@ pub mod fake {
 #[cfg(test)]
 mod tests {
     use super::{fake::FakePlane, *};
-    use crate::state::{BackendSpec, HashMode, Protocol, VipSpec};
+    use crate::state::{HashMode, Protocol};
 
     fn settings(dir: &std::path::Path) -> Settings {
         Settings {

@@ -404,6 +404,83 @@ impl State {
         Ok(())
     }
 
+    /// The state a (re)loaded configuration asks for: exactly these VIPs and backends, with
+    /// the ids, drains and health of those that already exist kept, so connection entries
+    /// stay valid and operator drains survive a reload.
+    pub fn with_specs(
+        &self,
+        specs: &[(VipSpec, Vec<BackendSpec>)],
+        limits: &Limits,
+    ) -> Result<State, OpError> {
+        let mut s = State {
+            vips: BTreeMap::new(),
+            next_backend_id: self.next_backend_id,
+        };
+        // Keep ids of the VIPs that stay before handing out new ones.
+        let kept = |spec: &VipSpec| {
+            self.vips.get(&spec.name).filter(|v| {
+                v.spec.address == spec.address
+                    && v.spec.port == spec.port
+                    && v.spec.protocol == spec.protocol
+            })
+        };
+        for (spec, _) in specs {
+            if let Some(old) = kept(spec) {
+                s.vips.insert(
+                    spec.name.clone(),
+                    Vip {
+                        id: old.id,
+                        spec: spec.clone(),
+                        backends: BTreeMap::new(),
+                    },
+                );
+            }
+        }
+        for (spec, backends) in specs {
+            if kept(spec).is_none() {
+                s.check_vip(spec)?;
+                let id = s.alloc_vip_id(limits)?;
+                s.vips.insert(
+                    spec.name.clone(),
+                    Vip {
+                        id,
+                        spec: spec.clone(),
+                        backends: BTreeMap::new(),
+                    },
+                );
+            }
+            let old = kept(spec);
+            // Reserve the kept backend ids first so new ones never collide with them.
+            for b in backends {
+                if let Some(ob) = old.and_then(|o| o.backends.get(&b.address)) {
+                    let v = s.vips.get_mut(&spec.name).expect("inserted above");
+                    if v.backends.contains_key(&b.address) {
+                        return Err(OpError::Conflict(format!(
+                            "VIP {:?} lists backend {} twice",
+                            spec.name, b.address
+                        )));
+                    }
+                    v.backends.insert(
+                        b.address,
+                        Backend {
+                            spec: b.clone(),
+                            ..ob.clone()
+                        },
+                    );
+                }
+            }
+        }
+        for (spec, backends) in specs {
+            let old = kept(spec);
+            for b in backends {
+                if old.and_then(|o| o.backends.get(&b.address)).is_none() {
+                    s.add_backend(&spec.name, b.clone())?;
+                }
+            }
+        }
+        Ok(s)
+    }
+
     /// Applies `op` to a copy: the new state, or why it was refused (nothing changed).
     pub fn apply(&self, op: &Op, now_ms: u64, limits: &Limits) -> Result<State, OpError> {
         let mut s = self.clone();
@@ -719,6 +796,50 @@ mod tests {
             )
             .unwrap_err();
         assert_eq!(e.http_status(), 409);
+    }
+
+    #[test]
+    fn reloading_specs_keeps_ids_and_drains_of_what_stays() {
+        let s = base();
+        let a: IpAddr = "10.1.0.1".parse().unwrap();
+        let s = s
+            .apply(
+                &Op::Drain {
+                    vip: "chat".into(),
+                    address: a,
+                    deadline_ms: None,
+                },
+                1,
+                &L,
+            )
+            .unwrap();
+        let specs = vec![
+            (vip("new", "10.0.0.5"), vec![be("10.2.0.1")]),
+            (
+                vip("chat", "10.0.0.1"),
+                vec![be("10.1.0.1"), be("10.1.0.3")],
+            ),
+        ];
+        let r = s.with_specs(&specs, &L).unwrap();
+        assert_eq!(r.vips["chat"].id, s.vips["chat"].id);
+        let kept = &r.vips["chat"].backends[&a];
+        assert_eq!(kept.id, s.vips["chat"].backends[&a].id);
+        assert!(matches!(kept.admin, Admin::Draining { .. }));
+        assert!(!r.vips["chat"]
+            .backends
+            .contains_key(&"10.1.0.2".parse::<IpAddr>().unwrap()));
+        let ids: std::collections::BTreeSet<u32> = r
+            .vips
+            .values()
+            .flat_map(|v| v.backends.values().map(|b| b.id))
+            .collect();
+        assert_eq!(ids.len(), 3, "ids stay unique");
+        assert_ne!(r.vips["new"].id, r.vips["chat"].id);
+        assert_eq!(
+            r.with_specs(&specs, &L).unwrap(),
+            r,
+            "reloading the same specs changes nothing"
+        );
     }
 
     #[test]
