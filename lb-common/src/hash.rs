@@ -11,7 +11,10 @@ const C2: u32 = 0x1b87_3593;
 #[inline(always)]
 fn mix(h: u32, k: u32) -> u32 {
     let k = k.wrapping_mul(C1).rotate_left(15).wrapping_mul(C2);
-    (h ^ k).rotate_left(13).wrapping_mul(5).wrapping_add(0xe654_6b64)
+    (h ^ k)
+        .rotate_left(13)
+        .wrapping_mul(5)
+        .wrapping_add(0xe654_6b64)
 }
 
 #[inline(always)]
@@ -103,7 +106,13 @@ mod tests {
 
     #[test]
     fn v4_hash_ignores_unused_words_only() {
-        let mut k = FlowKey { family: FAMILY_V4, proto: 6, sport: 1, dport: 2, ..Default::default() };
+        let mut k = FlowKey {
+            family: FAMILY_V4,
+            proto: 6,
+            sport: 1,
+            dport: 2,
+            ..Default::default()
+        };
         k.src[0] = 0x0100_000a;
         let a = flow_hash(&k, 7);
         k.sport = 3;
