@@ -1,18 +1,35 @@
 //! `sluice-bench <name> [args...]`: Sluice's benchmarks. Run through
 //! `cargo xtask bench <name> [args...]`, which builds first and runs this as root.
 //!
-//! No benchmark exists yet: every name is reported as unknown.
+//! Benchmarks:
+//! - `xdp`: per-packet cost of `sluice_xdp` through BPF_PROG_TEST_RUN against the
+//!   `sluice_pass` baseline (see `xdp.rs`; `sluice-bench xdp --help`).
+
+mod report;
+mod sys;
+mod xdp;
 
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let Some(name) = args.next() else {
-        eprintln!("usage: sluice-bench <name> [args...]");
+        eprintln!("usage: sluice-bench <name> [args...]\nbenchmarks: xdp");
         return ExitCode::from(2);
     };
-    let _args: Vec<String> = args.collect();
-    // Benchmarks are dispatched on `name` here.
-    eprintln!("unknown benchmark: {name}");
-    ExitCode::from(2)
+    let args: Vec<String> = args.collect();
+    let result = match name.as_str() {
+        "xdp" => xdp::main(&args),
+        _ => {
+            eprintln!("unknown benchmark: {name} (known: xdp)");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -1,0 +1,476 @@
+//! Summaries of the xdp benchmark: the stdout table, the JSON document and the SVG chart.
+
+use std::{collections::BTreeMap, fmt::Write as _};
+
+use serde_json::{json, Value};
+
+use crate::xdp::{case, CaseDef, CaseResult, Variant, CASES};
+
+/// Median, minimum and 90th percentile (nearest rank) of a sample.
+#[derive(Clone, Copy, Debug)]
+pub struct Summary {
+    pub median: f64,
+    pub min: f64,
+    pub p90: f64,
+}
+
+impl Summary {
+    pub fn of(v: &[f64]) -> Summary {
+        let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+        if s.is_empty() {
+            return Summary {
+                median: f64::NAN,
+                min: f64::NAN,
+                p90: f64::NAN,
+            };
+        }
+        s.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let n = s.len();
+        let median = if n % 2 == 1 {
+            s[n / 2]
+        } else {
+            (s[n / 2 - 1] + s[n / 2]) / 2.0
+        };
+        let rank = ((0.9 * n as f64).ceil() as usize).clamp(1, n);
+        Summary {
+            median,
+            min: s[0],
+            p90: s[rank - 1],
+        }
+    }
+
+    fn json(&self) -> Value {
+        json!({ "median": r1(self.median), "min": r1(self.min), "p90": r1(self.p90) })
+    }
+}
+
+fn r1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+fn r3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// The XDP_PASS baseline of Katran's figures in anchors.md.
+const KATRAN_BASELINE_NS: f64 = 60.0;
+
+pub struct Row {
+    pub variant: Variant,
+    pub def: &'static CaseDef,
+    pub frame_bytes: usize,
+    pub calls: usize,
+    pub rounds: usize,
+    pub kernel: Summary,
+    pub kernel_call_median: Summary,
+    pub syscall: Summary,
+    pub ratio_kernel: Option<f64>,
+    pub ratio_syscall: Option<f64>,
+    pub ratio_kernel_rounds: Option<f64>,
+    pub ratio_syscall_rounds: Option<f64>,
+    pub net_kernel: Option<f64>,
+    pub net_syscall: Option<f64>,
+    pub counters: BTreeMap<&'static str, u64>,
+    pub wrong_actions: BTreeMap<u32, usize>,
+    /// Batch values in round order.
+    pub kernel_rounds: Vec<f64>,
+    pub syscall_rounds: Vec<f64>,
+}
+
+pub struct Report {
+    meta: Value,
+    variants: Vec<Variant>,
+    rows: Vec<Row>,
+}
+
+impl Report {
+    pub fn new(meta: Value, variants: &[Variant], results: &[CaseResult]) -> Report {
+        let find = |v: Variant, id| results.iter().find(|r| r.variant == v && r.id == id);
+        let mut rows = Vec::new();
+        for r in results {
+            let def = case(r.id);
+            let k: Vec<f64> = r.batches.iter().map(|b| b.kernel_ns).collect();
+            let kc: Vec<f64> = r.batches.iter().map(|b| b.kernel_call_median_ns).collect();
+            let s: Vec<f64> = r.batches.iter().map(|b| b.syscall_ns).collect();
+            let kernel = Summary::of(&k);
+            let syscall = Summary::of(&s);
+            let base = def.baseline.and_then(|b| find(r.variant, b));
+            let (mut rk, mut rs, mut rkr, mut rsr, mut nk, mut ns) =
+                (None, None, None, None, None, None);
+            if let Some(b) = base {
+                let bk = Summary::of(&b.batches.iter().map(|x| x.kernel_ns).collect::<Vec<_>>());
+                let bs = Summary::of(&b.batches.iter().map(|x| x.syscall_ns).collect::<Vec<_>>());
+                rk = Some(kernel.median / bk.median);
+                rs = Some(syscall.median / bs.median);
+                nk = Some(kernel.median - bk.median);
+                ns = Some(syscall.median - bs.median);
+                // Per-round ratios (batches of one round ran close together in time).
+                let per = |f: fn(&crate::xdp::Batch) -> f64| {
+                    let v: Vec<f64> = r
+                        .batches
+                        .iter()
+                        .zip(&b.batches)
+                        .map(|(x, y)| f(x) / f(y))
+                        .collect();
+                    Summary::of(&v).median
+                };
+                rkr = Some(per(|b| b.kernel_ns));
+                rsr = Some(per(|b| b.syscall_ns));
+            }
+            rows.push(Row {
+                variant: r.variant,
+                def,
+                frame_bytes: r.frame_bytes,
+                calls: r.batches.iter().map(|b| b.calls).sum(),
+                rounds: r.batches.len(),
+                kernel,
+                kernel_call_median: Summary::of(&kc),
+                syscall,
+                ratio_kernel: rk,
+                ratio_syscall: rs,
+                ratio_kernel_rounds: rkr,
+                ratio_syscall_rounds: rsr,
+                net_kernel: nk,
+                net_syscall: ns,
+                counters: r.counters.clone(),
+                wrong_actions: r.batches.iter().fold(BTreeMap::new(), |mut m, b| {
+                    for (a, n) in &b.wrong_actions {
+                        *m.entry(*a).or_default() += n;
+                    }
+                    m
+                }),
+                kernel_rounds: k.iter().map(|x| r1(*x)).collect(),
+                syscall_rounds: s.iter().map(|x| r1(*x)).collect(),
+            });
+        }
+        Report {
+            meta,
+            variants: variants.to_vec(),
+            rows,
+        }
+    }
+
+    fn rows_of(&self, v: Variant) -> impl Iterator<Item = &Row> {
+        self.rows.iter().filter(move |r| r.variant == v)
+    }
+
+    pub fn print_table(&self) {
+        let m = &self.meta;
+        println!();
+        println!(
+            "sluice xdp benchmark  {}  kernel {}  {}  CPU {} pinned  rounds {}",
+            m["date_utc"].as_str().unwrap_or(""),
+            m["kernel"].as_str().unwrap_or(""),
+            m["cpu_model"].as_str().unwrap_or(""),
+            m["pinned_cpu"],
+            m["method"]["rounds_completed"]
+        );
+        println!("per call, BPF_PROG_TEST_RUN repeat 1 on a fresh frame; median [min p90] over rounds; x = ratio to the sluice_pass baseline of the same frame size");
+        for &v in &self.variants {
+            println!("\n[{}] {}", v.name(), v.describe());
+            println!(
+                "{:<36} {:>5} | {:>7} {:>7} {:>7} {:>6} | {:>7} {:>7} {:>7} {:>6} | {:>5} {:>6} | path",
+                "case", "bytes", "kern ns", "min", "p90", "x", "sys ns", "min", "p90", "x", "aim", "katran"
+            );
+            for r in self.rows_of(v) {
+                let x = |o: Option<f64>| o.map(|x| format!("{x:.2}")).unwrap_or_else(|| "1".into());
+                let opt = |o: Option<f64>| o.map(|x| format!("{x}")).unwrap_or_default();
+                println!(
+                    "{:<36} {:>5} | {:>7.1} {:>7.1} {:>7.1} {:>6} | {:>7.1} {:>7.1} {:>7.1} {:>6} | {:>5} {:>6} | {}",
+                    r.def.label,
+                    r.frame_bytes,
+                    r.kernel.median,
+                    r.kernel.min,
+                    r.kernel.p90,
+                    x(r.ratio_kernel),
+                    r.syscall.median,
+                    r.syscall.min,
+                    r.syscall.p90,
+                    x(r.ratio_syscall),
+                    opt(r.def.aim),
+                    opt(r.def.katran),
+                    path_summary(r),
+                );
+            }
+        }
+        println!("\nheadline (aims: established <= 2.5x, new flow <= 8x, non-VIP <= 1.6x; Katran here: 3.3x, 10x, 1.9x):");
+        for r in self.rows.iter().filter(|r| r.def.headline) {
+            let aim = r.def.aim.unwrap_or(f64::NAN);
+            let verdict = |x: Option<f64>| match x {
+                Some(x) if x <= aim => format!("{x:.2}x meets {aim}x"),
+                Some(x) => format!("{x:.2}x MISSES {aim}x"),
+                None => "-".into(),
+            };
+            let nk = r.net_kernel.unwrap_or(f64::NAN);
+            println!(
+                "  [{:<8}] {:<30} syscall-incl. {:<18} | kernel {:<18} | net {:>5.1} ns kernel (Katran {:>3} ns), {:.2}x at Katran's 60 ns baseline",
+                r.variant.name(),
+                r.def.label,
+                verdict(r.ratio_syscall),
+                verdict(r.ratio_kernel),
+                nk,
+                r.def.katran_net_ns.unwrap_or(f64::NAN),
+                (nk + KATRAN_BASELINE_NS) / KATRAN_BASELINE_NS,
+            );
+        }
+    }
+
+    pub fn json(&self) -> Value {
+        let mut doc = self.meta.clone();
+        let variants: Vec<Value> = self
+            .variants
+            .iter()
+            .map(|&v| {
+                let cases: Vec<Value> = self
+                    .rows_of(v)
+                    .map(|r| {
+                        let per_call = |n: u64| r3(n as f64 / r.calls.max(1) as f64);
+                        let counters: serde_json::Map<String, Value> = r
+                            .counters
+                            .iter()
+                            .map(|(k, n)| (k.to_string(), json!({ "total": n, "per_call": per_call(*n) })))
+                            .collect();
+                        json!({
+                            "case": r.def.key,
+                            "label": r.def.label,
+                            "program": r.def.prog,
+                            "frame_bytes": r.frame_bytes,
+                            "baseline": r.def.baseline.map(|b| case(b).key),
+                            "rounds": r.rounds,
+                            "calls_total": r.calls,
+                            "kernel_ns": r.kernel.json(),
+                            "kernel_call_median_ns": r.kernel_call_median.json(),
+                            "syscall_ns": r.syscall.json(),
+                            "ratio_syscall": r.ratio_syscall.map(r3),
+                            "ratio_kernel": r.ratio_kernel.map(r3),
+                            "ratio_syscall_per_round_median": r.ratio_syscall_rounds.map(r3),
+                            "ratio_kernel_per_round_median": r.ratio_kernel_rounds.map(r3),
+                            "net_of_baseline_kernel_ns": r.net_kernel.map(r1),
+                            "net_of_baseline_syscall_ns": r.net_syscall.map(r1),
+                            "aim_ratio": r.def.aim,
+                            "meets_aim_syscall": r.def.aim.zip(r.ratio_syscall).map(|(a, x)| x <= a),
+                            "meets_aim_kernel": r.def.aim.zip(r.ratio_kernel).map(|(a, x)| x <= a),
+                            "katran_ratio": r.def.katran,
+                            "katran_net_of_baseline_kernel_ns": r.def.katran_net_ns,
+                            "kernel_ratio_at_katran_60ns_baseline": r.net_kernel.map(|n| r3((n + KATRAN_BASELINE_NS) / KATRAN_BASELINE_NS)),
+                            "headline": r.def.headline,
+                            "path": path_summary(r),
+                            "counters": counters,
+                            "unexpected_actions": r.wrong_actions.iter().map(|(a, n)| (a.to_string(), json!(n))).collect::<serde_json::Map<_, _>>(),
+                            "per_round": {
+                                "kernel_ns": r.kernel_rounds,
+                                "syscall_ns": r.syscall_rounds,
+                            },
+                        })
+                    })
+                    .collect();
+                json!({ "variant": v.name(), "next_hop": v.describe(), "cases": cases })
+            })
+            .collect();
+        doc["variants"] = Value::Array(variants);
+        doc
+    }
+
+    /// Bar chart of the ratios (kernel-reported and syscall-inclusive panels), one bar per
+    /// variant per case, with the aims (red) and Katran's ratios (grey) as marks.
+    pub fn svg(&self) -> String {
+        let cases: Vec<&CaseDef> = CASES.iter().filter(|c| c.baseline.is_some()).collect();
+        let nv = self.variants.len().max(1);
+        let max_ratio = self
+            .rows
+            .iter()
+            .flat_map(|r| [r.ratio_kernel, r.ratio_syscall])
+            .flatten()
+            .chain(cases.iter().flat_map(|c| [c.aim, c.katran]).flatten())
+            .fold(1.0f64, f64::max);
+        let ymax = (max_ratio * 1.1).ceil().max(2.0);
+        let (w, panel_h, top, left, right) = (980.0, 300.0, 100.0, 60.0, 20.0);
+        let label_h = 80.0;
+        let h = top + 2.0 * panel_h + label_h + 50.0;
+        let plot_w = w - left - right;
+        let group_w = plot_w / cases.len() as f64;
+        let bar_w = (group_w * 0.7) / nv as f64;
+        let colors = ["#4e79a7", "#f28e2b"];
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="11">"#
+        );
+        let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+        let _ = writeln!(
+            s,
+            r#"<text x="{left}" y="20" font-size="14" font-weight="bold">Sluice sluice_xdp cost per packet / sluice_pass baseline (BPF_PROG_TEST_RUN, repeat 1, median of {} rounds)</text>"#,
+            self.meta["method"]["rounds_completed"]
+        );
+        let _ = writeln!(
+            s,
+            r##"<text x="{left}" y="36" fill="#555">{} | kernel {} | {} | {}</text>"##,
+            esc(self.meta["date_utc"].as_str().unwrap_or("")),
+            esc(self.meta["kernel"].as_str().unwrap_or("")),
+            esc(self.meta["cpu_model"].as_str().unwrap_or("")),
+            esc(self.meta["git_head"]
+                .as_str()
+                .map(|h| &h[..h.len().min(12)])
+                .unwrap_or(""))
+        );
+        // Legend.
+        let mut lx = left;
+        for (i, v) in self.variants.iter().enumerate() {
+            let _ = writeln!(
+                s,
+                r#"<rect x="{lx}" y="46" width="12" height="12" fill="{}"/><text x="{}" y="56">{} next hop</text>"#,
+                colors[i % 2],
+                lx + 16.0,
+                v.name()
+            );
+            lx += 130.0;
+        }
+        let _ = writeln!(
+            s,
+            r##"<line x1="{lx}" y1="52" x2="{}" y2="52" stroke="#d62728" stroke-width="2" stroke-dasharray="5,3"/><text x="{}" y="56">aim</text>"##,
+            lx + 24.0,
+            lx + 28.0
+        );
+        lx += 70.0;
+        let _ = writeln!(
+            s,
+            r##"<line x1="{lx}" y1="52" x2="{}" y2="52" stroke="#777" stroke-width="2" stroke-dasharray="2,2"/><text x="{}" y="56">Katran on this machine kind</text>"##,
+            lx + 24.0,
+            lx + 28.0
+        );
+
+        for (p, (title, kernel)) in [
+            ("syscall-inclusive (wall clock per call) / baseline: the headline ratio", false),
+            ("kernel-reported duration / baseline (what Katran's 60 ns-baseline figures compare)", true),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let y0 = top + p as f64 * (panel_h + label_h);
+            let y = |r: f64| y0 + panel_h - (r / ymax) * panel_h;
+            let _ = writeln!(
+                s,
+                r#"<text x="{left}" y="{}" font-size="12" font-weight="bold">{}</text>"#,
+                y0 - 14.0,
+                esc(title)
+            );
+            // Axis and grid.
+            let step = if ymax > 12.0 { 2.0 } else { 1.0 };
+            let mut t = 0.0;
+            while t <= ymax + 1e-9 {
+                let _ = writeln!(
+                    s,
+                    r##"<line x1="{left}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="{}" stroke-width="1"/><text x="{}" y="{:.1}" text-anchor="end">{t}x</text>"##,
+                    y(t),
+                    w - right,
+                    y(t),
+                    if t == 0.0 { "#000" } else { "#e5e5e5" },
+                    left - 6.0,
+                    y(t) + 4.0
+                );
+                t += step;
+            }
+            for (gi, c) in cases.iter().enumerate() {
+                let gx = left + gi as f64 * group_w + group_w * 0.15;
+                for (vi, v) in self.variants.iter().enumerate() {
+                    let Some(r) = self.rows.iter().find(|r| r.variant == *v && r.def.id == c.id) else {
+                        continue;
+                    };
+                    let Some(ratio) = (if *kernel { r.ratio_kernel } else { r.ratio_syscall }) else {
+                        continue;
+                    };
+                    let x = gx + vi as f64 * bar_w;
+                    let _ = writeln!(
+                        s,
+                        r#"<rect x="{x:.1}" y="{:.1}" width="{:.1}" height="{:.1}" fill="{}"><title>{} [{}]: {ratio:.2}x</title></rect><text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="10">{ratio:.2}</text>"#,
+                        y(ratio),
+                        bar_w - 2.0,
+                        (ratio / ymax) * panel_h,
+                        colors[vi % 2],
+                        esc(c.label),
+                        v.name(),
+                        x + (bar_w - 2.0) / 2.0,
+                        y(ratio) - 3.0
+                    );
+                }
+                let (x1, x2) = (gx - 4.0, gx + nv as f64 * bar_w + 2.0);
+                if let Some(a) = c.aim {
+                    let _ = writeln!(
+                        s,
+                        r##"<line x1="{x1:.1}" y1="{:.1}" x2="{x2:.1}" y2="{:.1}" stroke="#d62728" stroke-width="2" stroke-dasharray="5,3"><title>aim {a}x</title></line>"##,
+                        y(a),
+                        y(a)
+                    );
+                }
+                if let Some(k) = c.katran {
+                    let _ = writeln!(
+                        s,
+                        r##"<line x1="{x1:.1}" y1="{:.1}" x2="{x2:.1}" y2="{:.1}" stroke="#777" stroke-width="2" stroke-dasharray="2,2"><title>Katran {k}x</title></line>"##,
+                        y(k),
+                        y(k)
+                    );
+                }
+                // Case label under the group, wrapped on commas / parentheses.
+                let cx = left + gi as f64 * group_w + group_w / 2.0;
+                for (li, line) in wrap(c.label, 20).iter().enumerate() {
+                    let _ = writeln!(
+                        s,
+                        r#"<text x="{cx:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+                        y0 + panel_h + 14.0 + li as f64 * 12.0,
+                        esc(line)
+                    );
+                }
+            }
+        }
+        s.push_str("</svg>\n");
+        s
+    }
+}
+
+/// Which next hop and conn-table outcome the counters show, per call.
+fn path_summary(r: &Row) -> String {
+    let n = r.calls.max(1) as f64;
+    let keys = [
+        "conn_hit",
+        "conn_miss",
+        "fib_fallback_mac",
+        "tx",
+        "redirect",
+        "pass_not_vip",
+    ];
+    let parts: Vec<String> = keys
+        .iter()
+        .filter_map(|k| {
+            r.counters
+                .get(k)
+                .map(|c| format!("{k} {:.2}", *c as f64 / n))
+        })
+        .collect();
+    if parts.is_empty() {
+        "-".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    let mut lines = vec![String::new()];
+    for word in text.split(' ') {
+        let cur = lines.last_mut().unwrap();
+        if !cur.is_empty() && cur.len() + 1 + word.len() > width {
+            lines.push(word.to_string());
+        } else {
+            if !cur.is_empty() {
+                cur.push(' ');
+            }
+            cur.push_str(word);
+        }
+    }
+    lines
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}

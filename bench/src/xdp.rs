@@ -1,0 +1,1175 @@
+//! `sluice-bench xdp`: per-packet cost of the real `sluice_xdp` through BPF_PROG_TEST_RUN,
+//! against the XDP_PASS baseline `sluice_pass` measured the same way in the same run.
+//!
+//! # Method
+//!
+//! - Every call is `BPF_PROG_TEST_RUN` with `repeat = 1` on a fresh copy of the input frame
+//!   (the kernel copies `data_in` on every call), for every case including the baseline: with
+//!   `repeat > 1` a rewritten (encapsulated) packet would carry over into the next repeat.
+//! - Two figures per call: the kernel-reported duration (`TestRunResult::duration`: the
+//!   program plus the test-run harness's fixed bh-disable and clock-read overhead) and the
+//!   wall-clock time of the whole batch of syscalls divided by the calls
+//!   ("syscall-inclusive": frame copy in and out, the syscall, buffer allocation).
+//! - Rounds: every round runs one batch of every (next-hop variant, case) pair, in an order
+//!   shuffled per round, so slow drift on a noisy VM spreads over all cases. Per case the
+//!   report gives the median, minimum and 90th percentile over rounds of the batch means,
+//!   and the ratio to its baseline's median.
+//! - The thread is pinned to one CPU; the benchmark runs in fresh network namespaces:
+//!   `fallback`, empty (forwarding off, so `bpf_fib_lookup` fails at once and the configured
+//!   fallback MAC is used: XDP_TX), and `fib`, with a route and permanent neighbours for the
+//!   backends and forwarding on (`bpf_fib_lookup` succeeds: XDP_REDIRECT through the devmap,
+//!   the production path). The data-plane counters of every batch confirm the path taken.
+//! - Every loop is bounded in calls and in time.
+
+use std::{
+    collections::BTreeMap,
+    os::fd::OwnedFd,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, bail, Context, Result};
+use aya::{
+    maps::{HashMap as BpfHashMap, Map, MapData},
+    programs::{TestRun, TestRunOptions, Xdp},
+};
+use lb_common::{
+    stat, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
+    BACKEND_ACTIVE, CONN_TABLE_SIZE, FAMILY_V4, PROTO_TCP,
+};
+use serde_json::{json, Value};
+use sluice::{
+    addr::to_words,
+    dataplane::{Dataplane, LoadOptions, PROG_PASS, PROG_XDP},
+    maglev::{self, MaglevBackend},
+    object::BPF_OBJECT,
+};
+use sluice_tests::{
+    flow,
+    frames::{self, eth, ipv6, tcp, Mac, ACK, ETH_IP, ETH_IPV6, PSH, SYN, V4},
+    FALLBACK_MAC, RING, SEED,
+};
+
+use crate::{report, sys};
+
+const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
+const XDP_REDIRECT: u32 = 4;
+
+const LB_MAC: Mac = [0x02, 0, 0, 0, 0, 0x01];
+const CLIENT_MAC: Mac = [0x02, 0, 0, 0, 0, 0x02];
+/// Egress MTU in the `fib` namespace: room for the 20/40 encapsulation bytes on full-size
+/// client packets.
+const FIB_MTU: u32 = 9000;
+const FIB_DEV_MAC: Mac = [0x02, 0, 0, 0, 0x0a, 0x0a];
+const VIP4: &str = "10.200.0.1";
+const VIP6: &str = "fd00:200::1";
+const NON_VIP4: &str = "10.201.0.9";
+const CLIENT4: &str = "192.0.2.10";
+const CLIENT6: &str = "2001:db8:c::10";
+const VIP_PORT: u16 = 443;
+const BACKENDS4: [(u32, &str); 4] = [
+    (1, "10.1.0.1"),
+    (2, "10.1.0.2"),
+    (3, "10.1.0.3"),
+    (4, "10.1.0.4"),
+];
+const BACKENDS6: [(u32, &str); 4] = [
+    (11, "fd00:1::1"),
+    (12, "fd00:1::2"),
+    (13, "fd00:1::3"),
+    (14, "fd00:1::4"),
+];
+
+/// Client address blocks (host order) of the generated flows: each family of flows gets its
+/// own block of 2^20 addresses inside 100.64.0.0/10; the source port carries the rest.
+const BLOCK_MANY: u32 = 0x6440_0000; // 100.64.0.0: the pre-populated established flows
+const BLOCK_SYN: u32 = 0x6450_0000; // 100.80.0.0: new flows (table with room)
+const BLOCK_SYN_FULL: u32 = 0x6460_0000; // 100.96.0.0: new flows into a full table
+const BLOCK_BITS: u32 = 20;
+
+/// Per-CPU capacity of the conn table of the "full table" case: small, so it is kept full
+/// and every new flow evicts.
+const FULL_TABLE_PER_CPU: u32 = 4096;
+
+struct Opts {
+    rounds: usize,
+    calls: usize,
+    flows: usize,
+    batch_secs: f64,
+    max_secs: f64,
+    cpu: usize,
+    out: PathBuf,
+    svg: PathBuf,
+    variants: Vec<Variant>,
+    /// Only these cases (baselines are always measured).
+    cases: Option<Vec<CaseId>>,
+    /// A BPF object to load instead of the embedded one (A/B of data-plane changes).
+    object: Option<PathBuf>,
+}
+
+const HELP: &str = "\
+sluice-bench xdp [options]: per-packet cost of sluice_xdp (BPF_PROG_TEST_RUN, repeat 1 per
+call on a fresh frame) against the XDP_PASS baseline sluice_pass, in fresh network namespaces.
+
+  --rounds N        rounds; each runs one batch of every case, shuffled (default 11)
+  --calls N         calls per batch (default 200000)
+  --flows N         distinct established flows of the many-flows case (default 200000)
+  --batch-secs S    time bound of one batch (default 1.0)
+  --max-secs S      time bound of the measuring phase; later rounds are skipped (default 90)
+  --cpu N           CPU to pin to (default: the last online CPU)
+  --variants LIST   next-hop variants, comma separated: fallback,fib (default both)
+  --cases LIST      only these cases (comma separated keys; baselines always run)
+  --object PATH     load this BPF object instead of the embedded target/bpf/sluice.bpf.o
+                    (to compare a data-plane change; its maps must keep the layout)
+  --quick           --rounds 3 --calls 20000 --flows 20000
+  --out PATH        JSON results (default bench/results/xdp.json)
+  --svg PATH        SVG chart (default: the JSON path with .svg)
+";
+
+fn parse_opts(args: &[String]) -> Result<Option<Opts>> {
+    let mut o = Opts {
+        rounds: 11,
+        calls: 200_000,
+        flows: 200_000,
+        batch_secs: 1.0,
+        max_secs: 90.0,
+        cpu: sys::online_cpus().saturating_sub(1),
+        out: PathBuf::from("bench/results/xdp.json"),
+        svg: PathBuf::new(),
+        variants: vec![Variant::Fallback, Variant::Fib],
+        cases: None,
+        object: None,
+    };
+    let mut svg = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = |name: &str| {
+            it.next()
+                .cloned()
+                .ok_or_else(|| anyhow!("{name} needs a value"))
+        };
+        match a.as_str() {
+            "-h" | "--help" => {
+                print!("{HELP}");
+                return Ok(None);
+            }
+            "--rounds" => o.rounds = val(a)?.parse()?,
+            "--calls" => o.calls = val(a)?.parse()?,
+            "--flows" => o.flows = val(a)?.parse()?,
+            "--batch-secs" => o.batch_secs = val(a)?.parse()?,
+            "--max-secs" => o.max_secs = val(a)?.parse()?,
+            "--cpu" => o.cpu = val(a)?.parse()?,
+            "--out" => o.out = val(a)?.into(),
+            "--svg" => svg = Some(PathBuf::from(val(a)?)),
+            "--variants" => {
+                o.variants = val(a)?
+                    .split(',')
+                    .map(|v| match v {
+                        "fallback" => Ok(Variant::Fallback),
+                        "fib" => Ok(Variant::Fib),
+                        _ => Err(anyhow!("unknown variant {v} (fallback, fib)")),
+                    })
+                    .collect::<Result<_>>()?;
+            }
+            "--cases" => {
+                let list = val(a)?;
+                let mut ids = Vec::new();
+                for k in list.split(',') {
+                    let c = CASES.iter().find(|c| c.key == k).ok_or_else(|| {
+                        anyhow!(
+                            "unknown case {k}; cases: {}",
+                            CASES.iter().map(|c| c.key).collect::<Vec<_>>().join(", ")
+                        )
+                    })?;
+                    ids.push(c.id);
+                }
+                o.cases = Some(ids);
+            }
+            "--object" => o.object = Some(val(a)?.into()),
+            "--quick" => {
+                o.rounds = 3;
+                o.calls = 20_000;
+                o.flows = 20_000;
+            }
+            _ => bail!("unknown option {a}\n{HELP}"),
+        }
+    }
+    if o.rounds == 0 || o.calls == 0 || o.variants.is_empty() {
+        bail!("--rounds, --calls and --variants must be non-empty");
+    }
+    if o.flows == 0 || o.flows > 1 << BLOCK_BITS {
+        bail!("--flows must be between 1 and {}", 1u32 << BLOCK_BITS);
+    }
+    o.svg = svg.unwrap_or_else(|| o.out.with_extension("svg"));
+    Ok(Some(o))
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Variant {
+    Fallback,
+    Fib,
+}
+
+impl Variant {
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::Fallback => "fallback",
+            Variant::Fib => "fib",
+        }
+    }
+    pub fn describe(self) -> &'static str {
+        match self {
+            Variant::Fallback => "fallback MAC: fresh empty netns, forwarding off, so bpf_fib_lookup fails at once (FWD_DISABLED) and the configured fallback MAC is used; action XDP_TX",
+            Variant::Fib => "FIB: netns with a connected route and permanent neighbours for every backend, forwarding on; bpf_fib_lookup succeeds and the packet is redirected through the TX_PORTS devmap (production path); action XDP_REDIRECT",
+        }
+    }
+    fn steered_action(self) -> u32 {
+        match self {
+            Variant::Fallback => XDP_TX,
+            Variant::Fib => XDP_REDIRECT,
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum CaseId {
+    Pass,
+    Pass1500,
+    SynNew,
+    SynFull,
+    Established,
+    Established200k,
+    NonVip,
+    Established1500,
+    EstablishedV6,
+}
+
+/// Which loaded data plane (and so which conn table) a case runs against.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dp {
+    /// Established flows (single, many, 1500 bytes, IPv6), non-VIP, baselines.
+    Main = 0,
+    /// New flows; the flows inserted by each batch are deleted after it, so the table
+    /// always has room (no eviction).
+    New = 1,
+    /// New flows into a small table kept full: every insert evicts.
+    Full = 2,
+}
+
+pub struct CaseDef {
+    pub id: CaseId,
+    pub key: &'static str,
+    pub label: &'static str,
+    dp: Dp,
+    pub prog: &'static str,
+    pub baseline: Option<CaseId>,
+    /// Aimed-for ratio to the baseline (total cost per call).
+    pub aim: Option<f64>,
+    /// Katran's ratio on this machine kind with the same harness (anchors.md).
+    pub katran: Option<f64>,
+    /// Katran's cost net of the 60 ns baseline, ns (anchors.md).
+    pub katran_net_ns: Option<f64>,
+    pub headline: bool,
+}
+
+pub const CASES: &[CaseDef] = &[
+    CaseDef {
+        id: CaseId::Pass,
+        key: "pass",
+        label: "baseline sluice_pass, 54 B",
+        dp: Dp::Main,
+        prog: PROG_PASS,
+        baseline: None,
+        aim: None,
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
+    },
+    CaseDef {
+        id: CaseId::Pass1500,
+        key: "pass_1500",
+        label: "baseline sluice_pass, 1514 B",
+        dp: Dp::Main,
+        prog: PROG_PASS,
+        baseline: None,
+        aim: None,
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
+    },
+    CaseDef {
+        id: CaseId::SynNew,
+        key: "syn_new_flow",
+        label: "SYN, new flow (miss + insert)",
+        dp: Dp::New,
+        prog: PROG_XDP,
+        baseline: Some(CaseId::Pass),
+        aim: Some(8.0),
+        katran: Some(10.0),
+        katran_net_ns: Some(540.0),
+        headline: true,
+    },
+    CaseDef {
+        id: CaseId::SynFull,
+        key: "syn_new_flow_full_table",
+        label: "SYN, new flow, full table (evicts)",
+        dp: Dp::Full,
+        prog: PROG_XDP,
+        baseline: Some(CaseId::Pass),
+        aim: Some(8.0),
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
+    },
+    CaseDef {
+        id: CaseId::Established,
+        key: "established",
+        label: "established flow (conn hit)",
+        dp: Dp::Main,
+        prog: PROG_XDP,
+        baseline: Some(CaseId::Pass),
+        aim: Some(2.5),
+        katran: Some(3.3),
+        katran_net_ns: Some(138.0),
+        headline: true,
+    },
+    CaseDef {
+        id: CaseId::Established200k,
+        key: "established_many",
+        label: "established, cycling N flows",
+        dp: Dp::Main,
+        prog: PROG_XDP,
+        baseline: Some(CaseId::Pass),
+        aim: Some(2.5),
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
+    },
+    CaseDef {
+        id: CaseId::NonVip,
+        key: "non_vip",
+        label: "non-VIP packet (XDP_PASS)",
+        dp: Dp::Main,
+        prog: PROG_XDP,
+        baseline: Some(CaseId::Pass),
+        aim: Some(1.6),
+        katran: Some(1.9),
+        katran_net_ns: Some(50.0),
+        headline: true,
+    },
+    CaseDef {
+        id: CaseId::Established1500,
+        key: "established_1500",
+        label: "established, 1514 B frame",
+        dp: Dp::Main,
+        prog: PROG_XDP,
+        baseline: Some(CaseId::Pass1500),
+        aim: Some(2.5),
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
+    },
+    CaseDef {
+        id: CaseId::EstablishedV6,
+        key: "established_v6",
+        label: "established IPv6 flow",
+        dp: Dp::Main,
+        prog: PROG_XDP,
+        baseline: Some(CaseId::Pass),
+        aim: Some(2.5),
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
+    },
+];
+
+pub fn case(id: CaseId) -> &'static CaseDef {
+    CASES
+        .iter()
+        .find(|c| c.id == id)
+        .expect("every id has a def")
+}
+
+fn expected_action(id: CaseId, v: Variant) -> u32 {
+    match id {
+        CaseId::Pass | CaseId::Pass1500 | CaseId::NonVip => XDP_PASS,
+        _ => v.steered_action(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Frames
+
+fn v4_tcp_frame(
+    src: &str,
+    sport: u16,
+    dst: &str,
+    dport: u16,
+    flags: u8,
+    payload: &[u8],
+) -> Vec<u8> {
+    let l3 = V4::new(src, dst, PROTO_TCP).build(&tcp(sport, dport, flags, payload));
+    eth(LB_MAC, CLIENT_MAC, ETH_IP, &l3)
+}
+
+fn v6_tcp_frame(src: &str, sport: u16, dst: &str, dport: u16, flags: u8) -> Vec<u8> {
+    let l3 = ipv6(src, dst, PROTO_TCP, 0, 0, &tcp(sport, dport, flags, b""));
+    eth(LB_MAC, CLIENT_MAC, ETH_IPV6, &l3)
+}
+
+/// Client (address, port) of generated flow `n` in `block`.
+fn gen_flow(block: u32, n: u64) -> (u32, u16) {
+    let addr = block + (n as u32 & ((1 << BLOCK_BITS) - 1));
+    let port = 1024 + (n >> BLOCK_BITS) as u16;
+    (addr, port)
+}
+
+fn gen_key(block: u32, n: u64) -> FlowKey {
+    let (addr, port) = gen_flow(block, n);
+    let (dst, _) = to_words(VIP4.parse().unwrap());
+    FlowKey {
+        src: [u32::from_ne_bytes(addr.to_be_bytes()), 0, 0, 0],
+        dst,
+        sport: port.to_be(),
+        dport: VIP_PORT.to_be(),
+        proto: PROTO_TCP,
+        family: FAMILY_V4,
+        _pad: [0; 2],
+    }
+}
+
+/// Rewrites an untagged IPv4/TCP frame for flow `n` of `block`: source address and port, and
+/// the IP header checksum (the data plane does not check it, but the frames stay valid).
+fn patch_v4(frame: &mut [u8], block: u32, n: u64) {
+    let (addr, port) = gen_flow(block, n);
+    frame[26..30].copy_from_slice(&addr.to_be_bytes());
+    frame[34..36].copy_from_slice(&port.to_be_bytes());
+    frame[24..26].copy_from_slice(&[0, 0]);
+    let c = frames::csum(&frame[14..34]);
+    frame[24..26].copy_from_slice(&c.to_be_bytes());
+}
+
+enum Frames {
+    /// The same frame on every call.
+    Fixed(Vec<u8>),
+    /// Flows `next % count` of `block`, cycling (the many-established-flows case).
+    Cycle {
+        frame: Vec<u8>,
+        block: u32,
+        next: u64,
+        count: u64,
+    },
+    /// A flow never sent before on every call.
+    Fresh {
+        frame: Vec<u8>,
+        block: u32,
+        next: u64,
+    },
+}
+
+impl Frames {
+    #[inline(always)]
+    fn next(&mut self) -> &[u8] {
+        match self {
+            Frames::Fixed(f) => f,
+            Frames::Cycle {
+                frame,
+                block,
+                next,
+                count,
+            } => {
+                patch_v4(frame, *block, *next % *count);
+                *next += 1;
+                frame
+            }
+            Frames::Fresh { frame, block, next } => {
+                patch_v4(frame, *block, *next);
+                *next += 1;
+                frame
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Frames::Fixed(f) | Frames::Cycle { frame: f, .. } | Frames::Fresh { frame: f, .. } => {
+                f.len()
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Setup
+
+fn config() -> LbConfig {
+    let (src4, _) = to_words("172.16.0.0".parse().unwrap());
+    let (src6, _) = to_words("fd00:5:1::".parse().unwrap());
+    LbConfig {
+        encap_src_v4: src4[0],
+        encap_src_v4_hostmask: u32::from_ne_bytes([0, 0, 0xff, 0xff]),
+        encap_src_v6: src6,
+        encap_src_v6_hostmask: u32::MAX,
+        hash_seed: SEED,
+        fallback_mac: FALLBACK_MAC,
+        // Off: the new-flow cases measure the insert path, not the flood bypass.
+        flood_new_flows_per_sec: 0,
+        ..Default::default()
+    }
+}
+
+fn add_vip(dp: &mut Dataplane, id: u32, addr: &str, backends: &[(u32, &str)]) -> Result<()> {
+    let (a, family) = to_words(addr.parse()?);
+    let key = VipKey {
+        addr: a,
+        port: VIP_PORT.to_be(),
+        proto: PROTO_TCP,
+        family,
+    };
+    let meta = VipMeta {
+        id,
+        flags: 0,
+        ring_size: RING,
+        active_ring: 0,
+        affinity_secs: 0,
+        priority: 0,
+    };
+    for (bid, baddr) in backends {
+        let (ba, bf) = to_words(baddr.parse()?);
+        dp.set_backend(
+            *bid,
+            &Backend {
+                addr: ba,
+                family: bf,
+                state: BACKEND_ACTIVE,
+                vip: id,
+                ..Default::default()
+            },
+        )?;
+    }
+    let mb: Vec<MaglevBackend> = backends
+        .iter()
+        .map(|(id, key)| MaglevBackend {
+            id: *id,
+            key,
+            weight: 1,
+        })
+        .collect();
+    let table = maglev::build(&mb, RING, SEED).map_err(|e| anyhow!("maglev: {e:?}"))?;
+    dp.publish(&key, meta, &table)?;
+    Ok(())
+}
+
+/// Loads one data plane with the benchmark's VIPs (IPv4 and IPv6, 4 backends each, full
+/// 65537-slot Maglev rings) and a conn table of `conn_table_size`.
+fn load_dp(object: &[u8], conn_table_size: u32) -> Result<Dataplane> {
+    let opts = LoadOptions {
+        conn_table_size,
+        affinity_table_size: AFFINITY_TABLE_SIZE,
+        max_vips: 2,
+        ..Default::default()
+    };
+    let mut dp = Dataplane::load(object, &opts).context("loading the data plane")?;
+    dp.set_config(&config())?;
+    add_vip(&mut dp, 0, VIP4, &BACKENDS4)?;
+    add_vip(&mut dp, 1, VIP6, &BACKENDS6)?;
+    Ok(dp)
+}
+
+/// The conn table of a loaded data plane, opened by id (the `Dataplane` API clears it only
+/// as a whole; the new-flow case deletes exactly the flows it inserted).
+fn conn_map(dp: &mut Dataplane) -> Result<BpfHashMap<MapData, FlowKey, ConnEntry>> {
+    let info = dp.program(PROG_XDP)?.info()?;
+    let ids = info
+        .map_ids()?
+        .ok_or_else(|| anyhow!("kernel does not report program map ids"))?;
+    for id in ids {
+        let data = MapData::from_id(id)?;
+        if data.info()?.name_as_str() == Some("CONNS") {
+            return Ok(BpfHashMap::try_from(Map::LruHashMap(data))?);
+        }
+    }
+    bail!("no CONNS map among sluice_xdp's maps")
+}
+
+/// Configures the `fib` namespace (this thread must be in it): a veth whose segment holds
+/// the backends, with permanent neighbours, and forwarding on (also on `lo`, the ingress
+/// device of BPF_PROG_TEST_RUN).
+fn setup_fib_netns() -> Result<u32> {
+    sys::sh("ip link set lo up && ip link add fibA type veth peer name fibB && ip link set fibA address 02:00:00:00:0a:0a && ip link set fibA up && ip link set fibB up")?;
+    sys::sh("ip addr add 10.1.0.254/24 dev fibA && ip -6 addr add fd00:1::fe/64 dev fibA nodad")?;
+    let mut neigh = String::new();
+    for (id, a) in BACKENDS4 {
+        neigh += &format!(
+            "ip neigh replace {a} lladdr 02:00:00:00:0b:{id:02x} nud permanent dev fibA && "
+        );
+    }
+    for (id, a) in BACKENDS6 {
+        neigh += &format!(
+            "ip -6 neigh replace {a} lladdr 02:00:00:00:0b:{id:02x} nud permanent dev fibA && "
+        );
+    }
+    neigh += "true";
+    sys::sh(&neigh)?;
+    sys::sh("sysctl -qw net.ipv4.conf.all.forwarding=1 net.ipv4.conf.lo.forwarding=1 net.ipv6.conf.all.forwarding=1 net.ipv6.conf.lo.forwarding=1")?;
+    sys::ifindex("fibA")
+}
+
+fn run_once(dp: &mut Dataplane, prog: &str, frame: &[u8], out: &mut [u8]) -> Result<(u32, usize)> {
+    let r = dp.program(prog)?.test_run(TestRunOptions {
+        data_in: Some(frame),
+        data_out: Some(out),
+        ..Default::default()
+    })?;
+    Ok((r.return_value, r.data_size_out as usize))
+}
+
+// ---------------------------------------------------------------------------------------
+// Measurement
+
+#[derive(Clone, Debug)]
+pub struct Batch {
+    pub calls: usize,
+    /// Wall-clock ns per call over the batch (syscall-inclusive).
+    pub syscall_ns: f64,
+    /// Mean of the kernel-reported per-call durations.
+    pub kernel_ns: f64,
+    /// Median of the kernel-reported per-call durations.
+    pub kernel_call_median_ns: f64,
+    /// Calls whose action was not the expected one, by action.
+    pub wrong_actions: BTreeMap<u32, usize>,
+}
+
+fn measure(
+    prog: &Xdp,
+    frames: &mut Frames,
+    calls: usize,
+    limit: Duration,
+    expect: u32,
+    out: &mut [u8],
+    kern: &mut Vec<u32>,
+) -> Result<Batch> {
+    kern.clear();
+    let mut wrong: BTreeMap<u32, usize> = BTreeMap::new();
+    let mut done = 0usize;
+    let t0 = Instant::now();
+    while done < calls {
+        let chunk = (calls - done).min(1024);
+        for _ in 0..chunk {
+            let r = prog.test_run(TestRunOptions {
+                data_in: Some(frames.next()),
+                data_out: Some(&mut *out),
+                ..Default::default()
+            })?;
+            if r.return_value != expect {
+                *wrong.entry(r.return_value).or_default() += 1;
+            }
+            kern.push(r.duration.as_nanos() as u32);
+        }
+        done += chunk;
+        if t0.elapsed() >= limit {
+            break;
+        }
+    }
+    let wall = t0.elapsed();
+    let mean = kern.iter().map(|&d| d as f64).sum::<f64>() / done as f64;
+    let mid = done / 2;
+    let (_, med, _) = kern.select_nth_unstable(mid);
+    Ok(Batch {
+        calls: done,
+        syscall_ns: wall.as_nanos() as f64 / done as f64,
+        kernel_ns: mean,
+        kernel_call_median_ns: *med as f64,
+        wrong_actions: wrong,
+    })
+}
+
+pub struct CaseResult {
+    pub variant: Variant,
+    pub id: CaseId,
+    pub frame_bytes: usize,
+    pub batches: Vec<Batch>,
+    /// Data-plane counter deltas over every batch of this case (name -> count).
+    pub counters: BTreeMap<&'static str, u64>,
+}
+
+/// Deterministic shuffle (xorshift64*), so runs are reproducible.
+fn shuffle<T>(v: &mut [T], seed: u64) {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    for i in (1..v.len()).rev() {
+        s ^= s >> 12;
+        s ^= s << 25;
+        s ^= s >> 27;
+        let r = s.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        v.swap(i, (r % (i as u64 + 1)) as usize);
+    }
+}
+
+fn stats_delta(before: &[u64], after: &[u64], into: &mut BTreeMap<&'static str, u64>) {
+    for (i, (a, b)) in after.iter().zip(before).enumerate() {
+        if a > b {
+            *into.entry(stat::NAMES[i]).or_default() += a - b;
+        }
+    }
+}
+
+pub fn main(args: &[String]) -> Result<()> {
+    let Some(opts) = parse_opts(args)? else {
+        return Ok(());
+    };
+    sys::require_root()?;
+    let started = Instant::now();
+    let command_line = std::env::args().collect::<Vec<_>>().join(" ");
+    sys::pin_cpu(opts.cpu)?;
+    let possible = sys::possible_cpus();
+
+    println!(
+        "sluice-bench xdp: pinned to CPU {}, {} possible CPUs",
+        opts.cpu, possible
+    );
+
+    // Namespaces: `fallback` is empty, `fib` has routes and neighbours for the backends.
+    let mut netns: Vec<(Variant, OwnedFd)> = Vec::new();
+    let ns_fallback = sys::new_netns()?;
+    let ns_fib = sys::new_netns()?;
+    let fib_ifindex = setup_fib_netns().context("setting up the fib namespace")?;
+    for v in &opts.variants {
+        let fd = match v {
+            Variant::Fallback => ns_fallback.try_clone()?,
+            Variant::Fib => ns_fib.try_clone()?,
+        };
+        netns.push((*v, fd));
+    }
+    let ns_of = |v: Variant| -> &OwnedFd {
+        &netns
+            .iter()
+            .find(|(x, _)| *x == v)
+            .expect("variant has a namespace")
+            .1
+    };
+
+    // Data planes. The main one uses the production conn-table size; a per-CPU LRU gives
+    // each possible CPU max_entries / possible_cpus entries, all on the pinned CPU here.
+    let t = Instant::now();
+    let full_size = FULL_TABLE_PER_CPU * possible as u32;
+    let external = match &opts.object {
+        Some(p) => Some(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?),
+        None => None,
+    };
+    let object: &[u8] = external.as_deref().unwrap_or(BPF_OBJECT);
+    let mut dps = [
+        load_dp(object, CONN_TABLE_SIZE)?,
+        load_dp(object, CONN_TABLE_SIZE)?,
+        load_dp(object, full_size)?,
+    ];
+    // The devmap resolves ifindexes in the writer's namespace: write it from `fib`.
+    sys::enter_netns(&ns_fib)?;
+    for dp in dps.iter_mut() {
+        dp.add_tx_port(fib_ifindex)?;
+    }
+    sys::enter_netns(&ns_fallback)?;
+    println!(
+        "loaded 3 data planes (conn tables {CONN_TABLE_SIZE}, {CONN_TABLE_SIZE}, {full_size}) in {:.2} s",
+        t.elapsed().as_secs_f64()
+    );
+    let mut new_conns = conn_map(&mut dps[Dp::New as usize])?;
+
+    // Frames.
+    let syn4 = v4_tcp_frame(CLIENT4, 40000, VIP4, VIP_PORT, SYN, b"");
+    let ack4 = v4_tcp_frame(CLIENT4, 40000, VIP4, VIP_PORT, ACK, b"");
+    let syn1500 = v4_tcp_frame(CLIENT4, 40001, VIP4, VIP_PORT, SYN, b"");
+    let data1500 = v4_tcp_frame(CLIENT4, 40001, VIP4, VIP_PORT, ACK | PSH, &[0xab; 1460]);
+    assert_eq!(data1500.len(), 1514);
+    let syn6 = v6_tcp_frame(CLIENT6, 40000, VIP6, VIP_PORT, SYN);
+    let ack6 = v6_tcp_frame(CLIENT6, 40000, VIP6, VIP_PORT, ACK);
+    let non_vip = v4_tcp_frame(CLIENT4, 40000, NON_VIP4, 80, ACK, b"");
+    let many_tpl = v4_tcp_frame("100.64.0.0", 1024, VIP4, VIP_PORT, ACK, b"");
+    let syn_tpl = v4_tcp_frame("100.80.0.0", 1024, VIP4, VIP_PORT, SYN, b"");
+    {
+        // The generated keys must be the data plane's keys (deletion relies on it).
+        let mut f = syn_tpl.clone();
+        patch_v4(&mut f, BLOCK_SYN, 5 + (3 << BLOCK_BITS));
+        assert_eq!(
+            gen_key(BLOCK_SYN, 5 + (3 << BLOCK_BITS)),
+            flow("100.80.0.5", 1027, VIP4, VIP_PORT, PROTO_TCP)
+        );
+        let want = V4::new("100.80.0.5", VIP4, PROTO_TCP).build(&tcp(1027, VIP_PORT, SYN, b""));
+        assert_eq!(
+            &f[14..],
+            &want[..],
+            "patched frame differs from a built one"
+        );
+    }
+    let mut out = vec![0u8; 2048];
+
+    // Pre-populate the established flows (each sent once as a SYN) and fill the small table.
+    let t = Instant::now();
+    {
+        let dp = &mut dps[Dp::Main as usize];
+        for f in [&syn4, &syn1500, &syn6] {
+            let (a, _) = run_once(dp, PROG_XDP, f, &mut out)?;
+            if a != XDP_TX {
+                bail!("populating an established flow: action {a}, expected XDP_TX");
+            }
+        }
+        let mut f = many_tpl.clone();
+        f[47] = SYN;
+        for n in 0..opts.flows as u64 {
+            patch_v4(&mut f, BLOCK_MANY, n);
+            let (a, _) = run_once(dp, PROG_XDP, &f, &mut out)?;
+            if a != XDP_TX {
+                bail!("populating flow {n}: action {a}");
+            }
+        }
+        let s = dp.stats()?;
+        let want = opts.flows as u64 + 3;
+        if s[stat::CONN_MISS as usize] != want || s[stat::CONN_INSERT_FAILED as usize] != 0 {
+            bail!(
+                "populating: {} misses (expected {want}), {} failed inserts",
+                s[stat::CONN_MISS as usize],
+                s[stat::CONN_INSERT_FAILED as usize]
+            );
+        }
+    }
+    let mut full_next: u64 = 0;
+    {
+        let dp = &mut dps[Dp::Full as usize];
+        let mut f = syn_tpl.clone();
+        for _ in 0..2 * FULL_TABLE_PER_CPU as u64 {
+            patch_v4(&mut f, BLOCK_SYN_FULL, full_next);
+            full_next += 1;
+            run_once(dp, PROG_XDP, &f, &mut out)?;
+        }
+    }
+    println!(
+        "populated {} established flows (+3) and filled the {}-entry-per-CPU table in {:.2} s",
+        opts.flows,
+        FULL_TABLE_PER_CPU,
+        t.elapsed().as_secs_f64()
+    );
+
+    // Check the path of each variant once before measuring.
+    for &v in &opts.variants {
+        sys::enter_netns(ns_of(v))?;
+        let dp = &mut dps[Dp::Main as usize];
+        let before = dp.stats()?;
+        let (a, len) = run_once(dp, PROG_XDP, &ack4, &mut out)?;
+        let after = dp.stats()?;
+        let mut d = BTreeMap::new();
+        stats_delta(&before, &after, &mut d);
+        let dmac: Mac = out[0..6].try_into().unwrap();
+        let smac: Mac = out[6..12].try_into().unwrap();
+        println!(
+            "path check [{}]: action {a}, {len} B out, dst MAC {}, src MAC {}, counters {:?}",
+            v.name(),
+            mac_str(&dmac),
+            mac_str(&smac),
+            d
+        );
+        let ok = match v {
+            Variant::Fallback => {
+                a == XDP_TX && dmac == FALLBACK_MAC && d.contains_key("fib_fallback_mac")
+            }
+            Variant::Fib => {
+                a == XDP_REDIRECT
+                    && smac == FIB_DEV_MAC
+                    && dmac[..5] == [0x02, 0, 0, 0, 0x0b]
+                    && !d.contains_key("fib_fallback_mac")
+            }
+        };
+        if !ok {
+            bail!("variant {} did not take its next-hop path", v.name());
+        }
+    }
+
+    // The FIB path of a full-size packet: with a 1500-byte egress MTU the encapsulated
+    // packet (1520 bytes of L3) does not fit, and bpf_fib_lookup says FRAG_NEEDED. Record
+    // what the data plane does then, and measure with a 9000-byte underlay MTU (what IPIP
+    // with full-size client packets needs anyway).
+    let mut mtu_check = Value::Null;
+    if opts.variants.contains(&Variant::Fib) {
+        sys::enter_netns(&ns_fib)?;
+        let dp = &mut dps[Dp::Main as usize];
+        let mut row = |mtu: u32, dp: &mut Dataplane| -> Result<Value> {
+            sys::sh(&format!(
+                "ip link set fibA mtu {mtu} && ip link set fibB mtu {mtu}"
+            ))?;
+            let before = dp.stats()?;
+            let (a, len) = run_once(dp, PROG_XDP, &data1500, &mut out)?;
+            let after = dp.stats()?;
+            let mut d = BTreeMap::new();
+            stats_delta(&before, &after, &mut d);
+            let dmac: Mac = out[0..6].try_into().unwrap();
+            println!(
+                "1514 B frame, fib netns, egress MTU {mtu}: action {a}, {len} B out, dst MAC {}, counters {:?}",
+                mac_str(&dmac),
+                d
+            );
+            Ok(
+                json!({ "egress_mtu": mtu, "action": a, "bytes_out": len, "dst_mac": mac_str(&dmac), "counters": d }),
+            )
+        };
+        let at1500 = row(1500, dp)?;
+        let at9000 = row(FIB_MTU, dp)?;
+        mtu_check = json!([at1500, at9000]);
+    }
+
+    // The measured cases.
+    let mut sources: Vec<(CaseId, Frames)> = vec![
+        (CaseId::Pass, Frames::Fixed(ack4.clone())),
+        (CaseId::Pass1500, Frames::Fixed(data1500.clone())),
+        (
+            CaseId::SynNew,
+            Frames::Fresh {
+                frame: syn_tpl.clone(),
+                block: BLOCK_SYN,
+                next: 0,
+            },
+        ),
+        (
+            CaseId::SynFull,
+            Frames::Fresh {
+                frame: syn_tpl.clone(),
+                block: BLOCK_SYN_FULL,
+                next: full_next,
+            },
+        ),
+        (CaseId::Established, Frames::Fixed(ack4.clone())),
+        (
+            CaseId::Established200k,
+            Frames::Cycle {
+                frame: many_tpl.clone(),
+                block: BLOCK_MANY,
+                next: 0,
+                count: opts.flows as u64,
+            },
+        ),
+        (CaseId::NonVip, Frames::Fixed(non_vip.clone())),
+        (CaseId::Established1500, Frames::Fixed(data1500.clone())),
+        (CaseId::EstablishedV6, Frames::Fixed(ack6.clone())),
+    ];
+    if let Some(only) = &opts.cases {
+        sources.retain(|(id, _)| case(*id).baseline.is_none() || only.contains(id));
+    }
+    let mut results: Vec<CaseResult> = Vec::new();
+    for &v in &opts.variants {
+        for (id, f) in &sources {
+            results.push(CaseResult {
+                variant: v,
+                id: *id,
+                frame_bytes: f.len(),
+                batches: Vec::new(),
+                counters: BTreeMap::new(),
+            });
+        }
+    }
+
+    // Warm-up: one short batch of every case (not recorded).
+    let limit = Duration::from_secs_f64(opts.batch_secs);
+    let mut kern: Vec<u32> = Vec::with_capacity(opts.calls);
+    let warm = (opts.calls / 10).clamp(1, 10_000);
+    for r in &results {
+        sys::enter_netns(ns_of(r.variant))?;
+        let def = case(r.id);
+        let (_, frames) = sources.iter_mut().find(|(id, _)| *id == r.id).unwrap();
+        let start = fresh_start(frames);
+        let dp = &mut dps[def.dp as usize];
+        let b = measure(
+            dp.program(def.prog)?,
+            frames,
+            warm,
+            limit,
+            expected_action(r.id, r.variant),
+            &mut out,
+            &mut kern,
+        )?;
+        if !b.wrong_actions.is_empty() {
+            bail!(
+                "warm-up of {} [{}]: unexpected actions {:?}",
+                def.key,
+                r.variant.name(),
+                b.wrong_actions
+            );
+        }
+        if def.dp == Dp::New {
+            delete_fresh(&mut new_conns, frames, start)?;
+        }
+    }
+
+    println!(
+        "measuring: {} rounds x {} (variant, case) batches of up to {} calls ({} s per batch at most, {} s in all)",
+        opts.rounds,
+        results.len(),
+        opts.calls,
+        opts.batch_secs,
+        opts.max_secs
+    );
+    let measure_start = Instant::now();
+    let mut rounds_done = 0;
+    let mut order: Vec<usize> = (0..results.len()).collect();
+    for round in 0..opts.rounds {
+        if measure_start.elapsed().as_secs_f64() >= opts.max_secs {
+            println!("time bound reached after {round} rounds");
+            break;
+        }
+        shuffle(&mut order, round as u64 + 1);
+        for &i in &order {
+            let r = &mut results[i];
+            sys::enter_netns(ns_of(r.variant))?;
+            let def = case(r.id);
+            let (_, frames) = sources.iter_mut().find(|(id, _)| *id == r.id).unwrap();
+            let start = fresh_start(frames);
+            let dp = &mut dps[def.dp as usize];
+            let before = dp.stats()?;
+            let b = measure(
+                dp.program(def.prog)?,
+                frames,
+                opts.calls,
+                limit,
+                expected_action(r.id, r.variant),
+                &mut out,
+                &mut kern,
+            )?;
+            let after = dp.stats()?;
+            stats_delta(&before, &after, &mut r.counters);
+            let wrong: usize = b.wrong_actions.values().sum();
+            if wrong != 0 {
+                eprintln!(
+                    "\nwarning: {} [{}]: {wrong} of {} calls returned another action (action: calls) {:?}; counters of this batch {:?}",
+                    def.key,
+                    r.variant.name(),
+                    b.calls,
+                    b.wrong_actions,
+                    {
+                        let mut d = BTreeMap::new();
+                        stats_delta(&before, &after, &mut d);
+                        d
+                    }
+                );
+                // A few odd calls are reported; a path that changed is an error.
+                if wrong * 1000 > b.calls {
+                    bail!(
+                        "{} [{}]: more than 0.1% of calls took another path",
+                        def.key,
+                        r.variant.name()
+                    );
+                }
+            }
+            if def.dp == Dp::New {
+                delete_fresh(&mut new_conns, frames, start)?;
+            }
+            r.batches.push(b);
+        }
+        rounds_done += 1;
+        eprint!(
+            "\rround {}/{} done ({:.0} s)",
+            round + 1,
+            opts.rounds,
+            measure_start.elapsed().as_secs_f64()
+        );
+    }
+    eprintln!();
+
+    let prog_info = {
+        let mut m = serde_json::Map::new();
+        for name in [PROG_XDP, PROG_PASS] {
+            let info = dps[0].program(name)?.info()?;
+            m.insert(
+                name.to_string(),
+                json!({
+                    "xlated_insns": info.size_translated().map(|b| b / 8),
+                    "jited_bytes": info.size_jitted(),
+                    "verified_insns": info.verified_instruction_count(),
+                    "tag": format!("{:016x}", info.tag()),
+                }),
+            );
+        }
+        Value::Object(m)
+    };
+    let conns_main = dps[Dp::Main as usize].conns().map(|c| c.len()).ok();
+
+    let (git_head, dirty) = sys::git_state();
+    let meta = json!({
+        "benchmark": "xdp",
+        "command_line": command_line,
+        "invoked_by": sys::parent_cmdline(),
+        "date_utc": sys::utc_now(),
+        "kernel": sys::kernel_release(),
+        "cpu_model": sys::cpu_model(),
+        "online_cpus": sys::online_cpus(),
+        "possible_cpus": possible,
+        "pinned_cpu": opts.cpu,
+        "clocksource": sys::clocksource(),
+        "git_head": git_head,
+        "dataplane_sources_differ_from_head": dirty,
+        "bpf_object": opts.object.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "embedded (target/bpf/sluice.bpf.o at build time)".into()),
+        "bpf_object_bytes": object.len(),
+        "bpf_object_fnv64": format!("{:016x}", sys::fnv64(object)),
+        "programs": prog_info,
+        "method": {
+            "harness": "BPF_PROG_TEST_RUN through aya Xdp::test_run, repeat 1 per call; the kernel copies data_in on every call, so every call sees a fresh frame",
+            "kernel_ns": "mean over a batch of TestRunResult.duration (repeat 1: the program plus the harness's bh-disable and clock-read overhead); the table gives median/min/p90 over rounds",
+            "kernel_call_median_ns": "median of the per-call kernel durations within a batch, then median over rounds",
+            "syscall_ns": "wall clock of a batch of calls / calls, including the syscall, the frame copies and, for generated flows, rewriting the source address/port and IP checksum in userspace (a few ns)",
+            "ratio": "median(case) / median(its baseline) in the same variant; the baseline is sluice_pass measured the same way on a frame of the same size",
+            "rounds_requested": opts.rounds,
+            "rounds_completed": rounds_done,
+            "calls_per_batch": opts.calls,
+            "batch_time_limit_s": opts.batch_secs,
+            "order": "each round runs every (variant, case) batch once, in an order shuffled per round; one unrecorded warm-up batch per case first",
+            "conn_table": format!("LRU hash, BPF_F_NO_COMMON_LRU, {CONN_TABLE_SIZE} entries ({} per possible CPU) for the established and new-flow cases; the new-flow case deletes the flows each batch inserted after the batch (table always has room); the full-table case uses {FULL_TABLE_PER_CPU} entries per CPU kept full, so every insert evicts", CONN_TABLE_SIZE as usize / possible),
+            "many_flows": opts.flows,
+            "conn_entries_main_after_run": conns_main,
+            "fib_egress_mtu": FIB_MTU,
+            "mtu_check_1514B_frame_fib_netns": mtu_check,
+            "vips": "IPv4 10.200.0.1:443/tcp and IPv6 fd00:200::1:443/tcp, 4 backends each, 65537-slot Maglev rings, no affinity, flood guard off",
+            "frames": "untagged Ethernet; TCP without options; 54 B (IPv4), 74 B (IPv6), 1514 B (IPv4, 1460 B payload)",
+        },
+        "elapsed_s": started.elapsed().as_secs_f64(),
+    });
+
+    let rep = report::Report::new(meta, &opts.variants, &results);
+    rep.print_table();
+    if let Some(dir) = opts.out.parent() {
+        if !dir.as_os_str().is_empty() {
+            std::fs::create_dir_all(dir)?;
+        }
+    }
+    std::fs::write(&opts.out, serde_json::to_string_pretty(&rep.json())? + "\n")
+        .with_context(|| format!("writing {}", opts.out.display()))?;
+    std::fs::write(&opts.svg, rep.svg())
+        .with_context(|| format!("writing {}", opts.svg.display()))?;
+    println!("\nwrote {} and {}", opts.out.display(), opts.svg.display());
+    Ok(())
+}
+
+fn fresh_start(f: &Frames) -> u64 {
+    match f {
+        Frames::Fresh { next, .. } => *next,
+        _ => 0,
+    }
+}
+
+/// Deletes the flows a new-flow batch inserted (outside the timed region), so every batch
+/// inserts into a table with room.
+fn delete_fresh(
+    m: &mut BpfHashMap<MapData, FlowKey, ConnEntry>,
+    f: &Frames,
+    start: u64,
+) -> Result<()> {
+    if let Frames::Fresh { block, next, .. } = f {
+        for n in start..*next {
+            m.remove(&gen_key(*block, n))
+                .with_context(|| format!("deleting new flow {n}: was it inserted?"))?;
+        }
+    }
+    Ok(())
+}
+
+fn mac_str(m: &Mac) -> String {
+    m.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
