@@ -2,6 +2,7 @@
 
 pub mod addr;
 pub mod apply;
+pub mod config;
 pub mod controller;
 pub mod dataplane;
 pub mod maglev;
