@@ -62,7 +62,7 @@ impl V4 {
     }
 
     pub fn build(&self, payload: &[u8]) -> Vec<u8> {
-        assert!(self.options.len() % 4 == 0);
+        assert!(self.options.len().is_multiple_of(4));
         let hl = 20 + self.options.len();
         let mut h = vec![0u8; hl];
         h[0] = 0x40 | (hl / 4) as u8;
