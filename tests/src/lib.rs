@@ -3,6 +3,7 @@
 
 pub mod frames;
 pub mod netns;
+pub mod stream;
 
 use std::net::IpAddr;
 
@@ -37,6 +38,8 @@ pub struct Lab {
 impl Lab {
     /// Loads a fresh data plane in a fresh network namespace for this thread, so the FIB is
     /// empty and next hops come from the fallback MAC unless a test adds routes.
+    // Not `Default`: it moves the calling thread into a new namespace and loads BPF.
+    #[allow(clippy::new_without_default)]
     pub fn new() -> Lab {
         require_root();
         if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
