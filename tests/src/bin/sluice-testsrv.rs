@@ -1,0 +1,223 @@
+//! A backend server for the namespace lab, run inside a backend namespace with
+//! `ip netns exec <ns> sluice-testsrv serve --name b0 --tcp 10.111.100.1:8000 ...`.
+//!
+//! - `--tcp ADDR` (repeatable): token streams (see `sluice_tests::stream`): per connection a
+//!   greeting naming this backend, then tokens at the requested rate, then `[DONE]`.
+//! - `--udp ADDR` (repeatable): answers every datagram with `<name> <datagram>`.
+//!
+//! Prints `READY <name>` once every socket is bound. Bounded: it exits after `--max-seconds`
+//! (default 300), serves at most `--max-conns` concurrent connections (default 1024, others
+//! are refused with 503), and every socket operation has a timeout.
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    process::exit,
+    sync::{
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+        Arc,
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use sluice_tests::stream::{
+    done_event, hello_event, parse_request, response_head, token_event, MAX_HEADER_LINES,
+};
+
+struct Opts {
+    name: String,
+    tcp: Vec<SocketAddr>,
+    udp: Vec<SocketAddr>,
+    max_seconds: u64,
+    max_conns: usize,
+    default_tokens: u32,
+    default_interval_ms: u32,
+}
+
+const USAGE: &str = "usage: sluice-testsrv serve --name NAME [--tcp ADDR:PORT]... \
+[--udp ADDR:PORT]... [--max-seconds N] [--max-conns N] [--tokens N] [--interval-ms N]";
+
+fn parse_args() -> Result<Opts, String> {
+    let mut args = std::env::args().skip(1);
+    if args.next().as_deref() != Some("serve") {
+        return Err(USAGE.into());
+    }
+    let mut o = Opts {
+        name: String::new(),
+        tcp: vec![],
+        udp: vec![],
+        max_seconds: 300,
+        max_conns: 1024,
+        default_tokens: 20,
+        default_interval_ms: 50,
+    };
+    while let Some(flag) = args.next() {
+        let v = args
+            .next()
+            .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
+        let bad = |e: &dyn std::fmt::Display| format!("{flag} {v}: {e}");
+        match flag.as_str() {
+            "--name" => o.name = v,
+            "--tcp" => o.tcp.push(v.parse().map_err(|e| bad(&e))?),
+            "--udp" => o.udp.push(v.parse().map_err(|e| bad(&e))?),
+            "--max-seconds" => o.max_seconds = v.parse().map_err(|e| bad(&e))?,
+            "--max-conns" => o.max_conns = v.parse().map_err(|e| bad(&e))?,
+            "--tokens" => o.default_tokens = v.parse().map_err(|e| bad(&e))?,
+            "--interval-ms" => o.default_interval_ms = v.parse().map_err(|e| bad(&e))?,
+            _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
+        }
+    }
+    if o.name.is_empty() || o.name.contains(char::is_whitespace) {
+        return Err(format!("--name is required (no spaces)\n{USAGE}"));
+    }
+    if o.tcp.is_empty() && o.udp.is_empty() {
+        return Err(format!("nothing to serve: give --tcp or --udp\n{USAGE}"));
+    }
+    Ok(o)
+}
+
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn main() {
+    let o = match parse_args() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("sluice-testsrv: {e}");
+            exit(2);
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(o.max_seconds);
+    // The hard bound on the process's life, whatever its threads are doing.
+    let max = o.max_seconds;
+    thread::spawn(move || {
+        thread::sleep(Duration::from_secs(max));
+        exit(0);
+    });
+
+    let name: Arc<str> = o.name.clone().into();
+    let conns = Arc::new(AtomicU64::new(0));
+    let active = Arc::new(AtomicUsize::new(0));
+    let mut threads = Vec::new();
+    for addr in &o.tcp {
+        let l = match TcpListener::bind(addr) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("sluice-testsrv {}: binding tcp {addr}: {e}", o.name);
+                exit(1);
+            }
+        };
+        let (name, conns, active) = (name.clone(), conns.clone(), active.clone());
+        let (max_conns, dt, di) = (o.max_conns, o.default_tokens, o.default_interval_ms);
+        threads.push(thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(s) = s else { continue };
+                let n = conns.fetch_add(1, Ordering::Relaxed) + 1;
+                if active.fetch_add(1, Ordering::AcqRel) >= max_conns {
+                    active.fetch_sub(1, Ordering::AcqRel);
+                    let _ = (&s).write_all(b"HTTP/1.1 503 Service Unavailable\r\n\r\n");
+                    continue;
+                }
+                let (name, active) = (name.clone(), active.clone());
+                thread::spawn(move || {
+                    if let Err(e) = stream(s, &name, n, dt, di, deadline) {
+                        // A client that went away mid-stream is normal in the demo; a
+                        // malformed request is worth a line.
+                        if e.kind() == std::io::ErrorKind::InvalidData {
+                            eprintln!("sluice-testsrv {name}: connection {n}: {e}");
+                        }
+                    }
+                    active.fetch_sub(1, Ordering::AcqRel);
+                });
+            }
+        }));
+    }
+    for addr in &o.udp {
+        let s = match UdpSocket::bind(addr) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("sluice-testsrv {}: binding udp {addr}: {e}", o.name);
+                exit(1);
+            }
+        };
+        let name = name.clone();
+        threads.push(thread::spawn(move || echo(s, &name, deadline)));
+    }
+    println!("READY {}", o.name);
+    let _ = std::io::stdout().flush();
+    for t in threads {
+        let _ = t.join();
+    }
+}
+
+/// Serves one token stream.
+fn stream(
+    s: TcpStream,
+    name: &str,
+    n: u64,
+    default_tokens: u32,
+    default_interval: u32,
+    deadline: Instant,
+) -> std::io::Result<()> {
+    s.set_read_timeout(Some(IO_TIMEOUT))?;
+    s.set_write_timeout(Some(IO_TIMEOUT))?;
+    s.set_nodelay(true)?;
+    let mut r = BufReader::new(s.try_clone()?);
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+    let Some((tokens, interval)) = parse_request(line.trim_end(), default_tokens, default_interval)
+    else {
+        let _ = (&s).write_all(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\n\r\n");
+        return Err(invalid(format!("bad request line {:?}", line.trim_end())));
+    };
+    for _ in 0..MAX_HEADER_LINES {
+        line.clear();
+        if r.read_line(&mut line)? == 0 || line.trim_end().is_empty() {
+            break;
+        }
+    }
+    let mut w = &s;
+    w.write_all(response_head(name).as_bytes())?;
+    w.write_all(hello_event(name, n, tokens, interval).as_bytes())?;
+    let start = Instant::now();
+    for i in 1..=tokens {
+        // Paced from the start, so a slow write does not stretch the stream.
+        let due = start + Duration::from_millis(interval as u64 * i as u64);
+        if due >= deadline {
+            return Err(invalid(
+                "the server's lifetime ends before the stream".into(),
+            ));
+        }
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            thread::sleep(wait);
+        }
+        w.write_all(token_event(name, i).as_bytes())?;
+    }
+    w.write_all(done_event().as_bytes())?;
+    s.shutdown(std::net::Shutdown::Write)?;
+    // Wait (bounded) for the client to close, so the close is the client's.
+    let mut rest = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut r, &mut rest);
+    Ok(())
+}
+
+/// Answers datagrams with `<name> <datagram>` until the deadline (at most 10 million).
+fn echo(s: UdpSocket, name: &str, deadline: Instant) {
+    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut buf = [0u8; 2048];
+    let mut out = Vec::with_capacity(4096);
+    for _ in 0..10_000_000u64 {
+        if Instant::now() >= deadline {
+            return;
+        }
+        let Ok((n, from)) = s.recv_from(&mut buf) else {
+            continue;
+        };
+        out.clear();
+        out.extend_from_slice(name.as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(&buf[..n]);
+        let _ = s.send_to(&out, from);
+    }
+}
