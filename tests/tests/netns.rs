@@ -1,0 +1,334 @@
+//! Namespace tests: real TCP and UDP through the XDP data plane. A client namespace talks to
+//! the VIPs through the LB namespace (`sluice_xdp`, native XDP on a veth), which encapsulates
+//! to three backend namespaces (`sluice_decap`, VIP on lo, `sluice-testsrv`) on one bridged
+//! segment; replies go from the backends straight to the client (DSR). See
+//! `sluice_tests::netns` for the topology. Needs root, `ip` and `ethtool`; fails, never skips.
+
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    path::PathBuf,
+    thread,
+    time::{Duration, Instant},
+};
+
+use lb_common::{stat, PROTO_TCP, PROTO_UDP};
+use sluice_tests::{
+    netns::{lab_namespaces, Counters, LabOptions, NetLab, TCP_PORT, UDP_PORT, VIP4, VIP6},
+    stream::{udp_ask, udp_flow_key, udp_socket_in, TokenStream},
+};
+
+const SERVER: &str = env!("CARGO_BIN_EXE_sluice-testsrv");
+
+fn start_lab() -> NetLab {
+    let t = Instant::now();
+    let lab = NetLab::start(&LabOptions {
+        server: Some(PathBuf::from(SERVER)),
+        server_lifetime: Duration::from_secs(120),
+        ..Default::default()
+    })
+    .unwrap_or_else(|e| panic!("building the namespace lab: {e:#}"));
+    eprintln!("lab {} up in {:?}", lab.topo.id, t.elapsed());
+    lab
+}
+
+/// Frames that are neither client->VIP packets nor the LB's encapsulations may cross the LB's
+/// port during a test: ARP and neighbour discovery, and a bridge flooding a frame before it
+/// has learnt a MAC. Replies through the LB would be thousands.
+const OTHER_FRAMES_SLACK: u64 = 40;
+
+/// Direct server return, from the counters of one traffic phase: the LB's port saw the
+/// client->VIP packets and nothing else (up to neighbour chatter), every one of them left
+/// encapsulated through XDP_TX with a FIB-resolved next hop, and the LB namespace sent
+/// nothing else; yet the client received many more packets (the replies) than that slack.
+fn assert_dsr(d: &Counters, what: &str) {
+    let lb = &d.lb;
+    let rx = lb[stat::RX as usize];
+    let tx = lb[stat::TX as usize];
+    let edge_rx = d.edge[stat::RX as usize];
+    let decapped: u64 = d.decap.iter().map(|s| s[stat::DECAP_OK as usize]).sum();
+    let reply_packets = d.client_link.rx_packets;
+    eprintln!(
+        "{what}: LB XDP rx {rx} (VIP {}), encapsulated+XDP_TX {tx}, fallback {}, dropped \
+         (no backend/no next hop) {}/{}; frames out of the LB namespace {edge_rx}; \
+         decapsulated on backends {decapped}; client eth0 rx {} packets / {} bytes, tx {} \
+         packets; LB eth0 rx {} packets / {} bytes",
+        d.vip_packets,
+        lb[stat::FIB_FALLBACK_MAC as usize],
+        lb[stat::DROP_NO_BACKEND as usize],
+        lb[stat::DROP_NO_NEXTHOP as usize],
+        d.client_link.rx_packets,
+        d.client_link.rx_bytes,
+        d.client_link.tx_packets,
+        d.lb_link.rx_packets,
+        d.lb_link.rx_bytes,
+    );
+    assert!(
+        d.vip_packets > 0 && tx == d.vip_packets,
+        "{what}: every VIP packet must leave the LB encapsulated by XDP_TX: VIP packets {}, \
+         XDP_TX {tx}",
+        d.vip_packets
+    );
+    assert_eq!(
+        lb[stat::FIB_FALLBACK_MAC as usize],
+        0,
+        "{what}: the FIB gave no next hop for some backend (neighbours not resolved?)"
+    );
+    assert!(
+        decapped >= tx,
+        "{what}: the backends decapsulated {decapped} packets, fewer than the {tx} the LB sent"
+    );
+    assert!(
+        reply_packets >= 20 * OTHER_FRAMES_SLACK,
+        "{what}: the client received only {reply_packets} packets; too few to tell DSR apart"
+    );
+    assert!(
+        rx <= d.vip_packets + OTHER_FRAMES_SLACK,
+        "{what}: the LB's port received {rx} frames but only {} were client->VIP packets: \
+         replies (the client received {reply_packets} packets) are passing through the LB",
+        d.vip_packets
+    );
+    assert!(
+        edge_rx <= tx + OTHER_FRAMES_SLACK,
+        "{what}: the LB namespace sent {edge_rx} frames but only {tx} encapsulations: it is \
+         forwarding traffic that should go from the backends to the client directly"
+    );
+}
+
+#[test]
+fn tcp_token_streams_through_native_xdp_lb_return_directly_from_three_backends() {
+    let mut lab = start_lab();
+    let client = lab.topo.client.ns.clone();
+    let before = lab.counters().unwrap();
+    const V4_STREAMS: usize = 60;
+    const V6_STREAMS: usize = 6;
+    const TOKENS: u32 = 30;
+    const INTERVAL_MS: u32 = 5;
+    let t = Instant::now();
+    let deadline = t + Duration::from_secs(30);
+    let handles: Vec<_> = (0..V4_STREAMS + V6_STREAMS)
+        .map(|k| {
+            let vip = if k < V4_STREAMS {
+                SocketAddr::new(VIP4.into(), TCP_PORT)
+            } else {
+                SocketAddr::new(VIP6.into(), TCP_PORT)
+            };
+            let client = client.clone();
+            thread::spawn(move || {
+                let mut s =
+                    TokenStream::open(&client, vip, TOKENS, INTERVAL_MS, Duration::from_secs(5))?;
+                s.read_to_end(deadline)?;
+                let (flow, backend, local) = (s.flow_key(), s.backend.clone(), s.local);
+                s.close();
+                anyhow::Ok((vip, local, flow, backend))
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    let mut failures = Vec::new();
+    for h in handles {
+        match h.join().expect("stream thread panicked") {
+            Ok(r) => results.push(r),
+            Err(e) => failures.push(format!("{e:#}")),
+        }
+    }
+    let elapsed = t.elapsed();
+    assert!(
+        failures.is_empty(),
+        "{} of {} streams failed:\n{}",
+        failures.len(),
+        V4_STREAMS + V6_STREAMS,
+        failures.join("\n")
+    );
+    // Let the closes' last packets land before the counters are read.
+    thread::sleep(Duration::from_millis(300));
+    let d = lab.counters().unwrap().since(&before);
+    eprintln!(
+        "{} streams of {TOKENS} tokens in {elapsed:?}",
+        V4_STREAMS + V6_STREAMS
+    );
+
+    // Spread: every backend served some of the IPv4 streams, and the IPv6 ones were served.
+    let mut per_backend: BTreeMap<&str, usize> = BTreeMap::new();
+    for (vip, _, _, b) in &results {
+        if vip.is_ipv4() {
+            *per_backend.entry(b.as_str()).or_default() += 1;
+        }
+    }
+    eprintln!("IPv4 streams per backend: {per_backend:?}");
+    for b in &lab.topo.backends {
+        let n = per_backend.get(b.name.as_str()).copied().unwrap_or(0);
+        assert!(
+            n >= 5,
+            "backend {} served {n} of {V4_STREAMS} IPv4 streams (expected about {}): {per_backend:?}",
+            b.name,
+            V4_STREAMS / lab.topo.backends.len()
+        );
+    }
+    // Each stream was served by the backend the LB's connection table pinned it to.
+    for (vip, local, flow, backend) in &results {
+        let pinned = lab.conn_backend(flow).unwrap();
+        assert_eq!(
+            pinned.as_deref(),
+            Some(backend.as_str()),
+            "stream {local} -> {vip}: greeting from {backend}, LB connection table says {pinned:?}"
+        );
+    }
+    // New flows counted per backend by the data plane match the streams.
+    let tcp4 = lab
+        .service(SocketAddr::new(VIP4.into(), TCP_PORT), PROTO_TCP)
+        .unwrap()
+        .clone();
+    for (i, b) in lab.topo.backends.clone().iter().enumerate() {
+        let st = lab.lb_dp.backend_stats(tcp4.backend_ids[i]).unwrap();
+        let n = per_backend.get(b.name.as_str()).copied().unwrap_or(0) as u64;
+        assert_eq!(
+            st.new_flows, n,
+            "backend {}: data plane counted {} new flows, the client saw {n} streams",
+            b.name, st.new_flows
+        );
+    }
+    assert_dsr(&d, "TCP streams");
+}
+
+#[test]
+fn udp_echo_through_native_xdp_lb_is_answered_by_the_pinned_backend() {
+    let mut lab = start_lab();
+    let client = lab.topo.client.ns.clone();
+    let before = lab.counters().unwrap();
+    let mut per_backend: BTreeMap<String, usize> = BTreeMap::new();
+    let mut sockets = Vec::new();
+    for k in 0..36 {
+        let vip = if k < 30 {
+            SocketAddr::new(VIP4.into(), UDP_PORT)
+        } else {
+            SocketAddr::new(VIP6.into(), UDP_PORT)
+        };
+        let s = udp_socket_in(&client, vip).unwrap();
+        sockets.push((vip, s));
+    }
+    for (k, (vip, s)) in sockets.iter().enumerate() {
+        // Several datagrams per flow: all must come back from the same backend.
+        let mut first = None;
+        for j in 0..25 {
+            let backend = udp_ask(s, &format!("ping {k}.{j}"), 3, Duration::from_secs(1))
+                .unwrap_or_else(|e| panic!("flow {k} to {vip}: {e:#}"));
+            match &first {
+                None => first = Some(backend),
+                Some(f) => assert_eq!(
+                    f, &backend,
+                    "flow {k} to {vip}: datagram {j} answered by another backend"
+                ),
+            }
+        }
+        let backend = first.unwrap();
+        let pinned = lab.conn_backend(&udp_flow_key(s).unwrap()).unwrap();
+        assert_eq!(
+            pinned.as_deref(),
+            Some(backend.as_str()),
+            "flow {k} to {vip}: answered by {backend}, the LB pinned it to {pinned:?}"
+        );
+        if vip.is_ipv4() {
+            *per_backend.entry(backend).or_default() += 1;
+        }
+    }
+    eprintln!("IPv4 UDP flows per backend: {per_backend:?}");
+    assert!(
+        per_backend.len() >= 2,
+        "30 UDP flows all went to one backend: {per_backend:?}"
+    );
+    let udp4 = lab
+        .service(SocketAddr::new(VIP4.into(), UDP_PORT), PROTO_UDP)
+        .unwrap();
+    assert_eq!(udp4.backend_ids.len(), 3);
+    thread::sleep(Duration::from_millis(100));
+    let d = lab.counters().unwrap().since(&before);
+    assert_dsr(&d, "UDP echo");
+}
+
+/// A lab leaves nothing behind once dropped, also when the test using it panics: its
+/// namespaces are gone and its server processes are dead.
+#[test]
+fn a_lab_dropped_by_a_panicking_test_leaves_no_namespace_or_process() {
+    let seen = std::sync::Mutex::new((String::new(), Vec::new()));
+    let r = std::panic::catch_unwind(|| {
+        let lab = start_lab();
+        let pids: Vec<u32> = lab.servers.iter().map(|p| lab.topo.pid(*p)).collect();
+        *seen.lock().unwrap() = (lab.topo.id.clone(), pids);
+        assert!(
+            lab_namespaces()
+                .iter()
+                .any(|n| n.starts_with(&format!("{}-", lab.topo.id))),
+            "the lab's namespaces are listed while it runs"
+        );
+        panic!("deliberate panic with the lab alive");
+    });
+    assert!(r.is_err());
+    let (id, pids) = seen.into_inner().unwrap();
+    assert!(
+        !id.is_empty() && pids.len() == 3,
+        "lab {id:?}, servers {pids:?}"
+    );
+    let left: Vec<String> = lab_namespaces()
+        .into_iter()
+        .filter(|n| n.starts_with(&format!("{id}-")))
+        .collect();
+    assert!(left.is_empty(), "namespaces left after the panic: {left:?}");
+    for pid in pids {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "server process {pid} still runs after the lab was dropped"
+        );
+    }
+}
+
+/// The startup sweep removes namespaces left by a run that died (its pid is gone), and kills
+/// what still ran in them; namespaces of live runs stay.
+#[test]
+fn namespaces_of_a_dead_run_are_swept_and_their_processes_killed() {
+    sluice_tests::require_root();
+    // A pid that was just used and is gone.
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    let dead_pid = gone.id();
+    gone.wait().unwrap();
+    let stale = [format!("sl{dead_pid}-7-sw"), format!("sl{dead_pid}-7-lb")];
+    let live = format!("sl{}-99-x", std::process::id());
+    for n in stale.iter().chain([&live]) {
+        sluice_tests::netns::ip(&["netns", "add", n]).unwrap();
+    }
+    let ns = sluice_tests::netns::Netns::existing(&stale[1]);
+    let mut straggler = ns
+        .command("sleep")
+        .arg("30")
+        .spawn()
+        .expect("start a process in the stale namespace");
+    thread::sleep(Duration::from_millis(200));
+
+    let swept = sluice_tests::netns::sweep_stale();
+    let remaining = lab_namespaces();
+    sluice_tests::netns::ip(&["netns", "del", &live]).unwrap();
+    let end = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        if let Some(s) = straggler.try_wait().unwrap() {
+            break Some(s);
+        }
+        if Instant::now() >= end {
+            let _ = straggler.kill();
+            let _ = straggler.wait();
+            break None;
+        }
+        thread::sleep(Duration::from_millis(10));
+    };
+    for n in &stale {
+        assert!(swept.contains(n), "{n} was not swept: {swept:?}");
+        assert!(!remaining.contains(n), "{n} still exists");
+    }
+    assert!(
+        remaining.contains(&live),
+        "the sweep removed a namespace of this (live) process"
+    );
+    assert!(
+        status.is_some(),
+        "the process in the stale namespace was not killed"
+    );
+}
