@@ -1,23 +1,67 @@
-//! `cargo xtask demo`: the namespace-lab demo (still to come).
+//! `cargo xtask demo`: setup, build (release), then the namespace-lab demo: a client
+//! namespace streams tokens through Sluice (native XDP in an LB namespace) from three
+//! accelerator backends, with a live view; the lab is removed at the end, also on Ctrl-C.
+//!
+//! The demo itself is `sluice-demo` from the sluice-tests crate (tests/src/bin/sluice-demo.rs,
+//! built on `sluice_tests::netns`). It runs about 20 s; `SLUICE_DEMO_SECONDS=N` changes that
+//! (or run `target/release/sluice-demo --seconds N` directly).
 
-use anyhow::Result;
+use std::{env, os::unix::process::CommandExt, path::PathBuf, process::Command};
+
+use anyhow::{bail, Result};
 
 use crate::{
     build::{self, Profile},
-    cmd::step,
+    cmd::{self, step},
     setup,
 };
 
+/// Overrides the demo's duration in seconds.
+const SECONDS_ENV: &str = "SLUICE_DEMO_SECONDS";
+
 pub fn run() -> Result<()> {
+    if !cmd::is_root() {
+        bail!(
+            "`cargo xtask demo` must run as root: the demo creates network namespaces, loads \
+             BPF programs and attaches XDP (e.g. `sudo -E cargo xtask demo`)"
+        );
+    }
+    let seconds = match std::env::var(SECONDS_ENV) {
+        Ok(s) => match s.parse::<u64>() {
+            Ok(n) if (1..=3600).contains(&n) => Some(n),
+            _ => bail!("{SECONDS_ENV}={s:?}: expected a number of seconds from 1 to 3600"),
+        },
+        Err(_) => None,
+    };
     setup::run()?;
     build::run(Profile::Release)?;
-    namespace_lab_demo_placeholder()
+
+    step("demo");
+    let demo = target_dir().join("release").join("sluice-demo");
+    if !cmd::is_executable(&demo) {
+        bail!(
+            "{} was not built (it comes from the sluice-tests crate)",
+            demo.display()
+        );
+    }
+    let mut c = Command::new(&demo);
+    if let Some(n) = seconds {
+        c.args(["--seconds", &n.to_string()]);
+    }
+    println!("{}", cmd::display(&c));
+    // Replace this process: Ctrl-C then reaches the demo alone, which stops its streams and
+    // removes the lab before exiting (a parent xtask would die at once and leave it running
+    // on the terminal).
+    let e = c.exec();
+    bail!("could not run {}: {e}", demo.display())
 }
 
-/// Placeholder for the namespace-lab demo (client, Sluice, GPU-backend namespaces streaming
-/// tokens), which comes in a later change.
-fn namespace_lab_demo_placeholder() -> Result<()> {
-    step("demo");
-    println!("the namespace-lab demo is coming in a later change; nothing to run yet");
-    Ok(())
+/// The workspace's cargo target directory, taken from where this xtask binary was built
+/// (`<target>/<profile>/xtask`), so `CARGO_TARGET_DIR` and `build.target-dir` are honoured.
+fn target_dir() -> PathBuf {
+    env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.to_path_buf()))
+        .filter(|dir| dir.join("CACHEDIR.TAG").exists())
+        .unwrap_or_else(|| cmd::workspace_root().join("target"))
 }
