@@ -1,7 +1,9 @@
 //! Sluice userspace: the steering logic as a library, and the shells around it.
 
 pub mod addr;
+pub mod admin;
 pub mod apply;
+pub mod client;
 pub mod config;
 pub mod controller;
 pub mod dataplane;

@@ -1,0 +1,185 @@
+//! What the read endpoints answer, and the snapshot they (and the metrics) are built from.
+
+use std::{collections::BTreeMap, net::IpAddr};
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use serde_json::{json, Value};
+use tokio::sync::Mutex;
+
+use crate::{
+    controller::{Controller, Counters, Plane, Traffic},
+    state::{Admin, Backend, PlaneState, State, Vip, VipSpec},
+};
+
+/// What the read endpoints and the metrics report, copied under the controller lock.
+pub(crate) struct Snapshot {
+    pub state: State,
+    /// Backend id → the Maglev weight it is steered with now.
+    pub effective: BTreeMap<u32, u32>,
+    /// Backend id → active connection-table entries.
+    pub flows: BTreeMap<u32, u64>,
+    pub counters: Counters,
+    pub event_counts: BTreeMap<String, u64>,
+}
+
+impl Snapshot {
+    pub(crate) async fn take<P: Plane>(ctl: &Mutex<Controller<P>>) -> Result<Snapshot> {
+        let mut ctl = ctl.lock().await;
+        let flows = ctl.active_flows().context("counting active flows")?;
+        let counters = ctl.counters().context("reading the data-plane counters")?;
+        let state = ctl.state().clone();
+        let effective = state
+            .vips
+            .values()
+            .flat_map(|v| v.backends.values())
+            .map(|b| (b.id, ctl.effective_weight(b)))
+            .collect();
+        Ok(Snapshot {
+            state,
+            effective,
+            flows,
+            counters,
+            event_counts: ctl.event_counts().clone(),
+        })
+    }
+
+    pub(crate) fn backend_flows(&self, b: &Backend) -> u64 {
+        self.flows.get(&b.id).copied().unwrap_or(0)
+    }
+
+    pub(crate) fn backend_traffic(&self, b: &Backend) -> Traffic {
+        self.counters
+            .backends
+            .get(&b.id)
+            .copied()
+            .unwrap_or_default()
+    }
+
+    pub(crate) fn vip_traffic(&self, v: &Vip) -> Traffic {
+        self.counters.vips.get(&v.id).copied().unwrap_or_default()
+    }
+
+    pub(super) fn vip_live(&self, v: &Vip) -> Live {
+        Live {
+            active_flows: v.backends.values().map(|b| self.backend_flows(b)).sum(),
+            traffic: self.vip_traffic(v),
+        }
+    }
+
+    pub(super) fn backend_view<'a>(&self, b: &'a Backend) -> BackendView<'a> {
+        let live = Live {
+            active_flows: self.backend_flows(b),
+            traffic: self.backend_traffic(b),
+        };
+        BackendView::new(b, self.effective[&b.id], Some(live))
+    }
+}
+
+/// Counts read from the data plane; reads show them, change replies leave them out.
+#[derive(Serialize)]
+pub(super) struct Live {
+    active_flows: u64,
+    traffic: Traffic,
+}
+
+#[derive(Serialize)]
+pub(super) struct VipView<'a> {
+    id: u32,
+    #[serde(flatten)]
+    spec: &'a VipSpec,
+    backend_count: usize,
+    #[serde(flatten)]
+    live: Option<Live>,
+}
+
+impl<'a> VipView<'a> {
+    pub(super) fn new(v: &'a Vip, live: Option<Live>) -> Self {
+        VipView {
+            id: v.id,
+            spec: &v.spec,
+            backend_count: v.backends.len(),
+            live,
+        }
+    }
+}
+
+#[derive(Serialize)]
+pub(super) struct BackendView<'a> {
+    address: IpAddr,
+    id: u32,
+    weight: u32,
+    effective_weight: u32,
+    state: PlaneState,
+    drain_since_ms: Option<u64>,
+    drain_deadline_ms: Option<u64>,
+    healthy: bool,
+    labels: &'a BTreeMap<String, String>,
+    max_sessions: u32,
+    #[serde(flatten)]
+    live: Option<Live>,
+}
+
+impl<'a> BackendView<'a> {
+    pub(super) fn new(b: &'a Backend, effective_weight: u32, live: Option<Live>) -> Self {
+        let (drain_since_ms, drain_deadline_ms) = match b.admin {
+            Admin::Active => (None, None),
+            Admin::Draining {
+                since_ms,
+                deadline_ms,
+            } => (Some(since_ms), deadline_ms),
+        };
+        BackendView {
+            address: b.spec.address,
+            id: b.id,
+            weight: b.spec.weight,
+            effective_weight,
+            state: b.plane_state(),
+            drain_since_ms,
+            drain_deadline_ms,
+            healthy: b.healthy,
+            labels: &b.spec.labels,
+            max_sessions: b.spec.max_sessions,
+            live,
+        }
+    }
+}
+
+/// `{"vip": ..., "backends": [...]}`: what GET and POST of a VIP answer.
+pub(super) fn vip_detail(v: &Vip, backends: Vec<BackendView>, live: Option<Live>) -> Value {
+    json!({ "vip": VipView::new(v, live), "backends": backends })
+}
+
+pub(super) fn flows(snap: &Snapshot) -> Value {
+    let vips: Vec<_> = snap
+        .state
+        .vips
+        .values()
+        .map(|v| {
+            let backends: Vec<_> = v
+                .backends
+                .values()
+                .map(|b| json!({ "address": b.spec.address, "id": b.id, "active_flows": snap.backend_flows(b) }))
+                .collect();
+            json!({ "vip": v.spec.name, "active_flows": snap.vip_live(v).active_flows, "backends": backends })
+        })
+        .collect();
+    json!({ "vips": vips })
+}
+
+pub(super) fn stats(snap: &Snapshot) -> Value {
+    let vips: Vec<_> = snap
+        .state
+        .vips
+        .values()
+        .map(|v| {
+            let backends: Vec<_> = v
+                .backends
+                .values()
+                .map(|b| json!({ "address": b.spec.address, "id": b.id, "traffic": snap.backend_traffic(b) }))
+                .collect();
+            json!({ "vip": v.spec.name, "traffic": snap.vip_traffic(v), "backends": backends })
+        })
+        .collect();
+    json!({ "global": snap.counters.global, "vips": vips })
+}
