@@ -8,5 +8,6 @@ pub mod config;
 pub mod controller;
 pub mod dataplane;
 pub mod maglev;
+pub mod metrics;
 pub mod object;
 pub mod state;

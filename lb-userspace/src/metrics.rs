@@ -1,0 +1,465 @@
+//! Prometheus metrics over HTTP (`GET /metrics`).
+//!
+//! The registry is built per scrape from a snapshot taken under the controller lock, so the
+//! metrics always describe one consistent state and encoding never holds the lock.
+
+use std::{convert::Infallible, future::Future, net::SocketAddr, sync::Arc};
+
+use anyhow::{Context, Result};
+use http_body_util::Full;
+use hyper::{body::Bytes, header, service::service_fn, Method, Request, Response, StatusCode};
+use prometheus_client::{
+    encoding::prometheus_text,
+    metrics::{counter::Counter, family::Family, gauge::Gauge, info::Info},
+    registry::{Registry, Unit},
+};
+use tokio::{net::TcpListener, sync::Mutex};
+
+use crate::{
+    admin::{serve_connections, serve_http, DaemonInfo, Snapshot},
+    controller::{Controller, Plane},
+    state::PlaneState,
+};
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Serves `GET /metrics` on `addr` until `shutdown` completes.
+pub async fn serve<P: Plane + 'static>(
+    addr: SocketAddr,
+    ctl: Arc<Mutex<Controller<P>>>,
+    info: Arc<DaemonInfo>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()> {
+    let listener = TcpListener::bind(addr).await.with_context(|| {
+        format!("binding the metrics address {addr}: is it in use, or not an address of this host?")
+    })?;
+    let (listener, ctl, info) = (&listener, &ctl, &info);
+    serve_connections(
+        move || async move {
+            let (stream, _) = listener.accept().await?;
+            let (ctl, info) = (Arc::clone(ctl), Arc::clone(info));
+            let service = service_fn(move |req| {
+                let (ctl, info) = (Arc::clone(&ctl), Arc::clone(&info));
+                async move { Ok::<_, Infallible>(respond(req, &ctl, &info).await) }
+            });
+            Ok(serve_http(stream, service))
+        },
+        shutdown,
+    )
+    .await;
+    Ok(())
+}
+
+async fn respond<P: Plane, B>(
+    req: Request<B>,
+    ctl: &Mutex<Controller<P>>,
+    info: &DaemonInfo,
+) -> Response<Full<Bytes>> {
+    if req.uri().path() != "/metrics" {
+        return text(
+            StatusCode::NOT_FOUND,
+            "not found; metrics are at /metrics\n".into(),
+        );
+    }
+    if req.method() != Method::GET {
+        let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n".into());
+        r.headers_mut()
+            .insert(header::ALLOW, header::HeaderValue::from_static("GET"));
+        return r;
+    }
+    match Snapshot::take(ctl).await {
+        Ok(snap) => {
+            let mut r = text(StatusCode::OK, render(&snap, info));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                header::HeaderValue::from_static(prometheus_text::CONTENT_TYPE),
+            );
+            r
+        }
+        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}\n")),
+    }
+}
+
+fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r
+}
+
+fn counters(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, u64)>) {
+    let family = Family::<Labels, Counter>::default();
+    for (labels, v) in samples {
+        family.get_or_create(&labels).inc_by(v);
+    }
+    reg.register(name, help, family);
+}
+
+fn gauges(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, i64)>) {
+    let family = Family::<Labels, Gauge>::default();
+    for (labels, v) in samples {
+        family.get_or_create(&labels).set(v);
+    }
+    reg.register(name, help, family);
+}
+
+/// The family a global data-plane counter is exported in.
+#[derive(Debug, PartialEq, Eq)]
+enum Dataplane {
+    /// `sluice_dataplane_drops_total{reason}`
+    Drops,
+    /// `sluice_dataplane_passes_total{reason}`: packets handed to the kernel.
+    Passes,
+    /// `sluice_dataplane_events_total{event}`
+    Events,
+}
+
+/// Sorts a counter name: `drop_*` and `*_drop_*` are drops, `pass_*` and `*_pass_*` passes
+/// (the label loses the word: `decap_drop_adjust` → "decap_adjust"), the rest events.
+fn dataplane_family(name: &str) -> (Dataplane, String) {
+    for (word, family) in [("drop_", Dataplane::Drops), ("pass_", Dataplane::Passes)] {
+        if let Some(reason) = name.strip_prefix(word) {
+            return (family, reason.to_string());
+        }
+        let inner = format!("_{word}");
+        if name.contains(&inner) {
+            return (family, name.replacen(&inner, "_", 1));
+        }
+    }
+    (Dataplane::Events, name.to_string())
+}
+
+/// The exposition text of `snap`.
+pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
+    let mut reg = Registry::with_prefix("sluice");
+    let vips = || snap.state.vips.values();
+    let backends = || {
+        vips().flat_map(|v| {
+            v.backends.values().map(move |b| {
+                (
+                    v,
+                    b,
+                    vec![
+                        ("vip", v.spec.name.clone()),
+                        ("backend", b.spec.address.to_string()),
+                    ],
+                )
+            })
+        })
+    };
+    let vip_labels = |v: &crate::state::Vip| vec![("vip", v.spec.name.clone())];
+
+    let per_vip = |f: fn(crate::controller::Traffic) -> u64| {
+        vips()
+            .map(|v| (vip_labels(v), f(snap.vip_traffic(v))))
+            .collect()
+    };
+    counters(
+        &mut reg,
+        "vip_packets",
+        "Packets steered to the VIP",
+        per_vip(|t| t.packets),
+    );
+    counters(
+        &mut reg,
+        "vip_bytes",
+        "Bytes steered to the VIP",
+        per_vip(|t| t.bytes),
+    );
+    counters(
+        &mut reg,
+        "vip_new_flows",
+        "New flows to the VIP",
+        per_vip(|t| t.new_flows),
+    );
+
+    let per_backend = |f: fn(crate::controller::Traffic) -> u64| {
+        backends()
+            .map(|(_, b, l)| (l, f(snap.backend_traffic(b))))
+            .collect()
+    };
+    counters(
+        &mut reg,
+        "backend_packets",
+        "Packets sent to the backend",
+        per_backend(|t| t.packets),
+    );
+    counters(
+        &mut reg,
+        "backend_bytes",
+        "Bytes sent to the backend",
+        per_backend(|t| t.bytes),
+    );
+    counters(
+        &mut reg,
+        "backend_new_flows",
+        "New flows steered to the backend",
+        per_backend(|t| t.new_flows),
+    );
+    gauges(
+        &mut reg,
+        "backend_active_flows",
+        "Connection-table entries of the backend seen recently",
+        backends()
+            .map(|(_, b, l)| (l, snap.backend_flows(b) as i64))
+            .collect(),
+    );
+    gauges(
+        &mut reg,
+        "backend_weight",
+        "Maglev weight the backend is steered with now (after adaptive scaling)",
+        backends()
+            .map(|(_, b, l)| (l, i64::from(snap.effective[&b.id])))
+            .collect(),
+    );
+    gauges(
+        &mut reg,
+        "backend_state",
+        "1 for the backend's state (active, draining or down), 0 for the others",
+        backends()
+            .flat_map(|(_, b, l)| {
+                [PlaneState::Active, PlaneState::Draining, PlaneState::Down].map(|s| {
+                    let name = serde_json::to_value(s).expect("a plain enum serializes");
+                    let mut l = l.clone();
+                    l.push(("state", name.as_str().unwrap_or_default().to_string()));
+                    (l, i64::from(b.plane_state() == s))
+                })
+            })
+            .collect(),
+    );
+
+    let mut drops = vec![];
+    let mut passes = vec![];
+    let mut events = vec![];
+    for name in lb_common::stat::NAMES {
+        let v = snap.counters.global.get(name).copied().unwrap_or(0);
+        match dataplane_family(name) {
+            (Dataplane::Drops, r) => drops.push((vec![("reason", r)], v)),
+            (Dataplane::Passes, r) => passes.push((vec![("reason", r)], v)),
+            (Dataplane::Events, e) => events.push((vec![("event", e)], v)),
+        }
+    }
+    counters(
+        &mut reg,
+        "dataplane_drops",
+        "Packets the data plane dropped, by reason",
+        drops,
+    );
+    counters(
+        &mut reg,
+        "dataplane_passes",
+        "Packets the data plane passed to the kernel, by reason",
+        passes,
+    );
+    counters(
+        &mut reg,
+        "dataplane_events",
+        "Data-plane steering events",
+        events,
+    );
+    counters(
+        &mut reg,
+        "control_events",
+        "Control-plane events (drain completions, health changes, ...), by kind",
+        snap.event_counts
+            .iter()
+            .map(|(k, v)| (vec![("kind", k.clone())], *v))
+            .collect(),
+    );
+
+    let uptime = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+    uptime.set(info.started.elapsed().as_secs_f64());
+    reg.register_with_unit(
+        "uptime",
+        "Time since the daemon started",
+        Unit::Seconds,
+        uptime,
+    );
+    reg.register(
+        "build",
+        "The daemon's version",
+        Info::new(vec![("version", info.version.clone())]),
+    );
+
+    let mut out = String::new();
+    prometheus_text::encode(&mut out, &reg).expect("writing to a String cannot fail");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+
+    use super::*;
+    use crate::{
+        admin::testing::{controller, info},
+        controller::{Event, Peer, Traffic},
+        state::{BackendSpec, HashMode, Op, Protocol, VipSpec},
+    };
+
+    async fn snapshot() -> Snapshot {
+        let mut c = controller();
+        let backend = |a: &str| BackendSpec {
+            address: a.parse().unwrap(),
+            weight: 100,
+            labels: Default::default(),
+            max_sessions: 0,
+        };
+        let vip = VipSpec {
+            name: "chat".into(),
+            address: "10.0.0.1".parse().unwrap(),
+            port: 443,
+            protocol: Protocol::Tcp,
+            hash: HashMode::FiveTuple,
+            affinity_secs: 0,
+            priority: 0,
+            ring_size: 65537,
+        };
+        let op = Op::AddVip {
+            vip,
+            backends: vec![backend("10.1.0.1"), backend("fd00::1")],
+        };
+        c.submit(op, Peer::default(), 1).unwrap();
+        let drain = Op::Drain {
+            vip: "chat".into(),
+            address: "10.1.0.1".parse().unwrap(),
+            deadline_ms: None,
+        };
+        c.submit(drain, Peer::default(), 2).unwrap();
+        c.record(Event {
+            time_ms: 3,
+            kind: "drain-complete".into(),
+            vip: "chat".into(),
+            backend: None,
+            reason: String::new(),
+        });
+        let id = c
+            .state()
+            .backend("chat", "10.1.0.1".parse().unwrap())
+            .unwrap()
+            .id;
+        c.plane().flows.insert(id, 4);
+        let mut snap = Snapshot::take(&Mutex::new(c)).await.unwrap();
+        let vip_id = snap.state.vips["chat"].id;
+        snap.counters.vips.insert(
+            vip_id,
+            Traffic {
+                packets: 10,
+                bytes: 1500,
+                new_flows: 2,
+            },
+        );
+        snap.counters.backends.insert(
+            id,
+            Traffic {
+                packets: 7,
+                bytes: 700,
+                new_flows: 1,
+            },
+        );
+        snap.counters.global.insert("drop_no_backend".into(), 3);
+        snap.counters
+            .global
+            .insert("decap_pass_not_encap".into(), 5);
+        snap.counters.global.insert("conn_hit".into(), 9);
+        snap
+    }
+
+    #[tokio::test]
+    async fn scrape_describes_the_state() {
+        let text = render(&snapshot().await, &info());
+        for line in [
+            "# TYPE sluice_vip_packets_total counter",
+            r#"sluice_vip_packets_total{vip="chat"} 10"#,
+            r#"sluice_vip_bytes_total{vip="chat"} 1500"#,
+            r#"sluice_vip_new_flows_total{vip="chat"} 2"#,
+            r#"sluice_backend_packets_total{vip="chat",backend="10.1.0.1"} 7"#,
+            r#"sluice_backend_bytes_total{vip="chat",backend="fd00::1"} 0"#,
+            r#"sluice_backend_new_flows_total{vip="chat",backend="10.1.0.1"} 1"#,
+            "# TYPE sluice_backend_active_flows gauge",
+            r#"sluice_backend_active_flows{vip="chat",backend="10.1.0.1"} 4"#,
+            r#"sluice_backend_weight{vip="chat",backend="fd00::1"} 100"#,
+            r#"sluice_backend_state{vip="chat",backend="10.1.0.1",state="draining"} 1"#,
+            r#"sluice_backend_state{vip="chat",backend="10.1.0.1",state="active"} 0"#,
+            r#"sluice_backend_state{vip="chat",backend="fd00::1",state="active"} 1"#,
+            r#"sluice_dataplane_drops_total{reason="no_backend"} 3"#,
+            r#"sluice_dataplane_drops_total{reason="decap_adjust"} 0"#,
+            r#"sluice_dataplane_passes_total{reason="decap_not_encap"} 5"#,
+            r#"sluice_dataplane_passes_total{reason="not_ip"} 0"#,
+            r#"sluice_dataplane_events_total{event="conn_hit"} 9"#,
+            r#"sluice_dataplane_events_total{event="rx"} 0"#,
+            r#"sluice_control_events_total{kind="drain-complete"} 1"#,
+            "# TYPE sluice_uptime_seconds gauge",
+            r#"sluice_build_info{version="test"} 1"#,
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        assert!(text
+            .lines()
+            .any(|l| l.starts_with("sluice_uptime_seconds ")));
+    }
+
+    #[test]
+    fn dataplane_counters_are_sorted_into_families() {
+        let f = |n| dataplane_family(n);
+        assert_eq!(
+            f("drop_no_nexthop"),
+            (Dataplane::Drops, "no_nexthop".into())
+        );
+        assert_eq!(
+            f("decap_drop_adjust"),
+            (Dataplane::Drops, "decap_adjust".into())
+        );
+        assert_eq!(f("pass_fragment"), (Dataplane::Passes, "fragment".into()));
+        assert_eq!(
+            f("decap_pass_not_encap"),
+            (Dataplane::Passes, "decap_not_encap".into())
+        );
+        assert_eq!(
+            f("flood_bypass"),
+            (Dataplane::Events, "flood_bypass".into())
+        );
+    }
+
+    #[tokio::test]
+    async fn serves_metrics_and_nothing_else() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let ctl = Arc::new(Mutex::new(controller()));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve(addr, ctl, Arc::new(info()), async {
+            let _ = stopped.await;
+        }));
+        let get = |path: &'static str| {
+            tokio::task::spawn_blocking(move || {
+                let mut s = loop {
+                    match std::net::TcpStream::connect(addr) {
+                        Ok(s) => break s,
+                        Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+                    }
+                };
+                write!(
+                    s,
+                    "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                )
+                .unwrap();
+                let mut r = String::new();
+                s.read_to_string(&mut r).unwrap();
+                r
+            })
+        };
+        let r = get("/metrics").await.unwrap();
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+        assert!(r.contains("text/plain; version=0.0.4"), "{r}");
+        assert!(r.contains(r#"sluice_build_info{version="test"} 1"#), "{r}");
+        assert!(get("/").await.unwrap().starts_with("HTTP/1.1 404"));
+        stop.send(()).unwrap();
+        task.await.unwrap().unwrap();
+    }
+}
