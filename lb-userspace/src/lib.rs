@@ -3,6 +3,7 @@
 pub mod addr;
 pub mod admin;
 pub mod apply;
+pub mod cli;
 pub mod client;
 pub mod config;
 pub mod controller;

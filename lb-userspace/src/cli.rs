@@ -1,0 +1,1089 @@
+//! The `sluice` command line: the daemon (`run`) and the admin API's client commands.
+
+use std::{
+    collections::BTreeMap,
+    io::Write,
+    net::IpAddr,
+    path::{Path, PathBuf},
+    process::ExitCode,
+    time::{Duration, UNIX_EPOCH},
+};
+
+use anyhow::{bail, Result};
+use clap::{
+    builder::{PossibleValuesParser, TypedValueParser},
+    CommandFactory, Parser, Subcommand, ValueEnum,
+};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+
+use crate::{
+    admin::{now_ms, DrainRequest, NewVip, WeightChange},
+    client::{path_segment, Client},
+    state::{BackendSpec, HashMode, Protocol, VipSpec},
+};
+
+const EXAMPLES: &str = "\
+Examples:
+  sluice run --config /etc/sluice/sluice.toml
+  sluice status
+  sluice vip add chat --address 10.0.0.1 --port 443 --backend 10.1.0.1 --backend 10.1.0.2:50
+  sluice backend drain chat 10.1.0.1 --deadline 10m
+  sluice backend list chat
+  sluice stats --json | jq .global
+
+Commands other than `run`, `completions` and `cleanup` talk to the daemon through its admin
+socket, which is open to root and the members of the socket's group.";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "sluice",
+    version,
+    about = "Sluice: an XDP layer-4 load balancer for LLM inference traffic",
+    after_help = EXAMPLES,
+    propagate_version = true
+)]
+pub struct Cli {
+    /// The admin socket of the daemon to talk to.
+    #[arg(
+        long,
+        global = true,
+        env = "SLUICE_SOCKET",
+        value_name = "PATH",
+        default_value = "/run/sluice/admin.sock"
+    )]
+    pub socket: PathBuf,
+
+    /// Print the API's JSON instead of tables.
+    #[arg(long, global = true)]
+    pub json: bool,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the daemon: load and attach the data plane, then serve the admin API and metrics
+    #[command(after_help = "\
+Examples:
+  sluice run --config /etc/sluice/sluice.toml
+  RUST_LOG=debug sluice run --config ./sluice.toml
+
+Runs until SIGTERM or SIGINT; SIGHUP reloads the configuration (a bad file changes nothing).
+Needs root (or CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON) and a bpffs mount.")]
+    Run {
+        /// The configuration file (TOML).
+        #[arg(
+            long,
+            short,
+            value_name = "FILE",
+            default_value = "/etc/sluice/sluice.toml"
+        )]
+        config: PathBuf,
+    },
+
+    /// Show the daemon's version, uptime, interfaces and counts of VIPs and backends
+    #[command(after_help = "Example:\n  sluice status")]
+    Status,
+
+    /// List, add and remove VIPs
+    #[command(
+        subcommand,
+        after_help = "\
+Examples:
+  sluice vip list
+  sluice vip add chat --address 10.0.0.1 --port 443 --backend 10.1.0.1 --backend 10.1.0.2
+  sluice vip remove chat"
+    )]
+    Vip(VipCommand),
+
+    /// List, add, remove, reweight and drain a VIP's backends
+    #[command(
+        subcommand,
+        after_help = "\
+Examples:
+  sluice backend list chat
+  sluice backend add chat 10.1.0.3 --weight 50
+  sluice backend set-weight chat 10.1.0.3 100
+  sluice backend drain chat 10.1.0.1 --deadline 10m
+  sluice backend undrain chat 10.1.0.1
+  sluice backend remove chat 10.1.0.1"
+    )]
+    Backend(BackendCommand),
+
+    /// Show active flows per VIP and backend
+    #[command(after_help = "\
+Example:
+  sluice flows
+
+A flow is active when its connection-table entry saw a packet within the daemon's
+dataplane.flow_idle_timeout.")]
+    Flows,
+
+    /// Show the data plane's counters and per-VIP and per-backend traffic
+    #[command(after_help = "\
+Examples:
+  sluice stats
+  sluice stats --json | jq '.global.drop_no_backend'")]
+    Stats,
+
+    /// Show recent control-plane events (drain completions, health changes, ...)
+    #[command(after_help = "Example:\n  sluice events")]
+    Events,
+
+    /// Print a shell completion script
+    #[command(after_help = "\
+Examples:
+  sluice completions bash > /etc/bash_completion.d/sluice
+  sluice completions zsh > \"${fpath[1]}/_sluice\"
+  sluice completions fish > ~/.config/fish/completions/sluice.fish")]
+    Completions {
+        #[arg(value_enum)]
+        shell: Shell,
+    },
+
+    /// Remove a pinned data plane left behind by a daemon (detaches its XDP programs)
+    #[command(after_help = "\
+Examples:
+  sluice cleanup
+  sluice cleanup --bpffs /sys/fs/bpf/sluice-test
+
+Refuses while a daemon answers on the admin socket: stop it first. With --force the data
+plane is removed anyway and the VIPs' traffic stops being steered.")]
+    Cleanup {
+        /// The directory the data plane is pinned in (the daemon's daemon.bpffs).
+        #[arg(long, value_name = "DIR", default_value = "/sys/fs/bpf/sluice")]
+        bpffs: PathBuf,
+        /// Remove it even though a daemon answers on the admin socket.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum VipCommand {
+    /// List the VIPs with their backend counts, active flows and traffic
+    #[command(after_help = "Example:\n  sluice vip list")]
+    List,
+
+    /// Add a VIP, optionally with its backends
+    #[command(after_help = "\
+Examples:
+  sluice vip add chat --address 10.0.0.1 --port 443 --backend 10.1.0.1 --backend 10.1.0.2:50
+  sluice vip add embed --address fd00::10 --port 8080 --hash source --affinity-window 10m \\
+      --backend '[fd00:1::1]:100' --backend fd00:1::2
+
+Changes made here survive daemon restarts until the configuration file changes: a changed
+file (on SIGHUP or restart) sets the VIPs and backends to exactly what it lists.")]
+    Add(VipAdd),
+
+    /// Remove a VIP and its backends (its flows stop being steered at once)
+    #[command(after_help = "Example:\n  sluice vip remove chat")]
+    Remove {
+        /// The VIP's name.
+        name: String,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+pub struct VipAdd {
+    /// The VIP's name: 1-32 characters from a-z, 0-9, '-' and '_'.
+    name: String,
+    /// The address clients connect to.
+    #[arg(long, value_name = "IP")]
+    address: IpAddr,
+    /// The port clients connect to; 0 means every port.
+    #[arg(long)]
+    port: u16,
+    /// The transport protocol.
+    #[arg(long, default_value = "tcp", value_parser = serde_enum::<Protocol>(&["tcp", "udp"]))]
+    protocol: Protocol,
+    /// five-tuple spreads each connection; source keeps a client's connections together.
+    #[arg(long, default_value = "five-tuple", value_parser = serde_enum::<HashMode>(&["five-tuple", "source"]))]
+    hash: HashMode,
+    /// Keep sending a client to the same backend for this long after its last packet
+    /// (e.g. 10m, at most 24h); off by default.
+    #[arg(long, value_name = "DURATION", value_parser = parse_secs)]
+    affinity_window: Option<u32>,
+    /// Priority class for admission control, 0 (highest) to 7.
+    #[arg(long, value_name = "N")]
+    priority: Option<u32>,
+    /// Maglev ring slots, a prime (default 65537; smaller rings rebuild faster).
+    #[arg(long, value_name = "N")]
+    ring_size: Option<u32>,
+    /// A backend, with an optional weight (default 100); write IPv6 with a weight in
+    /// brackets: [fd00::1]:50. Repeat for more backends.
+    #[arg(long = "backend", value_name = "ADDR[:WEIGHT]", value_parser = parse_backend)]
+    backends: Vec<BackendSpec>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BackendCommand {
+    /// List a VIP's backends: weight, state, drain deadline, active flows and traffic
+    #[command(after_help = "Example:\n  sluice backend list chat")]
+    List {
+        /// The VIP's name.
+        vip: String,
+    },
+
+    /// Add a backend to a VIP
+    #[command(after_help = "\
+Examples:
+  sluice backend add chat 10.1.0.3
+  sluice backend add chat 10.1.0.4 --weight 50 --label zone=b --label gpu=h100 --max-sessions 64
+
+Like `sluice vip add`, the change lasts until the configuration file changes.")]
+    Add {
+        /// The VIP's name.
+        vip: String,
+        /// The backend's address.
+        address: IpAddr,
+        /// Maglev weight, 0 to 65535 (default 100); 0 keeps its flows but takes no new ones.
+        #[arg(long, value_name = "N")]
+        weight: Option<u32>,
+        /// A label (KEY=VALUE) shown in listings; repeat for more.
+        #[arg(long = "label", value_name = "KEY=VALUE", value_parser = parse_label)]
+        labels: Vec<(String, String)>,
+        /// At most this many concurrent sessions (admission control); 0 means no limit.
+        #[arg(long, value_name = "N")]
+        max_sessions: Option<u32>,
+    },
+
+    /// Remove a backend now (its flows re-steer to the others; drain first to let them end)
+    #[command(after_help = "Example:\n  sluice backend remove chat 10.1.0.1")]
+    Remove {
+        /// The VIP's name.
+        vip: String,
+        /// The backend's address.
+        address: IpAddr,
+    },
+
+    /// Change a backend's weight (its share of new flows)
+    #[command(after_help = "Example:\n  sluice backend set-weight chat 10.1.0.1 50")]
+    SetWeight {
+        /// The VIP's name.
+        vip: String,
+        /// The backend's address.
+        address: IpAddr,
+        /// The new weight, 0 to 65535.
+        weight: u32,
+    },
+
+    /// Drain a backend: no new flows; it is removed when its flows end, or at the deadline
+    #[command(after_help = "\
+Examples:
+  sluice backend drain chat 10.1.0.1
+  sluice backend drain chat 10.1.0.1 --deadline 10m
+
+Established flows keep going to the backend until they end. `sluice backend undrain`
+takes it back before it is removed.")]
+    Drain {
+        /// The VIP's name.
+        vip: String,
+        /// The backend's address.
+        address: IpAddr,
+        /// Remove it this long from now even if flows are left (they re-steer), e.g. 10m.
+        #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+        deadline: Option<String>,
+    },
+
+    /// Stop draining a backend: it takes new flows again
+    #[command(after_help = "Example:\n  sluice backend undrain chat 10.1.0.1")]
+    Undrain {
+        /// The VIP's name.
+        vip: String,
+        /// The backend's address.
+        address: IpAddr,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Shell {
+    Bash,
+    Zsh,
+    Fish,
+}
+
+/// A value parser for an enum of the state module, by its serde names (the API's).
+fn serde_enum<T: DeserializeOwned + Clone + Send + Sync + 'static>(
+    names: &'static [&'static str],
+) -> impl TypedValueParser<Value = T> {
+    PossibleValuesParser::new(names)
+        .map(|s| serde_json::from_value(Value::String(s)).expect("the listed names are the enum's"))
+}
+
+fn parse_duration(s: &str) -> Result<String, String> {
+    humantime::parse_duration(s)
+        .map(|_| s.to_string())
+        .map_err(|e| format!("{e} (use e.g. 30s, 10m, 1h30m)"))
+}
+
+fn parse_secs(s: &str) -> Result<u32, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{e} (use e.g. 30s, 10m, 1h)"))?;
+    u32::try_from(d.as_secs()).map_err(|_| "too long".to_string())
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err("use KEY=VALUE".into()),
+    }
+}
+
+/// `ADDR`, `ADDR:WEIGHT` or `[IPv6]:WEIGHT`.
+fn parse_backend(s: &str) -> Result<BackendSpec, String> {
+    let bad = || format!("{s:?} is not ADDR or ADDR:WEIGHT (IPv6 with a weight: [fd00::1]:50)");
+    if let Ok(addr) = s.parse() {
+        return Ok(backend_spec(addr));
+    }
+    let (addr, weight) = s.rsplit_once(':').ok_or_else(bad)?;
+    let addr = addr
+        .strip_prefix('[')
+        .and_then(|a| a.strip_suffix(']'))
+        .unwrap_or(addr);
+    let mut b = backend_spec(addr.parse().map_err(|_| bad())?);
+    b.weight = weight.parse().map_err(|_| bad())?;
+    Ok(b)
+}
+
+/// A backend with the API's defaults for everything but its address.
+fn backend_spec(address: IpAddr) -> BackendSpec {
+    serde_json::from_value(json!({ "address": address }))
+        .expect("the address is the only required field")
+}
+
+/// Parses the process's arguments and runs the command; usage errors exit with 2 (clap).
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match execute(&cli, &mut std::io::stdout().lock()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Runs one command, printing to `out`; an error is a refused request or a failure.
+pub fn execute(cli: &Cli, out: &mut dyn Write) -> Result<()> {
+    let client = Client::new(&cli.socket);
+    let mut out = Output {
+        json: cli.json,
+        out,
+    };
+    match &cli.command {
+        Command::Run { config } => run_daemon(config),
+        Command::Status => out.show(&client.call("GET", "/v1/status", None)?, print_status),
+        Command::Vip(cmd) => vip(cmd, &client, &mut out),
+        Command::Backend(cmd) => backend(cmd, &client, &mut out),
+        Command::Flows => out.show(&client.call("GET", "/v1/flows", None)?, print_flows),
+        Command::Stats => out.show(&client.call("GET", "/v1/stats", None)?, print_stats),
+        Command::Events => out.show(&client.call("GET", "/v1/events", None)?, print_events),
+        Command::Completions { shell } => {
+            let shell = match shell {
+                Shell::Bash => clap_complete::Shell::Bash,
+                Shell::Zsh => clap_complete::Shell::Zsh,
+                Shell::Fish => clap_complete::Shell::Fish,
+            };
+            clap_complete::generate(shell, &mut Cli::command(), "sluice", out.out);
+            Ok(())
+        }
+        Command::Cleanup { bpffs, force } => cleanup(&client, bpffs, *force, out.out),
+    }
+}
+
+/// Where a command's answer goes: the API's JSON with --json, else the human form.
+struct Output<'a> {
+    json: bool,
+    out: &'a mut dyn Write,
+}
+
+impl Output<'_> {
+    fn show(
+        &mut self,
+        v: &Value,
+        human: impl FnOnce(&mut dyn Write, &Value) -> Result<()>,
+    ) -> Result<()> {
+        if !self.json {
+            return human(self.out, v);
+        }
+        // A removal answers 204 with no body: nothing to print.
+        if !v.is_null() {
+            writeln!(self.out, "{}", serde_json::to_string_pretty(v)?)?;
+        }
+        Ok(())
+    }
+}
+
+// STUB: `pub mod daemon;` is not in lib.rs yet. Once it is, the body becomes
+// `tokio::runtime::Runtime::new().context("starting the async runtime")?.block_on(crate::daemon::run(config))`.
+fn run_daemon(config: &Path) -> Result<()> {
+    bail!("daemon not built: cannot run {}", config.display())
+}
+
+fn cleanup(client: &Client, bpffs: &Path, force: bool, out: &mut dyn Write) -> Result<()> {
+    if !force {
+        if let Ok((_, status)) = client.request("GET", "/v1/status", None) {
+            bail!(
+                "a sluice daemon (pid {}) answers on {}: stop it first, or pass --force to remove \
+                 its data plane anyway (the VIPs' traffic then stops being steered)",
+                status["pid"],
+                client.socket().display()
+            );
+        }
+    }
+    if !bpffs.exists() {
+        writeln!(out, "nothing is pinned at {}", bpffs.display())?;
+        return Ok(());
+    }
+    crate::dataplane::remove_pinned(bpffs)?;
+    writeln!(
+        out,
+        "removed the data plane pinned at {} (its XDP programs are detached)",
+        bpffs.display()
+    )?;
+    Ok(())
+}
+
+fn vip(cmd: &VipCommand, client: &Client, out: &mut Output) -> Result<()> {
+    match cmd {
+        VipCommand::List => out.show(&client.call("GET", "/v1/vips", None)?, print_vips),
+        VipCommand::Add(a) => {
+            let mut spec: VipSpec = serde_json::from_value(json!({
+                "name": a.name, "address": a.address, "port": a.port, "protocol": a.protocol,
+                "hash": a.hash,
+            }))
+            .expect("the required fields are given");
+            spec.affinity_secs = a.affinity_window.unwrap_or(spec.affinity_secs);
+            spec.priority = a.priority.unwrap_or(spec.priority);
+            spec.ring_size = a.ring_size.unwrap_or(spec.ring_size);
+            let body = serde_json::to_value(NewVip {
+                vip: spec,
+                backends: a.backends.clone(),
+            })?;
+            let v = client.call("POST", "/v1/vips", Some(&body))?;
+            out.show(&v, |out, v| {
+                let vip = &v["vip"];
+                writeln!(
+                    out,
+                    "added VIP {}: {} {}, {} backends",
+                    cell(&vip["name"]),
+                    cell(&vip["protocol"]),
+                    host_port(vip),
+                    cell(&vip["backend_count"])
+                )?;
+                Ok(())
+            })
+        }
+        VipCommand::Remove { name } => {
+            let v = client.call("DELETE", &format!("/v1/vips/{}", path_segment(name)), None)?;
+            out.show(&v, |out, _| Ok(writeln!(out, "removed VIP {name}")?))
+        }
+    }
+}
+
+fn backend(cmd: &BackendCommand, client: &Client, out: &mut Output) -> Result<()> {
+    let base = |vip: &str| format!("/v1/vips/{}/backends", path_segment(vip));
+    let one = |vip: &str, address: &IpAddr| {
+        format!("{}/{}", base(vip), path_segment(&address.to_string()))
+    };
+    match cmd {
+        BackendCommand::List { vip } => {
+            out.show(&client.call("GET", &base(vip), None)?, print_backends)
+        }
+        BackendCommand::Add {
+            vip,
+            address,
+            weight,
+            labels,
+            max_sessions,
+        } => {
+            let mut spec = backend_spec(*address);
+            spec.weight = weight.unwrap_or(spec.weight);
+            spec.labels = labels.iter().cloned().collect::<BTreeMap<_, _>>();
+            spec.max_sessions = max_sessions.unwrap_or(spec.max_sessions);
+            let v = client.call("POST", &base(vip), Some(&serde_json::to_value(spec)?))?;
+            out.show(&v, |out, v| {
+                Ok(writeln!(
+                    out,
+                    "added backend {address} to {vip} (id {}, weight {})",
+                    cell(&v["id"]),
+                    cell(&v["weight"])
+                )?)
+            })
+        }
+        BackendCommand::Remove { vip, address } => {
+            let v = client.call("DELETE", &one(vip, address), None)?;
+            out.show(&v, |out, _| {
+                Ok(writeln!(out, "removed backend {address} from {vip}")?)
+            })
+        }
+        BackendCommand::SetWeight {
+            vip,
+            address,
+            weight,
+        } => {
+            let body = serde_json::to_value(WeightChange { weight: *weight })?;
+            let v = client.call("PUT", &format!("{}/weight", one(vip, address)), Some(&body))?;
+            out.show(&v, |out, v| {
+                Ok(writeln!(
+                    out,
+                    "backend {address} of {vip}: weight {}",
+                    cell(&v["weight"])
+                )?)
+            })
+        }
+        BackendCommand::Drain {
+            vip,
+            address,
+            deadline,
+        } => {
+            let body = serde_json::to_value(DrainRequest {
+                deadline: deadline.clone(),
+            })?;
+            let v = client.call("POST", &format!("{}/drain", one(vip, address)), Some(&body))?;
+            out.show(&v, |out, v| {
+                let until = match v["drain_deadline_ms"].as_u64() {
+                    Some(ms) => format!("when its flows end, or at {}", timestamp(ms)),
+                    None => "when its flows end".into(),
+                };
+                Ok(writeln!(
+                    out,
+                    "draining backend {address} of {vip}: no new flows; removed {until}"
+                )?)
+            })
+        }
+        BackendCommand::Undrain { vip, address } => {
+            let v = client.call("POST", &format!("{}/undrain", one(vip, address)), None)?;
+            out.show(&v, |out, _| {
+                Ok(writeln!(
+                    out,
+                    "backend {address} of {vip} takes new flows again"
+                )?)
+            })
+        }
+    }
+}
+
+/// A JSON value as a table cell: strings bare, null as "-".
+fn cell(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// "10.0.0.1:443" or "[fd00::1]:443" from an object with address and port.
+fn host_port(v: &Value) -> String {
+    let addr = cell(&v["address"]);
+    if addr.contains(':') {
+        format!("[{addr}]:{}", cell(&v["port"]))
+    } else {
+        format!("{addr}:{}", cell(&v["port"]))
+    }
+}
+
+fn timestamp(ms: u64) -> String {
+    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+/// "3m ago" or "in 7m" relative to now.
+fn relative(ms: u64) -> String {
+    let now = now_ms();
+    let d = |ms: u64| humantime::format_duration(Duration::from_secs(ms / 1000)).to_string();
+    if ms <= now {
+        format!("{} ago", d(now - ms))
+    } else {
+        format!("in {}", d(ms - now))
+    }
+}
+
+/// Aligned columns separated by two spaces; the last column is not padded.
+fn table(out: &mut dyn Write, header: &[&str], rows: &[Vec<String>]) -> Result<()> {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (w, c) in widths.iter_mut().zip(row) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+    for row in std::iter::once(&header).chain(rows) {
+        let mut line = String::new();
+        for (i, (c, w)) in row.iter().zip(&widths).enumerate() {
+            if i + 1 == row.len() {
+                line += c;
+            } else {
+                line += &format!("{c:<w$}  ");
+            }
+        }
+        writeln!(out, "{}", line.trim_end())?;
+    }
+    Ok(())
+}
+
+fn items(v: &Value) -> &[Value] {
+    v.as_array().map_or(&[], Vec::as_slice)
+}
+
+fn print_status(out: &mut dyn Write, v: &Value) -> Result<()> {
+    let interfaces: Vec<String> = items(&v["interfaces"])
+        .iter()
+        .map(|i| format!("{} ({})", cell(&i["name"]), cell(&i["mode"])))
+        .collect();
+    let uptime =
+        humantime::format_duration(Duration::from_secs(v["uptime_s"].as_u64().unwrap_or(0)));
+    let rows = [
+        ("version", cell(&v["version"])),
+        ("pid", cell(&v["pid"])),
+        ("uptime", uptime.to_string()),
+        ("interfaces", interfaces.join(", ")),
+        ("pin dir", cell(&v["pin_dir"])),
+        ("vips", cell(&v["vips"])),
+        ("backends", cell(&v["backends"])),
+    ];
+    for (k, val) in rows {
+        writeln!(out, "{k:<12}{val}")?;
+    }
+    Ok(())
+}
+
+fn print_vips(out: &mut dyn Write, v: &Value) -> Result<()> {
+    let rows: Vec<Vec<String>> = items(&v["vips"])
+        .iter()
+        .map(|v| {
+            let affinity = match v["affinity_secs"].as_u64() {
+                Some(0) | None => "-".to_string(),
+                Some(s) => humantime::format_duration(Duration::from_secs(s)).to_string(),
+            };
+            vec![
+                cell(&v["name"]),
+                cell(&v["protocol"]),
+                host_port(v),
+                cell(&v["hash"]),
+                affinity,
+                cell(&v["priority"]),
+                cell(&v["backend_count"]),
+                cell(&v["active_flows"]),
+                cell(&v["traffic"]["packets"]),
+                cell(&v["traffic"]["bytes"]),
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &[
+            "NAME", "PROTO", "ADDRESS", "HASH", "AFFINITY", "PRIO", "BACKENDS", "FLOWS", "PACKETS",
+            "BYTES",
+        ],
+        &rows,
+    )
+}
+
+fn print_backends(out: &mut dyn Write, v: &Value) -> Result<()> {
+    let rows: Vec<Vec<String>> = items(&v["backends"])
+        .iter()
+        .map(|b| {
+            let drain = match (
+                b["drain_since_ms"].as_u64(),
+                b["drain_deadline_ms"].as_u64(),
+            ) {
+                (None, _) => "-".to_string(),
+                (Some(since), None) => format!("since {}", relative(since)),
+                (Some(since), Some(d)) => {
+                    format!("since {}, deadline {}", relative(since), relative(d))
+                }
+            };
+            let labels = b["labels"]
+                .as_object()
+                .map(|m| {
+                    m.iter()
+                        .map(|(k, v)| format!("{k}={}", cell(v)))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                })
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| "-".into());
+            vec![
+                cell(&b["address"]),
+                cell(&b["id"]),
+                cell(&b["weight"]),
+                cell(&b["effective_weight"]),
+                cell(&b["state"]),
+                if b["healthy"].as_bool() == Some(false) {
+                    "no"
+                } else {
+                    "yes"
+                }
+                .into(),
+                cell(&b["active_flows"]),
+                cell(&b["traffic"]["packets"]),
+                cell(&b["traffic"]["bytes"]),
+                drain,
+                labels,
+            ]
+        })
+        .collect();
+    table(
+        out,
+        &[
+            "ADDRESS",
+            "ID",
+            "WEIGHT",
+            "EFFECTIVE",
+            "STATE",
+            "HEALTHY",
+            "FLOWS",
+            "PACKETS",
+            "BYTES",
+            "DRAIN",
+            "LABELS",
+        ],
+        &rows,
+    )
+}
+
+fn print_flows(out: &mut dyn Write, v: &Value) -> Result<()> {
+    let mut rows = vec![];
+    for vip in items(&v["vips"]) {
+        rows.push(vec![
+            cell(&vip["vip"]),
+            "(all)".into(),
+            cell(&vip["active_flows"]),
+        ]);
+        for b in items(&vip["backends"]) {
+            rows.push(vec![
+                cell(&vip["vip"]),
+                cell(&b["address"]),
+                cell(&b["active_flows"]),
+            ]);
+        }
+    }
+    table(out, &["VIP", "BACKEND", "FLOWS"], &rows)
+}
+
+fn print_stats(out: &mut dyn Write, v: &Value) -> Result<()> {
+    // In the data plane's order (receive, passes, steering, drops, transmit), not by name.
+    let global: Vec<Vec<String>> = lb_common::stat::NAMES
+        .iter()
+        .map(|n| vec![n.to_string(), cell(&v["global"][n])])
+        .collect();
+    table(out, &["COUNTER", "VALUE"], &global)?;
+    writeln!(out)?;
+    let t = |row: &mut Vec<String>, t: &Value| {
+        row.extend(["packets", "bytes", "new_flows"].map(|k| cell(&t[k])));
+    };
+    let mut rows = vec![];
+    for vip in items(&v["vips"]) {
+        let mut row = vec![cell(&vip["vip"]), "(all)".into()];
+        t(&mut row, &vip["traffic"]);
+        rows.push(row);
+        for b in items(&vip["backends"]) {
+            let mut row = vec![cell(&vip["vip"]), cell(&b["address"])];
+            t(&mut row, &b["traffic"]);
+            rows.push(row);
+        }
+    }
+    table(
+        out,
+        &["VIP", "BACKEND", "PACKETS", "BYTES", "NEW FLOWS"],
+        &rows,
+    )
+}
+
+fn print_events(out: &mut dyn Write, v: &Value) -> Result<()> {
+    let rows: Vec<Vec<String>> = items(&v["events"])
+        .iter()
+        .map(|e| {
+            vec![
+                e["time_ms"].as_u64().map_or_else(|| "-".into(), timestamp),
+                cell(&e["kind"]),
+                cell(&e["vip"]),
+                cell(&e["backend"]),
+                cell(&e["reason"]),
+            ]
+        })
+        .collect();
+    table(out, &["TIME", "KIND", "VIP", "BACKEND", "REASON"], &rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admin::testing::TestServer;
+
+    /// Runs `sluice ARGS` against `srv`: what it printed, or its error message.
+    fn sluice(srv: &TestServer, args: &[&str]) -> Result<String, String> {
+        let socket = srv.socket.to_str().unwrap();
+        let argv = ["sluice", "--socket", socket]
+            .into_iter()
+            .chain(args.iter().copied());
+        let cli = Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        execute(&cli, &mut out).map_err(|e| format!("{e:#}"))?;
+        Ok(String::from_utf8(out).unwrap())
+    }
+
+    #[test]
+    fn vip_add_then_list() {
+        let srv = TestServer::start();
+        let out = sluice(
+            &srv,
+            &[
+                "vip",
+                "add",
+                "chat",
+                "--address",
+                "10.0.0.1",
+                "--port",
+                "443",
+                "--hash",
+                "source",
+                "--affinity-window",
+                "10m",
+                "--backend",
+                "10.1.0.1",
+                "--backend",
+                "10.1.0.2:50",
+            ],
+        )
+        .unwrap();
+        assert_eq!(out, "added VIP chat: tcp 10.0.0.1:443, 2 backends\n");
+        let vip = srv.state().vips["chat"].clone();
+        assert_eq!(vip.spec.affinity_secs, 600);
+        assert_eq!(vip.spec.hash, HashMode::Source);
+        assert_eq!(vip.backends[&"10.1.0.2".parse().unwrap()].spec.weight, 50);
+
+        let out = sluice(&srv, &["vip", "list"]).unwrap();
+        assert_eq!(
+            out,
+            "NAME  PROTO  ADDRESS       HASH    AFFINITY  PRIO  BACKENDS  FLOWS  PACKETS  BYTES\n\
+             chat  tcp    10.0.0.1:443  source  10m       0     2         0      0        0\n"
+        );
+
+        let e = sluice(
+            &srv,
+            &["vip", "add", "chat", "--address", "10.0.0.2", "--port", "1"],
+        )
+        .unwrap_err();
+        assert_eq!(e, "a VIP named \"chat\" exists already");
+    }
+
+    #[test]
+    fn backend_drain_then_list() {
+        let srv = TestServer::start();
+        sluice(
+            &srv,
+            &[
+                "vip",
+                "add",
+                "chat",
+                "--address",
+                "10.0.0.1",
+                "--port",
+                "443",
+                "--backend",
+                "10.1.0.1",
+            ],
+        )
+        .unwrap();
+        sluice(
+            &srv,
+            &[
+                "backend", "add", "chat", "10.1.0.2", "--weight", "5", "--label", "zone=b",
+            ],
+        )
+        .unwrap();
+        let out = sluice(
+            &srv,
+            &["backend", "drain", "chat", "10.1.0.1", "--deadline", "10m"],
+        )
+        .unwrap();
+        assert!(out.starts_with("draining backend 10.1.0.1 of chat: no new flows; removed when its flows end, or at 20"), "{out}");
+
+        let out = sluice(&srv, &["backend", "list", "chat"]).unwrap();
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 3, "{out}");
+        assert!(
+            lines[0].starts_with(
+                "ADDRESS   ID  WEIGHT  EFFECTIVE  STATE     HEALTHY  FLOWS  PACKETS  BYTES  DRAIN"
+            ),
+            "{out}"
+        );
+        assert!(lines[1].starts_with("10.1.0.1  1   100     100        draining  yes      0      0        0      since 0s ago, deadline in 9m 59s"), "{out}");
+        assert!(
+            lines[2].starts_with(
+                "10.1.0.2  2   5       5          active    yes      0      0        0      -"
+            ),
+            "{out}"
+        );
+        assert!(lines[2].ends_with("zone=b"), "{out}");
+
+        let e = sluice(&srv, &["backend", "drain", "chat", "10.1.0.9"]).unwrap_err();
+        assert_eq!(
+            e,
+            "VIP \"chat\" has no backend 10.1.0.9; `sluice backend list chat` shows its backends"
+        );
+        sluice(&srv, &["backend", "undrain", "chat", "10.1.0.1"]).unwrap();
+        sluice(&srv, &["backend", "set-weight", "chat", "10.1.0.1", "7"]).unwrap();
+        assert_eq!(
+            srv.state()
+                .backend("chat", "10.1.0.1".parse().unwrap())
+                .unwrap()
+                .spec
+                .weight,
+            7
+        );
+        assert_eq!(
+            sluice(&srv, &["backend", "remove", "chat", "10.1.0.1"]).unwrap(),
+            "removed backend 10.1.0.1 from chat\n"
+        );
+    }
+
+    #[test]
+    fn stats_json_is_the_api_answer() {
+        let srv = TestServer::start();
+        sluice(
+            &srv,
+            &[
+                "vip",
+                "add",
+                "chat",
+                "--address",
+                "fd00::1",
+                "--port",
+                "0",
+                "--protocol",
+                "udp",
+                "--backend",
+                "[fd00:1::1]:30",
+            ],
+        )
+        .unwrap();
+        let out = sluice(&srv, &["stats", "--json"]).unwrap();
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v, srv.client().call("GET", "/v1/stats", None).unwrap());
+        assert_eq!(v["vips"][0]["vip"], "chat");
+        assert_eq!(v["vips"][0]["backends"][0]["address"], "fd00:1::1");
+        let human = sluice(&srv, &["stats"]).unwrap();
+        assert!(human.starts_with("COUNTER"), "{human}");
+        assert!(
+            human.contains("chat  fd00:1::1  0        0      0"),
+            "{human}"
+        );
+        // Removals print nothing with --json (the API answers 204).
+        assert_eq!(
+            sluice(&srv, &["--json", "vip", "remove", "chat"]).unwrap(),
+            ""
+        );
+    }
+
+    #[test]
+    fn the_other_read_commands_print_tables() {
+        let srv = TestServer::start();
+        sluice(
+            &srv,
+            &[
+                "vip",
+                "add",
+                "chat",
+                "--address",
+                "10.0.0.1",
+                "--port",
+                "443",
+                "--backend",
+                "10.1.0.1",
+            ],
+        )
+        .unwrap();
+        let status = sluice(&srv, &["status"]).unwrap();
+        assert!(status.contains("interfaces  eth0 (native)\n"), "{status}");
+        assert!(status.contains("vips        1\n"), "{status}");
+        assert_eq!(
+            sluice(&srv, &["flows"]).unwrap(),
+            "VIP   BACKEND   FLOWS\nchat  (all)     0\nchat  10.1.0.1  0\n"
+        );
+        assert_eq!(
+            sluice(&srv, &["events"]).unwrap(),
+            "TIME  KIND  VIP  BACKEND  REASON\n"
+        );
+    }
+
+    #[test]
+    fn usage_errors_exit_2_and_help_reads() {
+        Cli::command().debug_assert();
+        let e = Cli::try_parse_from([
+            "sluice",
+            "backend",
+            "drain",
+            "chat",
+            "10.1.0.1",
+            "--deadline",
+            "soon",
+        ])
+        .unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert!(e.to_string().contains("use e.g. 30s, 10m, 1h30m"), "{e}");
+        let e = Cli::try_parse_from([
+            "sluice",
+            "vip",
+            "add",
+            "x",
+            "--address",
+            "10.0.0.1",
+            "--port",
+            "1",
+            "--protocol",
+            "sctp",
+        ])
+        .unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        // Every command's help renders, with its examples.
+        let mut cmd = Cli::command();
+        for sub in cmd.get_subcommands_mut().filter(|c| c.get_name() != "help") {
+            let help = sub.render_long_help().to_string();
+            assert!(
+                help.contains("Example"),
+                "{} has no examples:\n{help}",
+                sub.get_name()
+            );
+            for leaf in sub.get_subcommands_mut().filter(|c| c.get_name() != "help") {
+                let help = leaf.render_long_help().to_string();
+                assert!(
+                    help.contains("Example"),
+                    "{} has no examples:\n{help}",
+                    leaf.get_name()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn backends_parse_with_optional_weights() {
+        let b = parse_backend("10.1.0.1:50").unwrap();
+        assert_eq!((b.address.to_string(), b.weight), ("10.1.0.1".into(), 50));
+        let b = parse_backend("[fd00::1]:50").unwrap();
+        assert_eq!((b.address.to_string(), b.weight), ("fd00::1".into(), 50));
+        let b = parse_backend("fd00::1").unwrap();
+        assert_eq!((b.address.to_string(), b.weight), ("fd00::1".into(), 100));
+        assert!(parse_backend("10.1.0.1:heavy").is_err());
+    }
+
+    #[test]
+    fn cleanup_refuses_while_a_daemon_answers() {
+        let srv = TestServer::start();
+        let dir = srv.dir.join("bpffs");
+        std::fs::create_dir_all(&dir).unwrap();
+        let e = sluice(&srv, &["cleanup", "--bpffs", dir.to_str().unwrap()]).unwrap_err();
+        assert!(e.starts_with("a sluice daemon (pid "), "{e}");
+        assert!(dir.exists());
+        let out = sluice(
+            &srv,
+            &["cleanup", "--force", "--bpffs", dir.to_str().unwrap()],
+        )
+        .unwrap();
+        assert!(out.starts_with("removed the data plane pinned at"), "{out}");
+        assert!(!dir.exists());
+    }
+}
