@@ -43,6 +43,12 @@ pub const PROTO_ICMPV6: u8 = 58;
 /// Hash on the source address only: every connection of a client, and its reconnections,
 /// reach the same backend while the table does not change.
 pub const VIP_F_SRC_HASH: u32 = 1 << 0;
+/// Admission control sheds this VIP's new sessions (its priority class is below the level
+/// the overloaded pool still admits). Established flows are not affected.
+pub const VIP_F_SHED: u32 = 1 << 1;
+/// Shed TCP sessions with a RST (clients fail fast) instead of dropping the SYN (clients
+/// back off and retry).
+pub const VIP_F_SHED_RST: u32 = 1 << 2;
 
 /// Key of the VIP hash map. `port` 0 matches every port of the address and protocol.
 #[repr(C)]
@@ -77,6 +83,9 @@ pub const BACKEND_ACTIVE: u8 = 1;
 pub const BACKEND_DRAINING: u8 = 2;
 /// Takes no new flows; its established flows are re-steered to the table's current choice.
 pub const BACKEND_DOWN: u8 = 3;
+
+/// `Backend::flags`: at its session cap or saturated; new flows probe past it.
+pub const BACKEND_F_FULL: u8 = 1 << 0;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -198,7 +207,10 @@ pub mod stat {
     pub const DECAP_OK: u32 = 27;
     pub const DECAP_PASS_NOT_ENCAP: u32 = 28;
     pub const DECAP_DROP_ADJUST: u32 = 29;
-    pub const COUNT: u32 = 30;
+    pub const SHED_PRIORITY: u32 = 30;
+    pub const SHED_FULL: u32 = 31;
+    pub const SHED_RST_SENT: u32 = 32;
+    pub const COUNT: u32 = 33;
 
     /// Names as exported (Prometheus label values, CLI); index = counter.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -232,6 +244,9 @@ pub mod stat {
         "decap_ok",
         "decap_pass_not_encap",
         "decap_drop_adjust",
+        "shed_priority",
+        "shed_full",
+        "shed_rst_sent",
     ];
 }
 

@@ -6,13 +6,14 @@ mod decap;
 mod encap;
 mod maps;
 mod parse;
+mod rst;
 mod stats;
 mod steer;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
-use lb_common::stat;
+use lb_common::{stat, VIP_F_SHED_RST};
 
-use crate::{maps::CONFIG, stats::count};
+use crate::{maps::CONFIG, stats::count, steer::Refusal};
 
 #[xdp]
 pub fn sluice_xdp(ctx: XdpContext) -> u32 {
@@ -36,10 +37,20 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
         count(stat::DROP_NO_CONFIG);
         return xdp_action::XDP_DROP;
     };
-    let d = match steer::decide(&p.key, &vip, cfg, !p.icmp_error) {
+    let d = match steer::decide(&p.key, &vip, cfg, !p.icmp_error, p.opens()) {
         Ok(d) => d,
-        Err(reason) => {
+        Err(Refusal::Drop(reason)) => {
             count(reason);
+            return xdp_action::XDP_DROP;
+        }
+        Err(Refusal::Shed(reason)) => {
+            count(reason);
+            if vip.flags & VIP_F_SHED_RST != 0 {
+                if let Some(action) = rst::reply(&ctx, &p) {
+                    count(stat::SHED_RST_SENT);
+                    return action;
+                }
+            }
             return xdp_action::XDP_DROP;
         }
     };

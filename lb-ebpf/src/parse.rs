@@ -30,6 +30,23 @@ pub struct Parsed {
     /// Traffic class copied to the outer header so DSCP and ECN survive encapsulation.
     pub tos: u8,
     pub icmp_error: bool,
+    /// Offset of the L4 header (for a shed SYN's RST reply).
+    pub l4_off: usize,
+    /// TCP flags (0 for other protocols).
+    pub tcp_flags: u8,
+}
+
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
+
+impl Parsed {
+    /// A packet that opens a session: a TCP SYN without ACK, or any UDP packet (QUIC has no
+    /// handshake visible at L4).
+    #[inline(always)]
+    pub fn opens(&self) -> bool {
+        self.key.proto != PROTO_TCP || self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
 }
 
 /// A frame that passes untouched, with the counter that says why.
@@ -118,9 +135,10 @@ fn ipv4(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
     key.src[0] = unsafe { raw32_at(p + 12) };
     key.dst[0] = unsafe { raw32_at(p + 16) };
     let tos = unsafe { u8_at(p + 1) };
+    let mut tcp_flags = 0;
     let icmp_error = match key.proto {
         PROTO_TCP | PROTO_UDP => {
-            ports(ctx, l3 + ihl, &mut key)?;
+            tcp_flags = ports(ctx, l3 + ihl, &mut key)?;
             false
         }
         PROTO_ICMP => {
@@ -135,6 +153,8 @@ fn ipv4(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
         l3_len: tot_len,
         tos,
         icmp_error,
+        l4_off: l3 + ihl,
+        tcp_flags,
     })
 }
 
@@ -158,9 +178,10 @@ fn ipv6(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
     let (nh, l4) = ext_headers(ctx, unsafe { u8_at(p + 6) }, l3 + IPV6_HLEN)?;
     key.proto = nh;
     let tos = (vtc >> 4) as u8;
+    let mut tcp_flags = 0;
     let icmp_error = match nh {
         PROTO_TCP | PROTO_UDP => {
-            ports(ctx, l4, &mut key)?;
+            tcp_flags = ports(ctx, l4, &mut key)?;
             false
         }
         PROTO_ICMPV6 => {
@@ -175,6 +196,8 @@ fn ipv6(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
         l3_len,
         tos,
         icmp_error,
+        l4_off: l4,
+        tcp_flags,
     })
 }
 
@@ -196,12 +219,16 @@ fn ext_headers(ctx: &XdpContext, mut nh: u8, mut off: usize) -> Result<(u8, usiz
 }
 
 #[inline(always)]
-fn ports(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), Pass> {
-    let min = if key.proto == PROTO_TCP { 20 } else { 8 };
-    let p = at(ctx, l4, min).ok_or(stat::PASS_TRUNCATED_L4)?;
+/// Reads the ports into `key`; returns the TCP flags (0 for UDP).
+fn ports(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<u8, Pass> {
+    let p = at(ctx, l4, 8).ok_or(stat::PASS_TRUNCATED_L4)?;
     key.sport = unsafe { core::ptr::read_unaligned(p as *const u16) };
     key.dport = unsafe { core::ptr::read_unaligned((p + 2) as *const u16) };
-    Ok(())
+    if key.proto != PROTO_TCP {
+        return Ok(0);
+    }
+    let t = at(ctx, l4, 20).ok_or(stat::PASS_TRUNCATED_L4)?;
+    Ok(unsafe { u8_at(t + 13) })
 }
 
 /// Quoted ports of an ICMP error, reversed: the quoted packet went VIP -> client, so the

@@ -4,7 +4,8 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use lb_common::{
     hash, stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta,
-    BACKEND_ACTIVE, BACKEND_DRAINING, MAX_PROBES, RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SRC_HASH,
+    BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, MAX_PROBES, RINGS_PER_VIP, RING_SIZE_MAX,
+    VIP_F_SHED, VIP_F_SRC_HASH,
 };
 
 use crate::{
@@ -13,6 +14,19 @@ use crate::{
 };
 
 const NS_PER_SEC: u64 = 1_000_000_000;
+
+/// Why a packet is not forwarded: dropped for a reason, or a new session shed by admission
+/// control (which may be answered with a RST). Each carries its counter.
+pub enum Refusal {
+    Drop(u32),
+    Shed(u32),
+}
+
+impl From<u32> for Refusal {
+    fn from(counter: u32) -> Self {
+        Refusal::Drop(counter)
+    }
+}
 
 pub struct Decision {
     pub backend_id: u32,
@@ -47,10 +61,18 @@ fn backend(id: u32, vip: &VipMeta) -> Option<Backend> {
     Some(*b)
 }
 
-/// Steers one packet of a VIP flow: `Err` carries the drop counter.
-/// `track` is false for ICMP errors: they follow a flow but never create one.
+/// Steers one packet of a VIP flow. `track` is false for ICMP errors: they follow a flow
+/// but never create one. `opens` is true for a packet that starts a session (a TCP SYN, or
+/// any UDP packet without a connection entry): only those are subject to admission
+/// control, so an established stream whose entry was evicted is never shed.
 #[inline(always)]
-pub fn decide(key: &FlowKey, vip: &VipMeta, cfg: &LbConfig, track: bool) -> Result<Decision, u32> {
+pub fn decide(
+    key: &FlowKey,
+    vip: &VipMeta,
+    cfg: &LbConfig,
+    track: bool,
+    opens: bool,
+) -> Result<Decision, Refusal> {
     let h = if vip.flags & VIP_F_SRC_HASH != 0 {
         hash::src_hash(key, cfg.hash_seed)
     } else {
@@ -75,7 +97,7 @@ pub fn decide(key: &FlowKey, vip: &VipMeta, cfg: &LbConfig, track: bool) -> Resu
         // Its backend is down (or gone): re-steer to the table's current choice and keep
         // the flow pinned there from now on.
         count(stat::CONN_RESTEER_DOWN);
-        let (id, b) = choose(key, vip, h, now)?;
+        let (id, b) = choose(key, vip, h, now, false)?;
         unsafe {
             (*e).backend = id;
             (*e).last_seen_ns = now;
@@ -89,7 +111,11 @@ pub fn decide(key: &FlowKey, vip: &VipMeta, cfg: &LbConfig, track: bool) -> Resu
     }
 
     count(stat::CONN_MISS);
-    let (id, b) = choose(key, vip, h, now)?;
+    let opens = opens && track;
+    if opens && vip.flags & VIP_F_SHED != 0 {
+        return Err(Refusal::Shed(stat::SHED_PRIORITY));
+    }
+    let (id, b) = choose(key, vip, h, now, opens)?;
     if !track {
         // Nothing to pin.
     } else if flood_guard(cfg, now) {
@@ -112,10 +138,23 @@ pub fn decide(key: &FlowKey, vip: &VipMeta, cfg: &LbConfig, track: bool) -> Resu
     })
 }
 
-/// A backend for a new flow: the client's affinity entry while it is fresh, otherwise the
-/// first of the flow's probe positions in the live ring whose backend takes new flows.
+/// A backend takes this flow: it is active, and, for a new session, not at its cap.
 #[inline(always)]
-fn choose(key: &FlowKey, vip: &VipMeta, h: u32, now: u64) -> Result<(u32, Backend), u32> {
+fn takes(b: &Backend, new_session: bool) -> bool {
+    b.state == BACKEND_ACTIVE && !(new_session && b.flags & BACKEND_F_FULL != 0)
+}
+
+/// A backend for a flow without one: the client's affinity entry while it is fresh,
+/// otherwise the first of the flow's probe positions in the live ring whose backend takes
+/// it. A new session finding only full backends is shed.
+#[inline(always)]
+fn choose(
+    key: &FlowKey,
+    vip: &VipMeta,
+    h: u32,
+    now: u64,
+    new_session: bool,
+) -> Result<(u32, Backend), Refusal> {
     let akey = AffinityKey {
         addr: key.src,
         vip: vip.id,
@@ -124,7 +163,7 @@ fn choose(key: &FlowKey, vip: &VipMeta, h: u32, now: u64) -> Result<(u32, Backen
         if let Some(a) = unsafe { AFFINITY.get(&akey) } {
             if now.wrapping_sub(a.last_seen_ns) < vip.affinity_secs as u64 * NS_PER_SEC {
                 if let Some(b) = backend(a.backend, vip) {
-                    if b.state == BACKEND_ACTIVE {
+                    if takes(&b, new_session) {
                         count(stat::AFFINITY_HIT);
                         let id = a.backend;
                         remember(&akey, id, now);
@@ -135,27 +174,35 @@ fn choose(key: &FlowKey, vip: &VipMeta, h: u32, now: u64) -> Result<(u32, Backen
         }
     }
     let ring_size = vip.ring_size;
-    if ring_size < 2 || ring_size > RING_SIZE_MAX {
-        return Err(stat::DROP_NO_BACKEND);
+    if !(2..=RING_SIZE_MAX).contains(&ring_size) {
+        return Err(stat::DROP_NO_BACKEND.into());
     }
+    let mut saw_full = false;
     let base = (vip.id * RINGS_PER_VIP + (vip.active_ring & 1)) * RING_SIZE_MAX;
     for i in 0..MAX_PROBES {
         let slot = hash::probe_slot(h, i, ring_size);
         let id = match MAGLEV_RINGS.get(base + slot) {
             Some(id) if *id != 0 => *id,
-            _ => return Err(stat::DROP_NO_BACKEND),
+            _ => return Err(stat::DROP_NO_BACKEND.into()),
         };
         match backend(id, vip) {
-            Some(b) if b.state == BACKEND_ACTIVE => {
+            Some(b) if takes(&b, new_session) => {
                 if vip.affinity_secs != 0 {
                     remember(&akey, id, now);
                 }
                 return Ok((id, b));
             }
-            _ => count(stat::PROBE_SKIP),
+            Some(b) => {
+                saw_full |= b.state == BACKEND_ACTIVE;
+                count(stat::PROBE_SKIP);
+            }
+            None => count(stat::PROBE_SKIP),
         }
     }
-    Err(stat::DROP_NO_BACKEND)
+    if saw_full {
+        return Err(Refusal::Shed(stat::SHED_FULL));
+    }
+    Err(stat::DROP_NO_BACKEND.into())
 }
 
 #[inline(always)]

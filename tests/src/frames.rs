@@ -114,6 +114,35 @@ pub fn tcp(sport: u16, dport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
     t
 }
 
+/// A TCP RST|ACK as a host answers a SYN (seq 0, window 0), checksummed for its pseudo
+/// header.
+pub fn tcp_rst(src: IpAddr, dst: IpAddr, sport: u16, dport: u16, ack: u32) -> Vec<u8> {
+    let mut t = vec![0u8; 20];
+    t[0..2].copy_from_slice(&sport.to_be_bytes());
+    t[2..4].copy_from_slice(&dport.to_be_bytes());
+    t[8..12].copy_from_slice(&ack.to_be_bytes());
+    t[12] = 5 << 4;
+    t[13] = 0x14;
+    let mut pseudo = vec![];
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            pseudo.extend_from_slice(&s.octets());
+            pseudo.extend_from_slice(&d.octets());
+            pseudo.extend_from_slice(&[0, 6, 0, 20]);
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            pseudo.extend_from_slice(&s.octets());
+            pseudo.extend_from_slice(&d.octets());
+            pseudo.extend_from_slice(&[0, 0, 0, 20, 0, 0, 0, 6]);
+        }
+        _ => panic!("mixed families"),
+    }
+    pseudo.extend_from_slice(&t);
+    let c = csum(&pseudo);
+    t[16..18].copy_from_slice(&c.to_be_bytes());
+    t
+}
+
 pub fn udp(sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
     let mut u = vec![0u8; 8];
     u[0..2].copy_from_slice(&sport.to_be_bytes());

@@ -129,6 +129,12 @@ impl Lab {
         self.tables.insert(meta.id, table);
     }
 
+    pub fn set_flags(&mut self, id: u32, flags: u8) {
+        let mut b = self.dp.backend(id).unwrap();
+        b.flags = flags;
+        self.dp.set_backend(id, &b).unwrap();
+    }
+
     pub fn set_state(&mut self, id: u32, state: u8) {
         let mut b = self.dp.backend(id).unwrap();
         b.state = state;

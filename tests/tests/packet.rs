@@ -5,8 +5,8 @@
 use std::net::IpAddr;
 
 use lb_common::{
-    stat, BACKEND_DOWN, BACKEND_DRAINING, PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6,
-    PROTO_TCP, PROTO_UDP, VIP_F_SRC_HASH,
+    stat, BACKEND_DOWN, BACKEND_DRAINING, BACKEND_F_FULL, PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP,
+    PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
 };
 use sluice::dataplane::PROG_DECAP;
 use sluice_tests::{flow, frames::*, run_prog, Lab, FALLBACK_MAC};
@@ -722,4 +722,101 @@ fn decap_strips_each_outer_header_and_passes_the_client_packet() {
     let (a, out) = run_prog(&mut lab.dp, PROG_DECAP, &plain).unwrap();
     assert_eq!((a, out), (XDP_PASS, plain));
     assert_eq!(lab.stat(stat::DECAP_PASS_NOT_ENCAP), 1);
+}
+
+#[test]
+fn full_backend_is_probed_past_by_new_sessions_but_keeps_its_streams() {
+    let (mut lab, vip) = lab_v4();
+    let on = |lab: &mut Lab, id: u32, from: u16| {
+        (from..60000)
+            .find(|&p| lab.ring_choice(&vip, &flow(CLIENT4, p, VIP4, 443, PROTO_TCP), false) == id)
+            .unwrap()
+    };
+    let old = on(&mut lab, 1, 1000);
+    lab.run(&on_wire(&v4_tcp(CLIENT4, old, VIP4, 443, SYN, 0)));
+    lab.set_flags(1, BACKEND_F_FULL);
+    let key = flow(CLIENT4, old, VIP4, 443, PROTO_TCP);
+    let h = lab.flow_hash(&key, false);
+    assert_steered(&mut lab, &v4_tcp(CLIENT4, old, VIP4, 443, ACK, 0), 1, h);
+    let new = on(&mut lab, 1, old + 1);
+    let nkey = flow(CLIENT4, new, VIP4, 443, PROTO_TCP);
+    let next = *lab.probes(&vip, &nkey).iter().find(|&&id| id != 1).unwrap();
+    let h = lab.flow_hash(&nkey, false);
+    assert_steered(&mut lab, &v4_tcp(CLIENT4, new, VIP4, 443, SYN, 0), next, h);
+}
+
+#[test]
+fn syn_is_shed_by_drop_when_every_backend_is_full_while_established_flows_continue() {
+    let (mut lab, _vip) = lab_v4();
+    lab.run(&on_wire(&v4_tcp(CLIENT4, 3000, VIP4, 443, SYN, 0)));
+    for id in 1..=3 {
+        lab.set_flags(id, BACKEND_F_FULL);
+    }
+    let syn = on_wire(&v4_tcp(CLIENT4, 3001, VIP4, 443, SYN, 0));
+    assert_eq!(lab.run(&syn).0, XDP_DROP);
+    assert_eq!(lab.stat(stat::SHED_FULL), 1);
+    // The established flow, and a mid-stream packet whose entry was lost, still flow.
+    assert_eq!(
+        lab.run(&on_wire(&v4_tcp(CLIENT4, 3000, VIP4, 443, ACK, 0)))
+            .0,
+        XDP_TX
+    );
+    assert_eq!(
+        lab.run(&on_wire(&v4_tcp(CLIENT4, 3002, VIP4, 443, ACK | PSH, 0)))
+            .0,
+        XDP_TX
+    );
+    assert_eq!(lab.stat(stat::SHED_FULL), 1);
+}
+
+#[test]
+fn shed_vip_answers_syn_with_an_exact_rst_and_drops_udp() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_SHED | VIP_F_SHED_RST, 0);
+    lab.backends(&vip, &BACKENDS4);
+    let mut h = V4::new(CLIENT4, VIP4, PROTO_TCP);
+    h.tos = 0x10;
+    let syn = on_wire(&h.build(&tcp(40500, 443, SYN, b"")));
+    let (a, out) = lab.run(&syn);
+    assert_eq!(a, XDP_TX);
+    let mut r = V4::new(VIP4, CLIENT4, PROTO_TCP);
+    r.tos = 0x10;
+    let rst = tcp_rst(ip(VIP4), ip(CLIENT4), 443, 40500, 1001);
+    assert_eq!(out, eth(CLIENT_MAC, LB_MAC, ETH_IP, &r.build(&rst)));
+    assert_eq!(
+        (lab.stat(stat::SHED_PRIORITY), lab.stat(stat::SHED_RST_SENT)),
+        (1, 1)
+    );
+    assert!(
+        lab.dp.conns().unwrap().is_empty(),
+        "a shed session leaves no entry"
+    );
+
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, VIP_F_SHED | VIP_F_SHED_RST, 0);
+    lab.backends(&vip6, &BACKENDS6);
+    let syn6 = on_wire(&ipv6(
+        CLIENT6,
+        VIP6,
+        PROTO_TCP,
+        0,
+        0,
+        &tcp(40501, 443, SYN, b""),
+    ));
+    let (a, out) = lab.run(&syn6);
+    assert_eq!(a, XDP_TX);
+    let rst6 = tcp_rst(ip(VIP6), ip(CLIENT6), 443, 40501, 1001);
+    let mut expect = eth(
+        CLIENT_MAC,
+        LB_MAC,
+        ETH_IPV6,
+        &ipv6(VIP6, CLIENT6, PROTO_TCP, 0, 0, &rst6),
+    );
+    expect[14 + 7] = 64;
+    assert_eq!(out, expect);
+
+    let uvip = lab.vip(2, VIP4, 443, PROTO_UDP, VIP_F_SHED | VIP_F_SHED_RST, 0);
+    lab.backends(&uvip, &[(21, "10.1.0.21", 1)]);
+    let quic = on_wire(&V4::new(CLIENT4, VIP4, PROTO_UDP).build(&udp(5000, 443, b"initial")));
+    assert_eq!(lab.run(&quic).0, XDP_DROP);
+    assert_eq!(lab.stat(stat::SHED_PRIORITY), 3);
 }
