@@ -356,7 +356,8 @@ fn backend_spec(address: IpAddr) -> BackendSpec {
 /// Parses the process's arguments and runs the command; usage errors exit with 2 (clap).
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    match execute(&cli, &mut std::io::stdout().lock()) {
+    // Not a held StdoutLock: `run` lasts as long as the daemon, and its threads may print.
+    match execute(&cli, &mut std::io::stdout()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
