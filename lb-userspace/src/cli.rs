@@ -9,7 +9,7 @@ use std::{
     time::{Duration, UNIX_EPOCH},
 };
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::{
     builder::{PossibleValuesParser, TypedValueParser},
     CommandFactory, Parser, Subcommand, ValueEnum,
@@ -417,10 +417,10 @@ impl Output<'_> {
     }
 }
 
-// STUB: `pub mod daemon;` is not in lib.rs yet. Once it is, the body becomes
-// `tokio::runtime::Runtime::new().context("starting the async runtime")?.block_on(crate::daemon::run(config))`.
 fn run_daemon(config: &Path) -> Result<()> {
-    bail!("daemon not built: cannot run {}", config.display())
+    tokio::runtime::Runtime::new()
+        .context("starting the async runtime")?
+        .block_on(crate::daemon::run(config))
 }
 
 fn cleanup(client: &Client, bpffs: &Path, force: bool, out: &mut dyn Write) -> Result<()> {
@@ -1008,6 +1008,17 @@ mod tests {
         assert_eq!(
             sluice(&srv, &["events"]).unwrap(),
             "TIME  KIND  VIP  BACKEND  REASON\n"
+        );
+    }
+
+    #[test]
+    fn run_reports_a_missing_config() {
+        let cli =
+            Cli::try_parse_from(["sluice", "run", "--config", "/nonexistent/sluice.toml"]).unwrap();
+        let e = execute(&cli, &mut Vec::new()).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("/nonexistent/sluice.toml"),
+            "{e:#}"
         );
     }
 
