@@ -169,6 +169,10 @@ pub struct DataplaneConfig {
     /// New flows per second per CPU above which the flood guard bypasses the connection
     /// table; 0 = off.
     pub flood_new_flows_per_sec: u32,
+    /// A connection seen within this long counts as active (drain completion, session
+    /// counts for admission control). Token streams pause between tokens, so not too short.
+    #[serde(with = "duration_str")]
+    pub flow_idle_timeout: Duration,
 }
 
 impl DataplaneConfig {
@@ -1294,6 +1298,7 @@ struct RawDataplane {
     affinity_table_size: Option<Int>,
     max_vips: Option<Int>,
     flood_new_flows_per_sec: Option<Int>,
+    flow_idle_timeout: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -2099,6 +2104,11 @@ fn dataplane(c: &mut Checker, p: &KeyPath, r: RawDataplane) -> Option<DataplaneC
         u32::MAX as i64,
         " (0 = off)",
     );
+    let flow_idle_timeout = c.positive(
+        &p.key("flow_idle_timeout"),
+        r.flow_idle_timeout.as_deref(),
+        Duration::from_secs(60),
+    );
     Some(DataplaneConfig {
         interfaces: interfaces?,
         hash_seed: hash_seed?,
@@ -2109,6 +2119,7 @@ fn dataplane(c: &mut Checker, p: &KeyPath, r: RawDataplane) -> Option<DataplaneC
         affinity_table_size: affinity_table_size?,
         max_vips: max_vips?,
         flood_new_flows_per_sec: flood?,
+        flow_idle_timeout: flow_idle_timeout?,
     })
 }
 

@@ -1365,6 +1365,7 @@ fn config_minimal_takes_defaults() {
                 affinity_table_size: lb_common::AFFINITY_TABLE_SIZE,
                 max_vips: DataplaneConfig::DEFAULT_MAX_VIPS,
                 flood_new_flows_per_sec: 0,
+                flow_idle_timeout: std::time::Duration::from_secs(60),
             },
             vips: vec![],
             health: Default::default(),
