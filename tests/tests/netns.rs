@@ -332,3 +332,38 @@ fn namespaces_of_a_dead_run_are_swept_and_their_processes_killed() {
         "the process in the stale namespace was not killed"
     );
 }
+
+/// With no neighbour entry for the backends (bpf_fib_lookup does not resolve them itself),
+/// the LB sends to the fallback MAC, the segment's router in the switch namespace, which
+/// routes the encapsulated packets on to the backends: streams still complete.
+#[test]
+fn without_neighbour_entries_the_lb_forwards_through_the_fallback_router() {
+    let mut lab = start_lab();
+    lab.topo
+        .lb
+        .ns
+        .ip(&["neigh", "flush", "dev", sluice_tests::netns::DEV])
+        .unwrap();
+    let before = lab.counters().unwrap();
+    let client = lab.topo.client.ns.clone();
+    for vip in [
+        SocketAddr::new(VIP4.into(), TCP_PORT),
+        SocketAddr::new(VIP6.into(), TCP_PORT),
+    ] {
+        for _ in 0..4 {
+            let mut s = TokenStream::open(&client, vip, 10, 1, Duration::from_secs(5))
+                .unwrap_or_else(|e| panic!("stream to {vip} via the fallback router: {e:#}"));
+            s.read_to_end(Instant::now() + Duration::from_secs(10))
+                .unwrap_or_else(|e| panic!("stream to {vip} via the fallback router: {e:#}"));
+        }
+    }
+    let d = lab.counters().unwrap().since(&before);
+    let (fallback, tx) = (
+        d.lb[stat::FIB_FALLBACK_MAC as usize],
+        d.lb[stat::TX as usize],
+    );
+    assert!(
+        tx > 0 && fallback == tx,
+        "fallback {fallback} of {tx} encapsulations"
+    );
+}
