@@ -1,0 +1,196 @@
+//! Per-backend move-away state: exponential cooldown and slow start.
+//!
+//! A move away starts a cooldown. It is `cooldown_base`, unless the backend moves away again
+//! within `flap_window` of its last return (a flap): then it is twice the previous cooldown,
+//! capped at `cooldown_max`. The previous cooldown decays back to `cooldown_base` once the
+//! backend has stayed in rotation for `stable_period`. A backend returns only when its
+//! cooldown is over and no condition holds, and then ramps up over `slow_start`.
+
+use std::time::Duration;
+
+use crate::config::PolicyConfig;
+
+use super::score::Reason;
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Phase {
+    /// Takes new sessions; ramping up since `ramp_from` while slow start lasts.
+    InRotation { ramp_from: Option<Duration> },
+    /// Weight 0 for new sessions; at least until `until`.
+    MovedAway { until: Duration, reason: Reason },
+}
+
+/// What one update did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Change {
+    /// Moved away, cooling down for `cooldown`; `flap`: doubled by a recent return.
+    Moved { cooldown: Duration, flap: bool },
+    /// Back in rotation, ramping up.
+    Returned,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Steering {
+    pub phase: Phase,
+    /// The last cooldown served, the base for doubling.
+    cooldown: Duration,
+    returned_at: Option<Duration>,
+}
+
+impl Steering {
+    /// `ramp_from`: start in slow start from this time (`None`: at full weight).
+    pub fn new(ramp_from: Option<Duration>) -> Self {
+        Steering {
+            phase: Phase::InRotation { ramp_from },
+            cooldown: Duration::ZERO,
+            returned_at: None,
+        }
+    }
+
+    /// Whether the backend stays (or goes) out of rotation if nothing overrides it.
+    pub fn wants_out(&self, now: Duration, trigger: Option<Reason>) -> bool {
+        match self.phase {
+            Phase::InRotation { .. } => trigger.is_some(),
+            Phase::MovedAway { until, .. } => now < until || trigger.is_some(),
+        }
+    }
+
+    pub fn update(
+        &mut self,
+        now: Duration,
+        trigger: Option<Reason>,
+        cfg: &PolicyConfig,
+    ) -> Option<Change> {
+        match (&self.phase, trigger) {
+            (Phase::InRotation { .. }, Some(reason)) => {
+                let since_return = self.returned_at.map(|r| now.saturating_sub(r));
+                let flap = since_return.is_some_and(|d| d <= cfg.flap_window);
+                let previous = match since_return {
+                    Some(d) if d < cfg.stable_period => self.cooldown,
+                    _ => cfg.cooldown_base,
+                };
+                self.cooldown = if flap {
+                    (previous * 2).min(cfg.cooldown_max)
+                } else {
+                    cfg.cooldown_base
+                };
+                self.phase = Phase::MovedAway {
+                    until: now + self.cooldown,
+                    reason,
+                };
+                Some(Change::Moved {
+                    cooldown: self.cooldown,
+                    flap,
+                })
+            }
+            (Phase::MovedAway { until, .. }, None) if now >= *until => {
+                self.phase = Phase::InRotation {
+                    ramp_from: Some(now),
+                };
+                self.returned_at = Some(now);
+                Some(Change::Returned)
+            }
+            _ => None,
+        }
+    }
+
+    /// Health came back: ramp up like a return (a pending cooldown still applies).
+    pub fn on_up(&mut self, now: Duration) {
+        if let Phase::InRotation { ramp_from } = &mut self.phase {
+            *ramp_from = Some(now);
+        }
+    }
+
+    pub fn cooldown_left(&self, now: Duration) -> Duration {
+        match self.phase {
+            Phase::MovedAway { until, .. } => until.saturating_sub(now),
+            Phase::InRotation { .. } => Duration::ZERO,
+        }
+    }
+
+    /// The level allowed by slow start: linear from 1 to `target` over `slow_start`.
+    pub fn ramp_level(&mut self, now: Duration, target: u32, cfg: &PolicyConfig) -> u32 {
+        let Phase::InRotation { ramp_from } = &mut self.phase else {
+            return 0;
+        };
+        let Some(from) = *ramp_from else {
+            return target;
+        };
+        let elapsed = now.saturating_sub(from);
+        if elapsed >= cfg.slow_start {
+            *ramp_from = None;
+            return target;
+        }
+        let steps =
+            u128::from(target.saturating_sub(1)) * elapsed.as_nanos() / cfg.slow_start.as_nanos();
+        (1 + steps as u32).min(target)
+    }
+
+    pub fn ramping(&self) -> bool {
+        matches!(self.phase, Phase::InRotation { ramp_from: Some(_) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn cooldown_doubles_on_flaps_caps_and_resets_after_stability() {
+        let cfg = PolicyConfig::default(); // base 10s, max 600s, flap 300s, stable 120s
+        let mut st = Steering::new(None);
+        let mut t = Duration::ZERO;
+        let mut served = Vec::new();
+        for _ in 0..8 {
+            match st.update(t, Some(Reason::Congestion), &cfg) {
+                Some(Change::Moved { cooldown, .. }) => served.push(cooldown.as_secs()),
+                other => panic!("{other:?}"),
+            }
+            t += st.cooldown_left(t);
+            assert_eq!(st.update(t, None, &cfg), Some(Change::Returned));
+            t += S;
+        }
+        assert_eq!(served, [10, 20, 40, 80, 160, 320, 600, 600]);
+        // Stable for stable_period but within flap_window: decays to base, then doubles.
+        t += cfg.stable_period;
+        st.update(t, Some(Reason::Stale), &cfg);
+        assert_eq!(st.cooldown_left(t), 2 * cfg.cooldown_base);
+        t += st.cooldown_left(t);
+        st.update(t, None, &cfg);
+        // Past flap_window: not a flap.
+        t += cfg.flap_window + S;
+        assert_eq!(
+            st.update(t, Some(Reason::Saturation), &cfg),
+            Some(Change::Moved {
+                cooldown: cfg.cooldown_base,
+                flap: false
+            })
+        );
+    }
+
+    #[test]
+    fn stays_away_until_cooldown_ends_and_signals_are_fine() {
+        let cfg = PolicyConfig::default();
+        let mut st = Steering::new(None);
+        st.update(Duration::ZERO, Some(Reason::Throttling), &cfg);
+        assert!(st.wants_out(5 * S, None));
+        assert_eq!(st.update(5 * S, None, &cfg), None);
+        assert_eq!(st.update(10 * S, Some(Reason::Throttling), &cfg), None);
+        assert!(!st.wants_out(11 * S, None));
+        assert_eq!(st.update(11 * S, None, &cfg), Some(Change::Returned));
+    }
+
+    #[test]
+    fn ramp_is_linear_from_one_level_to_target() {
+        let cfg = PolicyConfig::default(); // slow_start 30s
+        let mut st = Steering::new(Some(Duration::ZERO));
+        let levels: Vec<u32> = [0, 5, 15, 29, 30, 31]
+            .iter()
+            .map(|&s| st.ramp_level(s * S, 7, &cfg))
+            .collect();
+        assert_eq!(levels, [1, 2, 4, 6, 7, 7]);
+        assert!(!st.ramping());
+    }
+}

@@ -1,0 +1,275 @@
+//! Health: a rise/fall state machine per backend, and the probes that feed it.
+//!
+//! `fall` consecutive failures mark a backend down, `rise` consecutive successes mark it up
+//! (GLB-style dampening, so one lost probe does not flap the table). The caller writes a
+//! down transition to the data plane at once; an up backend enters slow start in the policy.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
+
+use http_body_util::Empty;
+use hyper::{body::Bytes, header, Request};
+use hyper_util::rt::TokioIo;
+use serde::Serialize;
+use tokio::{net::TcpStream, time::timeout};
+
+use crate::config::{HealthCheck, HealthConfig};
+
+use super::{Event, EventKind};
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Health {
+    pub up: bool,
+    /// Consecutive results contradicting `up` so far.
+    pub streak: u32,
+    /// When `up` last changed (or the tracker started).
+    #[serde(serialize_with = "super::secs")]
+    pub since: Duration,
+    /// The last failure, for display.
+    pub last_error: Option<String>,
+}
+
+impl Health {
+    /// A tracker starting in the given state (e.g. the persisted one).
+    pub fn new(now: Duration, up: bool) -> Self {
+        Health {
+            up,
+            streak: 0,
+            since: now,
+            last_error: None,
+        }
+    }
+
+    /// Folds in one probe result; returns the up/down event when the state flips.
+    pub fn record(
+        &mut self,
+        now: Duration,
+        result: &Result<(), CheckError>,
+        cfg: &HealthConfig,
+        vip: &str,
+        backend: IpAddr,
+    ) -> Option<Event> {
+        if let Err(e) = result {
+            self.last_error = Some(e.to_string());
+        }
+        if result.is_ok() == self.up {
+            self.streak = 0;
+            return None;
+        }
+        self.streak += 1;
+        let needed = if self.up { cfg.fall } else { cfg.rise };
+        if self.streak < needed {
+            return None;
+        }
+        self.up = !self.up;
+        self.streak = 0;
+        self.since = now;
+        let (kind, reason) = match (self.up, &self.last_error) {
+            (true, _) => (
+                EventKind::Up,
+                format!("{needed} consecutive successful checks"),
+            ),
+            (false, e) => (
+                EventKind::Down,
+                format!(
+                    "{needed} consecutive failed checks, last: {}",
+                    e.as_deref().unwrap_or("?")
+                ),
+            ),
+        };
+        Some(Event {
+            at: now,
+            kind,
+            vip: vip.to_owned(),
+            backend: Some(backend),
+            reason,
+            telemetry: None,
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    #[error("connect: {0}")]
+    Connect(std::io::Error),
+    #[error("http: {0}")]
+    Http(hyper::Error),
+    #[error("status {got}, expected {expected}")]
+    Status { got: u16, expected: u16 },
+}
+
+/// Runs the backend's configured check against `addr` within `limit`.
+pub async fn check(addr: IpAddr, hc: &HealthCheck, limit: Duration) -> Result<(), CheckError> {
+    let target = SocketAddr::new(addr, hc.port());
+    let probe = async {
+        match hc {
+            HealthCheck::Tcp { .. } => tcp(target).await,
+            HealthCheck::Http {
+                path,
+                expect_status,
+                ..
+            } => http(target, path, *expect_status, limit).await,
+        }
+    };
+    timeout(limit, probe)
+        .await
+        .map_err(|_| CheckError::Timeout(limit))?
+}
+
+async fn tcp(target: SocketAddr) -> Result<(), CheckError> {
+    TcpStream::connect(target)
+        .await
+        .map(drop)
+        .map_err(CheckError::Connect)
+}
+
+async fn http(
+    target: SocketAddr,
+    path: &str,
+    expected: u16,
+    limit: Duration,
+) -> Result<(), CheckError> {
+    let stream = TcpStream::connect(target)
+        .await
+        .map_err(CheckError::Connect)?;
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(CheckError::Http)?;
+    // Drives the connection; bounded, so a backend that stalls mid-response leaks nothing.
+    tokio::spawn(timeout(limit, conn));
+    let req = Request::get(path)
+        .header(header::HOST, target.to_string())
+        .header(header::CONNECTION, "close")
+        .body(Empty::<Bytes>::new())
+        .expect("a path validated by the config is a valid URI");
+    let got = send
+        .send_request(req)
+        .await
+        .map_err(CheckError::Http)?
+        .status()
+        .as_u16();
+    if got == expected {
+        Ok(())
+    } else {
+        Err(CheckError::Status { got, expected })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use tokio::{
+        io::{AsyncReadExt, AsyncWriteExt},
+        net::TcpListener,
+    };
+
+    use super::*;
+
+    const LOCAL: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    const S: Duration = Duration::from_secs(1);
+
+    fn cfg(rise: u32, fall: u32) -> HealthConfig {
+        HealthConfig {
+            rise,
+            fall,
+            ..HealthConfig::default()
+        }
+    }
+
+    #[test]
+    fn fall_failures_mark_down_and_rise_successes_mark_up() {
+        let cfg = cfg(3, 2);
+        let mut h = Health::new(Duration::ZERO, true);
+        let mut kinds = Vec::new();
+        // fail, ok (resets), fail, fail -> down; ok, ok, fail (resets), ok, ok, ok -> up
+        let script = [
+            false, true, false, false, true, true, false, true, true, true,
+        ];
+        for (i, ok) in script.into_iter().enumerate() {
+            let r = if ok {
+                Ok(())
+            } else {
+                Err(CheckError::Status {
+                    got: 503,
+                    expected: 200,
+                })
+            };
+            if let Some(e) = h.record(i as u32 * S, &r, &cfg, "v", LOCAL) {
+                kinds.push((i, e.kind, e.reason));
+            }
+        }
+        assert_eq!(
+            kinds,
+            [
+                (
+                    3,
+                    EventKind::Down,
+                    "2 consecutive failed checks, last: status 503, expected 200".into()
+                ),
+                (9, EventKind::Up, "3 consecutive successful checks".into()),
+            ]
+        );
+        assert!(h.up);
+        assert_eq!(h.since, 9 * S);
+    }
+
+    #[tokio::test]
+    async fn tcp_check_connects_or_fails() {
+        let l = TcpListener::bind((LOCAL, 0)).await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        check(LOCAL, &HealthCheck::Tcp { port }, S).await.unwrap();
+        drop(l);
+        let err = check(LOCAL, &HealthCheck::Tcp { port }, S).await;
+        assert!(matches!(err, Err(CheckError::Connect(_))), "{err:?}");
+    }
+
+    /// Answers one request with `status`, after `delay`.
+    async fn serve(status: u16, delay: Duration) -> u16 {
+        let l = TcpListener::bind((LOCAL, 0)).await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut buf = [0; 1024];
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(buf[..n].starts_with(b"GET /health HTTP/1.1\r\n"));
+            tokio::time::sleep(delay).await;
+            let resp = format!("HTTP/1.1 {status} X\r\ncontent-length: 0\r\n\r\n");
+            let _ = s.write_all(resp.as_bytes()).await;
+        });
+        port
+    }
+
+    fn http_check(port: u16) -> HealthCheck {
+        HealthCheck::Http {
+            port,
+            path: "/health".into(),
+            expect_status: 200,
+        }
+    }
+
+    #[tokio::test]
+    async fn http_check_wants_the_expected_status_within_the_timeout() {
+        let port = serve(200, Duration::ZERO).await;
+        check(LOCAL, &http_check(port), S).await.unwrap();
+        let port = serve(503, Duration::ZERO).await;
+        let err = check(LOCAL, &http_check(port), S).await;
+        assert!(
+            matches!(
+                err,
+                Err(CheckError::Status {
+                    got: 503,
+                    expected: 200
+                })
+            ),
+            "{err:?}"
+        );
+        let port = serve(200, 2 * S).await;
+        let err = check(LOCAL, &http_check(port), Duration::from_millis(100)).await;
+        assert!(matches!(err, Err(CheckError::Timeout(_))), "{err:?}");
+    }
+}

@@ -1,0 +1,436 @@
+//! Adaptive steering: Maglev weights, move-aways, cooldowns and admission from telemetry.
+//!
+//! A pure engine: [`Policy::step`] takes the time (`now`, since any fixed epoch) and a view of
+//! every backend, and returns the weights and flags to write plus audit events. It reads no
+//! clock and does no I/O, so the daemon drives it and tests script it.
+//!
+//! Per step and backend (see the submodules for each rule):
+//! - the load score (an EWMA of the largest normalised pressure) sets a weight level
+//!   `1..=weight_levels`, moved only past a hysteresis band ([`score`]);
+//! - congestion, saturation, throttling or stale telemetry moves the backend away (weight 0
+//!   for new sessions, established ones stay) under an exponential cooldown, and a return
+//!   ramps up over `slow_start` ([`cooldown`]);
+//! - a down backend gets weight 0 ([`health`] tracks up/down);
+//! - full backends and the VIP's shed level come from [`admission`], with `cooldown_base`
+//!   as the shed period.
+//!
+//! Guard: telemetry alone never empties a VIP. When every healthy backend of positive weight
+//! would be moved away, the least-loaded half of them (rounded up; stale ones count as most
+//! loaded) stays in at its score weight, and admission control deals with real overload.
+
+mod admission;
+mod cooldown;
+pub mod health;
+mod score;
+#[cfg(test)]
+mod tests;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    time::Duration,
+};
+
+use serde::{Serialize, Serializer};
+
+pub use self::{
+    admission::{Shed, LOWEST_CLASS},
+    score::Reason,
+};
+use self::{
+    admission::{ShedChange, Shedder},
+    cooldown::{Change, Phase, Steering},
+    score::{Score, Trigger},
+};
+use crate::{config::PolicyConfig, controller, telemetry::BackendTelemetry};
+
+/// One backend of one VIP as the policy sees it at a step.
+#[derive(Clone, Copy, Debug)]
+pub struct BackendInput<'a> {
+    pub vip: &'a str,
+    pub address: IpAddr,
+    /// Data-plane backend id, unique across VIPs.
+    pub id: u32,
+    /// Configured (operator) weight.
+    pub weight: u32,
+    pub healthy: bool,
+    /// Active sessions in the connection table.
+    pub sessions: u64,
+    /// 0 = no cap.
+    pub max_sessions: u32,
+    /// `None`: no telemetry configured for this backend.
+    pub telemetry: Option<&'a BackendTelemetry>,
+}
+
+/// Where a backend stands for new sessions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SteerState {
+    Active,
+    SlowStart,
+    MovedAway,
+    /// Would be moved away, kept in by the guard.
+    Guarded,
+    Down,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BackendDecision {
+    pub vip: String,
+    pub address: IpAddr,
+    pub id: u32,
+    /// The Maglev weight to write.
+    pub weight: u32,
+    pub state: SteerState,
+    pub moved_away: bool,
+    /// Why it is (or, guarded, would be) moved away.
+    pub reason: Option<Reason>,
+    #[serde(rename = "cooldown_left_s", serialize_with = "secs")]
+    pub cooldown_left: Duration,
+    /// The data plane probes past full backends.
+    pub full: bool,
+    /// Smoothed load score (0 idle .. 1 at a threshold).
+    pub score: f64,
+    pub sessions: u64,
+    pub max_sessions: u32,
+    #[serde(rename = "telemetry_age_s", serialize_with = "opt_secs")]
+    pub telemetry_age: Option<Duration>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Decisions {
+    /// In input order.
+    pub backends: Vec<BackendDecision>,
+    /// Per VIP name.
+    pub shed: BTreeMap<String, Shed>,
+    pub events: Vec<Event>,
+}
+
+impl Decisions {
+    /// Backend id → weight, for `Controller::set_weights`.
+    pub fn weights(&self) -> BTreeMap<u32, u32> {
+        self.backends.iter().map(|b| (b.id, b.weight)).collect()
+    }
+}
+
+/// `Down` and `Up` come from [`health::Health::record`], the rest from [`Policy::step`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EventKind {
+    WeightChange,
+    Reroute,
+    CooldownStart,
+    CooldownExtend,
+    Recover,
+    Down,
+    Up,
+    ShedStart,
+    ShedStop,
+}
+
+impl EventKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::WeightChange => "weight-change",
+            EventKind::Reroute => "reroute",
+            EventKind::CooldownStart => "cooldown-start",
+            EventKind::CooldownExtend => "cooldown-extend",
+            EventKind::Recover => "recover",
+            EventKind::Down => "down",
+            EventKind::Up => "up",
+            EventKind::ShedStart => "shed-start",
+            EventKind::ShedStop => "shed-stop",
+        }
+    }
+}
+
+/// An audit event; `telemetry` is the backend's telemetry view at the time, as JSON.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Event {
+    #[serde(rename = "at_s", serialize_with = "secs")]
+    pub at: Duration,
+    pub kind: EventKind,
+    pub vip: String,
+    pub backend: Option<IpAddr>,
+    pub reason: String,
+    pub telemetry: Option<serde_json::Value>,
+}
+
+impl Event {
+    /// The controller's event (which has wall-clock time and no telemetry).
+    pub fn to_controller(&self, time_ms: u64) -> controller::Event {
+        controller::Event {
+            time_ms,
+            kind: self.kind.as_str().to_owned(),
+            vip: self.vip.clone(),
+            backend: self.backend,
+            reason: self.reason.clone(),
+        }
+    }
+}
+
+fn secs<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
+
+fn opt_secs<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => secs(d, s),
+        None => s.serialize_none(),
+    }
+}
+
+/// What the policy remembers of a backend between steps.
+struct Memory {
+    score: Score,
+    steering: Steering,
+    healthy: bool,
+    /// The weight last decided; `None` before the first.
+    weight: Option<u32>,
+}
+
+/// The steering engine; holds per-backend memory (scores, cooldowns) between steps.
+pub struct Policy {
+    cfg: PolicyConfig,
+    backends: BTreeMap<u32, Memory>,
+    shedders: BTreeMap<String, Shedder>,
+    started: bool,
+}
+
+/// A backend's view within one step.
+struct Work<'a> {
+    input: &'a BackendInput<'a>,
+    trigger: Option<Trigger>,
+    eligible: bool,
+    wants_out: bool,
+}
+
+impl Policy {
+    pub fn new(cfg: PolicyConfig) -> Self {
+        Policy {
+            cfg,
+            backends: BTreeMap::new(),
+            shedders: BTreeMap::new(),
+            started: false,
+        }
+    }
+
+    /// One control interval. Backends missing from `inputs` are forgotten.
+    pub fn step(&mut self, now: Duration, inputs: &[BackendInput]) -> Decisions {
+        let ids: BTreeSet<u32> = inputs.iter().map(|i| i.id).collect();
+        self.backends.retain(|id, _| ids.contains(id));
+        let vips: BTreeSet<&str> = inputs.iter().map(|i| i.vip).collect();
+        self.shedders.retain(|v, _| vips.contains(v.as_str()));
+
+        let work: Vec<Work> = inputs.iter().map(|i| self.observe(now, i)).collect();
+        let kept = self.guard(&work);
+
+        let mut out = Decisions {
+            backends: Vec::with_capacity(inputs.len()),
+            shed: BTreeMap::new(),
+            events: Vec::new(),
+        };
+        for (i, w) in work.iter().enumerate() {
+            let d = self.decide(now, w, kept.contains(&i), &mut out.events);
+            out.backends.push(d);
+        }
+        for vip in vips {
+            self.shed(now, vip, &work, &mut out);
+        }
+        self.started = true;
+        out
+    }
+
+    /// Updates the score and health memory; works out the move-away wish.
+    fn observe<'a>(&mut self, now: Duration, input: &'a BackendInput<'a>) -> Work<'a> {
+        let cfg = &self.cfg;
+        // Backends present at the first step keep their weight; later ones are new: ramp.
+        let ramp = self.started.then_some(now);
+        let m = self.backends.entry(input.id).or_insert_with(|| Memory {
+            score: Score::new(cfg),
+            steering: Steering::new(ramp),
+            healthy: input.healthy,
+            weight: None,
+        });
+        if input.healthy && !m.healthy {
+            m.steering.on_up(now);
+        }
+        m.healthy = input.healthy;
+        let trigger = input.telemetry.and_then(|t| {
+            if !t.stale {
+                m.score.update(score::pressure(&t.sample, cfg), cfg);
+            }
+            score::triggers(t, cfg).into_iter().next()
+        });
+        let eligible = input.healthy && input.weight > 0;
+        let reason = trigger.as_ref().map(|t| t.reason);
+        Work {
+            input,
+            eligible,
+            wants_out: eligible && m.steering.wants_out(now, reason),
+            trigger,
+        }
+    }
+
+    /// Indexes of backends the guard keeps in (see the module docs).
+    fn guard(&self, work: &[Work]) -> BTreeSet<usize> {
+        let mut by_vip: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        for (i, w) in work.iter().enumerate().filter(|(_, w)| w.eligible) {
+            by_vip.entry(w.input.vip).or_default().push(i);
+        }
+        let mut kept = BTreeSet::new();
+        for mut pool in by_vip.into_values() {
+            if !pool.iter().all(|&i| work[i].wants_out) {
+                continue;
+            }
+            let load = |i: usize| {
+                let stale = work[i].input.telemetry.is_some_and(|t| t.stale);
+                (stale, self.backends[&work[i].input.id].score.value())
+            };
+            pool.sort_by(|&a, &b| {
+                let (a, b) = (load(a), load(b));
+                a.0.cmp(&b.0).then(a.1.total_cmp(&b.1))
+            });
+            kept.extend(pool.iter().take(pool.len().div_ceil(2)));
+        }
+        kept
+    }
+
+    fn decide(
+        &mut self,
+        now: Duration,
+        w: &Work,
+        kept: bool,
+        events: &mut Vec<Event>,
+    ) -> BackendDecision {
+        let cfg = &self.cfg;
+        let input = w.input;
+        let m = self.backends.get_mut(&input.id).expect("observed");
+        let snapshot = || input.telemetry.and_then(|t| serde_json::to_value(t).ok());
+        let event = |kind, reason: String| Event {
+            at: now,
+            kind,
+            vip: input.vip.to_owned(),
+            backend: Some(input.address),
+            reason,
+            telemetry: snapshot(),
+        };
+        if w.eligible && !kept {
+            let reason = w.trigger.as_ref().map(|t| t.reason);
+            match m.steering.update(now, reason, cfg) {
+                Some(Change::Moved { cooldown, flap }) => {
+                    let detail = w.trigger.as_ref().map_or("", |t| &t.detail);
+                    events.push(event(EventKind::Reroute, detail.to_owned()));
+                    let (kind, why) = if flap {
+                        (
+                            EventKind::CooldownExtend,
+                            "moved away again within flap_window",
+                        )
+                    } else {
+                        (EventKind::CooldownStart, "moved away")
+                    };
+                    events.push(event(kind, format!("{why}: cooldown {cooldown:?}")));
+                }
+                Some(Change::Returned) => events.push(event(
+                    EventKind::Recover,
+                    format!(
+                        "cooldown over and signals fine: slow start over {:?}",
+                        cfg.slow_start
+                    ),
+                )),
+                None => {}
+            }
+        }
+        let moved = matches!(m.steering.phase, Phase::MovedAway { .. });
+        let level = match (input.healthy, moved, kept) {
+            (false, ..) | (true, true, false) => 0,
+            (true, true, true) => m.score.level,
+            (true, false, _) => m.steering.ramp_level(now, m.score.level, cfg),
+        };
+        let state = if !input.healthy {
+            SteerState::Down
+        } else if kept {
+            SteerState::Guarded
+        } else if moved {
+            SteerState::MovedAway
+        } else if m.steering.ramping() {
+            SteerState::SlowStart
+        } else {
+            SteerState::Active
+        };
+        let weight = score::scaled(input.weight, level, cfg);
+        if let Some(old) = m.weight.filter(|&old| old != weight) {
+            let why = format!(
+                "{old} -> {weight} ({state:?}, score {:.2}, level {level}/{})",
+                m.score.value(),
+                cfg.weight_levels
+            );
+            events.push(event(EventKind::WeightChange, why));
+        }
+        m.weight = Some(weight);
+        let reason = match &m.steering.phase {
+            Phase::MovedAway { reason, .. } => Some(*reason),
+            Phase::InRotation { .. } => w.trigger.as_ref().map(|t| t.reason),
+        };
+        BackendDecision {
+            vip: input.vip.to_owned(),
+            address: input.address,
+            id: input.id,
+            weight,
+            state,
+            moved_away: state == SteerState::MovedAway,
+            reason,
+            cooldown_left: m.steering.cooldown_left(now),
+            full: admission::full(input.sessions, input.max_sessions, input.telemetry, cfg),
+            score: m.score.value(),
+            sessions: input.sessions,
+            max_sessions: input.max_sessions,
+            telemetry_age: input.telemetry.and_then(|t| t.age),
+        }
+    }
+
+    fn shed(&mut self, now: Duration, vip: &str, work: &[Work], out: &mut Decisions) {
+        let (mut full, mut backends) = (0, 0);
+        for (w, d) in work.iter().zip(&out.backends) {
+            if w.input.vip == vip && w.eligible {
+                backends += 1;
+                full += u32::from(d.full);
+            }
+        }
+        let shedder = self
+            .shedders
+            .entry(vip.to_owned())
+            .or_insert_with(|| Shedder::new(now));
+        let all_full = backends > 0 && full == backends;
+        if let Some(change) = shedder.update(now, all_full, self.cfg.cooldown_base) {
+            let admit = shedder.admit_max();
+            let (kind, why) = match change {
+                ShedChange::Tighten => (
+                    EventKind::ShedStart,
+                    format!("all {backends} backends full"),
+                ),
+                ShedChange::Relax => (
+                    EventKind::ShedStop,
+                    format!("{} of {backends} backends have room", backends - full),
+                ),
+            };
+            out.events.push(Event {
+                at: now,
+                kind,
+                vip: vip.to_owned(),
+                backend: None,
+                reason: format!("{why}: admitting classes 0..={admit}"),
+                telemetry: None,
+            });
+        }
+        out.shed.insert(
+            vip.to_owned(),
+            Shed {
+                admit_max: shedder.admit_max(),
+                mode: self.cfg.shed,
+                full,
+                backends,
+            },
+        );
+    }
+}

@@ -1,0 +1,220 @@
+//! Load score, weight level and move-away triggers from one backend's telemetry.
+//!
+//! Pressure of a sample = the largest of `signal / threshold` over the signals present
+//! (GPU utilisation, KV cache, queue depth, temperature, ECN rate, CNP rate), capped at 1.
+//! The score is its EWMA (`ewma_alpha`). The weight level is `(1 - score) * weight_levels`
+//! rounded, clamped to `1..=weight_levels`, and it only moves when that value is more than
+//! `0.5 + hysteresis * weight_levels` levels from the current level.
+
+use serde::Serialize;
+
+use crate::config::PolicyConfig;
+use crate::telemetry::{BackendTelemetry, Sample};
+
+/// Why a backend is moved away from new sessions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Reason {
+    /// ECN marks or CNPs over their threshold.
+    Congestion,
+    /// Queue depth or KV-cache usage at its threshold.
+    Saturation,
+    /// GPU throttling bits set, or temperature over its threshold.
+    Throttling,
+    /// Telemetry too old to trust: treated as saturated.
+    Stale,
+}
+
+/// A move-away condition that holds now, with the numbers behind it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Trigger {
+    pub reason: Reason,
+    pub detail: String,
+}
+
+/// The conditions that hold for this telemetry, most specific first. Stale telemetry yields
+/// only `Stale`: its values are not evidence of anything.
+pub fn triggers(t: &BackendTelemetry, cfg: &PolicyConfig) -> Vec<Trigger> {
+    if t.stale {
+        let age = t
+            .age
+            .map_or("never scraped".to_owned(), |a| format!("age {a:?}"));
+        return vec![Trigger {
+            reason: Reason::Stale,
+            detail: format!("stale telemetry ({age})"),
+        }];
+    }
+    let s = &t.sample;
+    let mut out = Vec::new();
+    let mut check = |reason, value: Option<f64>, limit: f64, hit: fn(f64, f64) -> bool, what| {
+        if let Some(v) = value.filter(|&v| hit(v, limit)) {
+            out.push(Trigger {
+                reason,
+                detail: format!("{what} {v} over {limit}"),
+            });
+        }
+    };
+    let over = |v, l| v > l;
+    let at = |v, l| v >= l;
+    check(
+        Reason::Congestion,
+        s.ecn_rate,
+        cfg.ecn_rate_high,
+        over,
+        "ecn_rate",
+    );
+    check(
+        Reason::Congestion,
+        s.cnp_rate,
+        cfg.cnp_rate_high,
+        over,
+        "cnp_rate",
+    );
+    let queue_high = f64::from(cfg.queue_depth_high);
+    check(
+        Reason::Saturation,
+        s.queue_depth,
+        queue_high,
+        at,
+        "queue_depth",
+    );
+    check(
+        Reason::Saturation,
+        s.kv_cache,
+        cfg.kv_cache_high,
+        at,
+        "kv_cache",
+    );
+    check(
+        Reason::Throttling,
+        s.gpu_temp_c,
+        cfg.temp_high_c,
+        over,
+        "gpu_temp_c",
+    );
+    if let Some(bits) = s.throttle.filter(|&b| b != 0) {
+        out.push(Trigger {
+            reason: Reason::Throttling,
+            detail: format!("throttle reasons {bits:#x}"),
+        });
+    }
+    out
+}
+
+/// The sample's pressure in 0..=1, or `None` when it carries none of the scored signals.
+pub fn pressure(s: &Sample, cfg: &PolicyConfig) -> Option<f64> {
+    [
+        (s.gpu_util, cfg.gpu_util_high),
+        (s.kv_cache, cfg.kv_cache_high),
+        (s.queue_depth, f64::from(cfg.queue_depth_high)),
+        (s.gpu_temp_c, cfg.temp_high_c),
+        (s.ecn_rate, cfg.ecn_rate_high),
+        (s.cnp_rate, cfg.cnp_rate_high),
+    ]
+    .into_iter()
+    .filter_map(|(v, high)| v.filter(|v| v.is_finite()).map(|v| v / high))
+    // Capped so one huge spike decays as fast as a reading at the threshold.
+    .map(|p| p.clamp(0.0, 1.0))
+    .reduce(f64::max)
+}
+
+/// A backend's smoothed score and the weight level it maps to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Score {
+    /// `None` until the first reading, which seeds the EWMA.
+    ewma: Option<f64>,
+    pub level: u32,
+}
+
+impl Score {
+    /// The state before any reading: full level.
+    pub fn new(cfg: &PolicyConfig) -> Self {
+        Score {
+            ewma: None,
+            level: cfg.weight_levels,
+        }
+    }
+
+    pub fn value(&self) -> f64 {
+        self.ewma.unwrap_or(0.0)
+    }
+
+    /// Folds in one pressure reading (`None`: no signal, counted as idle).
+    pub fn update(&mut self, pressure: Option<f64>, cfg: &PolicyConfig) {
+        let p = pressure.unwrap_or(0.0);
+        let ewma = self
+            .ewma
+            .map_or(p, |e| cfg.ewma_alpha * p + (1.0 - cfg.ewma_alpha) * e);
+        self.ewma = Some(ewma);
+        let levels = f64::from(cfg.weight_levels);
+        let x = (1.0 - ewma) * levels;
+        if (x - f64::from(self.level)).abs() > 0.5 + cfg.hysteresis * levels {
+            self.level = (x.round() as u32).clamp(1, cfg.weight_levels);
+        }
+    }
+}
+
+/// `weight` scaled to `level / weight_levels`, never below 1 for a positive weight.
+pub fn scaled(weight: u32, level: u32, cfg: &PolicyConfig) -> u32 {
+    if weight == 0 || level == 0 {
+        return 0;
+    }
+    let w = u64::from(weight) * u64::from(level) / u64::from(cfg.weight_levels);
+    (w as u32).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::tests::sample;
+
+    #[test]
+    fn pressure_is_the_largest_capped_ratio() {
+        let cfg = PolicyConfig::default();
+        let mut s = sample();
+        assert_eq!(pressure(&s, &cfg), None);
+        s.gpu_util = Some(0.475);
+        s.queue_depth = Some(4.0);
+        assert_eq!(pressure(&s, &cfg), Some(0.8));
+        s.ecn_rate = Some(1e9);
+        assert_eq!(pressure(&s, &cfg), Some(1.0));
+    }
+
+    #[test]
+    fn triggers_name_each_condition_and_stale_hides_values() {
+        let cfg = PolicyConfig::default();
+        let mut s = sample();
+        s.cnp_rate = Some(600.0);
+        s.kv_cache = Some(0.8);
+        s.throttle = Some(0x20);
+        let mut t = BackendTelemetry {
+            sample: s,
+            age: None,
+            stale: false,
+            errors: Vec::new(),
+        };
+        let reasons: Vec<Reason> = triggers(&t, &cfg).iter().map(|t| t.reason).collect();
+        assert_eq!(
+            reasons,
+            [Reason::Congestion, Reason::Saturation, Reason::Throttling]
+        );
+        t.stale = true;
+        let reasons: Vec<Reason> = triggers(&t, &cfg).iter().map(|t| t.reason).collect();
+        assert_eq!(reasons, [Reason::Stale]);
+    }
+
+    #[test]
+    fn first_level_is_quantised_and_floored_at_one() {
+        let cfg = PolicyConfig::default();
+        let mut s = Score::new(&cfg);
+        s.update(Some(0.5), &cfg);
+        assert_eq!(s.level, 4);
+        for _ in 0..20 {
+            s.update(Some(1.0), &cfg);
+        }
+        assert_eq!(s.level, 1);
+        assert_eq!(scaled(100, 1, &cfg), 12);
+        assert_eq!(scaled(3, 1, &cfg), 1);
+        assert_eq!(scaled(100, 0, &cfg), 0);
+    }
+}
