@@ -1,0 +1,262 @@
+//! Accelerator telemetry for adaptive steering: what each backend's GPUs, inference engine
+//! and RoCE fabric report, gathered into one [`Sample`] per backend.
+//!
+//! Sources:
+//! - [`dcgm`]: NVIDIA dcgm-exporter pages (utilisation, memory, temperature, power, throttling);
+//! - [`engine`]: vLLM and SGLang `/metrics` pages (queue depth, running requests, KV cache);
+//! - [`roce`]: RoCE congestion counters (ECN marks, CNPs) from sysfs or an exporter, as rates;
+//! - push: samples posted through the admin API ([`Hub::update`] with [`Source::Push`]).
+//!
+//! Everything that interprets data is pure and takes the time as a parameter: [`prom`] parses
+//! the text exposition format, the extractors turn a page into a partial [`Sample`], [`Hub`]
+//! merges the parts and judges staleness. The I/O shell is small: [`http`] fetches a page,
+//! [`scrape::run`] polls every [`Target`] built by [`targets`] and feeds the hub.
+//!
+//! Wiring in the daemon:
+//!
+//! ```ignore
+//! let targets = telemetry::targets(&config)?; // rejects https endpoints
+//! let mut hub = Hub::new(config.telemetry.stale_after);
+//! for (key, sources) in telemetry::sources(&config) {
+//!     hub.configure(key, sources);
+//! }
+//! let hub = Arc::new(Mutex::new(hub));
+//! tokio::spawn(telemetry::run(targets, hub.clone(), config.telemetry.clone(), shutdown));
+//! // policy: hub.lock().unwrap().view(&(vip, addr), Instant::now())
+//! // admin POST .../telemetry: sample.validate()?; hub.update(&key, Source::Push, sample, now)
+//! ```
+//!
+//! On a configuration reload, stop `run` (its shutdown future), call [`Hub::configure`] for
+//! the new backends and [`Hub::retain`] for the ones still present, and start `run` again.
+
+pub mod prom;
+
+use std::{fmt, net::IpAddr};
+
+use serde::{Deserialize, Serialize};
+
+/// A backend: (VIP name, backend address).
+pub type BackendKey = (String, IpAddr);
+
+/// The clock-throttling bits of `DCGM_FI_DEV_CLOCKS_EVENT_REASONS` that mean the GPU is
+/// slowed by something other than load: hardware slowdown (0x8), software thermal (0x20),
+/// hardware thermal (0x40) and hardware power brake (0x80). Idle (0x1) and the software power
+/// cap (0x4) are normal operation.
+pub const THROTTLE_MASK: u64 = 0x8 | 0x20 | 0x40 | 0x80;
+
+/// The latest signals of one backend; None = no source reports it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sample {
+    /// 0..=1, the busiest of the backend's GPUs (DCGM_FI_DEV_GPU_UTIL is 0..100).
+    #[serde(default)]
+    pub gpu_util: Option<f64>,
+    /// 0..=1, max over GPUs of FB_USED / (FB_USED + FB_FREE).
+    #[serde(default)]
+    pub fb_used: Option<f64>,
+    /// Max over GPUs, °C.
+    #[serde(default)]
+    pub gpu_temp_c: Option<f64>,
+    /// Sum over GPUs, W.
+    #[serde(default)]
+    pub power_w: Option<f64>,
+    /// OR of DCGM_FI_DEV_CLOCKS_EVENT_REASONS over GPUs, masked to [`THROTTLE_MASK`].
+    #[serde(default)]
+    pub throttle: Option<u64>,
+    /// vllm:num_requests_waiting / sglang:num_queue_reqs, summed over matching series.
+    #[serde(default)]
+    pub queue_depth: Option<f64>,
+    /// vllm:num_requests_running / sglang:num_running_reqs, summed over matching series.
+    #[serde(default)]
+    pub running: Option<f64>,
+    /// 0..=1, vllm:kv_cache_usage_perc (older vLLM: vllm:gpu_cache_usage_perc) /
+    /// sglang:token_usage; max over matching series.
+    #[serde(default)]
+    pub kv_cache: Option<f64>,
+    /// np_ecn_marked_roce_packets per second.
+    #[serde(default)]
+    pub ecn_rate: Option<f64>,
+    /// CNPs per second (np_cnp_sent + rp_cnp_handled; Broadcom rx_cnp_pkts + tx_cnp_pkts).
+    #[serde(default)]
+    pub cnp_rate: Option<f64>,
+}
+
+impl Sample {
+    /// Checks a pushed sample: fractions in 0..=1, other numbers finite and >= 0, `throttle`
+    /// within [`THROTTLE_MASK`]. The error names every offending field.
+    pub fn validate(&self) -> Result<(), String> {
+        let fractions = [
+            ("gpu_util", self.gpu_util),
+            ("fb_used", self.fb_used),
+            ("kv_cache", self.kv_cache),
+        ];
+        let amounts = [
+            ("gpu_temp_c", self.gpu_temp_c),
+            ("power_w", self.power_w),
+            ("queue_depth", self.queue_depth),
+            ("running", self.running),
+            ("ecn_rate", self.ecn_rate),
+            ("cnp_rate", self.cnp_rate),
+        ];
+        let mut bad = Vec::new();
+        for (name, v) in fractions {
+            if let Some(v) = v.filter(|v| !(0.0..=1.0).contains(v)) {
+                bad.push(format!("{name} = {v} is not a fraction; allowed: 0..=1"));
+            }
+        }
+        for (name, v) in amounts {
+            if let Some(v) = v.filter(|v| !(v.is_finite() && *v >= 0.0)) {
+                bad.push(format!(
+                    "{name} = {v} is out of range; allowed: a finite number >= 0"
+                ));
+            }
+        }
+        if let Some(t) = self.throttle.filter(|t| t & !THROTTLE_MASK != 0) {
+            bad.push(format!(
+                "throttle = {t:#x} has bits outside {THROTTLE_MASK:#x}; allowed: 0x8 hw slowdown, \
+                 0x20 sw thermal, 0x40 hw thermal, 0x80 hw power brake"
+            ));
+        }
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            Err(bad.join("; "))
+        }
+    }
+
+    /// Replaces each field of `self` that `top` reports.
+    pub fn overlay(&mut self, top: &Sample) {
+        fn put<T: Copy>(dst: &mut Option<T>, src: Option<T>) {
+            if src.is_some() {
+                *dst = src;
+            }
+        }
+        put(&mut self.gpu_util, top.gpu_util);
+        put(&mut self.fb_used, top.fb_used);
+        put(&mut self.gpu_temp_c, top.gpu_temp_c);
+        put(&mut self.power_w, top.power_w);
+        put(&mut self.throttle, top.throttle);
+        put(&mut self.queue_depth, top.queue_depth);
+        put(&mut self.running, top.running);
+        put(&mut self.kv_cache, top.kv_cache);
+        put(&mut self.ecn_rate, top.ecn_rate);
+        put(&mut self.cnp_rate, top.cnp_rate);
+    }
+}
+
+/// Which source a part of a sample came from. Ordered by precedence: where two fresh
+/// sources report the same field, the later one wins (a push overrides scraped values).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    Dcgm,
+    Engine,
+    Roce,
+    Push,
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Source::Dcgm => "dcgm",
+            Source::Engine => "engine",
+            Source::Roce => "roce",
+            Source::Push => "push",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn push_json_round_trip_and_unknown_fields() {
+        let s: Sample = serde_json::from_str(r#"{"gpu_util": 0.5, "queue_depth": 3}"#).unwrap();
+        assert_eq!(
+            s,
+            Sample {
+                gpu_util: Some(0.5),
+                queue_depth: Some(3.0),
+                ..Sample::default()
+            }
+        );
+        assert_eq!(
+            serde_json::from_str::<Sample>("{}").unwrap(),
+            Sample::default()
+        );
+        let err = serde_json::from_str::<Sample>(r#"{"gpu_utilisation": 0.5}"#).unwrap_err();
+        assert!(
+            err.to_string().contains("unknown field `gpu_utilisation`"),
+            "{err}"
+        );
+        let back: Sample = serde_json::from_str(&serde_json::to_string(&s).unwrap()).unwrap();
+        assert_eq!(back, s);
+    }
+
+    #[test]
+    fn validate_names_every_bad_field() {
+        assert_eq!(Sample::default().validate(), Ok(()));
+        let ok = Sample {
+            gpu_util: Some(1.0),
+            fb_used: Some(0.0),
+            kv_cache: Some(0.5),
+            gpu_temp_c: Some(80.0),
+            throttle: Some(0x48),
+            ecn_rate: Some(0.0),
+            ..Sample::default()
+        };
+        assert_eq!(ok.validate(), Ok(()));
+        let bad = Sample {
+            gpu_util: Some(1.5),
+            kv_cache: Some(-0.1),
+            queue_depth: Some(-1.0),
+            power_w: Some(f64::INFINITY),
+            throttle: Some(0x1),
+            ..Sample::default()
+        };
+        let err = bad.validate().unwrap_err();
+        for field in [
+            "gpu_util = 1.5",
+            "kv_cache = -0.1",
+            "queue_depth = -1",
+            "power_w = inf",
+        ] {
+            assert!(err.contains(field), "{field} missing from {err}");
+        }
+        assert!(
+            err.contains("throttle = 0x1 has bits outside 0xe8"),
+            "{err}"
+        );
+        let nan = Sample {
+            fb_used: Some(f64::NAN),
+            ..Sample::default()
+        };
+        assert!(nan.validate().unwrap_err().contains("fb_used = NaN"));
+    }
+
+    #[test]
+    fn overlay_replaces_only_reported_fields() {
+        let mut base = Sample {
+            gpu_util: Some(0.2),
+            queue_depth: Some(4.0),
+            ..Sample::default()
+        };
+        base.overlay(&Sample {
+            gpu_util: Some(0.9),
+            ecn_rate: Some(10.0),
+            ..Sample::default()
+        });
+        assert_eq!(
+            base,
+            Sample {
+                gpu_util: Some(0.9),
+                queue_depth: Some(4.0),
+                ecn_rate: Some(10.0),
+                ..Sample::default()
+            }
+        );
+    }
+}
