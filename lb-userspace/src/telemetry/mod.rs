@@ -29,7 +29,10 @@
 //! On a configuration reload, stop `run` (its shutdown future), call [`Hub::configure`] for
 //! the new backends and [`Hub::retain`] for the ones still present, and start `run` again.
 
+pub mod dcgm;
+pub mod engine;
 pub mod prom;
+pub mod roce;
 
 use std::{fmt, net::IpAddr};
 
@@ -168,6 +171,14 @@ impl fmt::Display for Source {
     }
 }
 
+/// DCGM reports fields it cannot read as large sentinels (int64 blanks from 2^63 - 16, fp64
+/// blanks from 2^47); no real reading comes near 2^47, so anything at or above it is absent,
+/// as are NaN and infinities.
+fn reading(v: f64) -> Option<f64> {
+    const DCGM_FP64_BLANK: f64 = 140_737_488_355_328.0;
+    (v.is_finite() && v.abs() < DCGM_FP64_BLANK).then_some(v)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,5 +269,13 @@ mod tests {
                 ..Sample::default()
             }
         );
+    }
+
+    #[test]
+    fn dcgm_blanks_are_absent() {
+        assert_eq!(reading(42.0), Some(42.0));
+        assert_eq!(reading(9_223_372_036_854_775_794.0), None);
+        assert_eq!(reading(140_737_488_355_328.0), None);
+        assert_eq!(reading(f64::NAN), None);
     }
 }

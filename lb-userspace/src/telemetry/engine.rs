@@ -1,0 +1,184 @@
+//! The engine part of a sample from a vLLM or SGLang `/metrics` page.
+//!
+//! Queue depth and running requests are summed over the matching series (one per engine
+//! core under data parallelism); KV-cache use is the fullest series. `model` selects the
+//! `model_name` label; series without one never match a selection.
+
+use std::collections::BTreeSet;
+
+use super::{prom::Page, reading, Sample};
+use crate::config::EngineKind;
+
+struct Names {
+    queue: &'static str,
+    running: &'static str,
+    /// In order of preference: the first one on the page is used.
+    kv_cache: &'static [&'static str],
+}
+
+const VLLM: Names = Names {
+    queue: "vllm:num_requests_waiting",
+    running: "vllm:num_requests_running",
+    // vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc in the V1 engine; some
+    // versions export both.
+    kv_cache: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+};
+
+const SGLANG: Names = Names {
+    queue: "sglang:num_queue_reqs",
+    running: "sglang:num_running_reqs",
+    kv_cache: &["sglang:token_usage"],
+};
+
+pub fn extract(page: &Page<'_>, kind: EngineKind, model: Option<&str>) -> Result<Sample, String> {
+    let names = match kind {
+        EngineKind::Vllm => &VLLM,
+        EngineKind::Sglang => &SGLANG,
+    };
+    let values = |name| {
+        page.get(name)
+            .filter(move |s| model.is_none() || s.label("model_name") == model)
+            .filter_map(|s| reading(s.value))
+    };
+    let queue_depth = values(names.queue).reduce(|a, b| a + b);
+    if queue_depth.is_none() {
+        if !page.has(names.queue) {
+            return Err(format!(
+                "{} is not on the page (is this a {kind} metrics endpoint?)",
+                names.queue
+            ));
+        }
+        let models: BTreeSet<&str> = page
+            .get(names.queue)
+            .filter_map(|s| s.label("model_name"))
+            .collect();
+        return Err(match model {
+            Some(m) => format!(
+                "no {} series with model_name={m:?}; models on the page: {}",
+                names.queue,
+                models.into_iter().collect::<Vec<_>>().join(", ")
+            ),
+            None => format!("{} has no finite value", names.queue),
+        });
+    }
+    let kv_cache = names
+        .kv_cache
+        .iter()
+        .find(|n| page.has(n))
+        .and_then(|n| values(n).reduce(f64::max))
+        .map(|v| v.clamp(0.0, 1.0));
+    Ok(Sample {
+        queue_depth: queue_depth.map(|q| q.max(0.0)),
+        running: values(names.running)
+            .reduce(|a, b| a + b)
+            .map(|r| r.max(0.0)),
+        kv_cache,
+        ..Sample::default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::telemetry::prom::parse;
+
+    const VLLM_PAGE: &str = include_str!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/telemetry/vllm.prom"
+    ));
+    const SGLANG_PAGE: &str = include_str!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/telemetry/sglang.prom"
+    ));
+
+    fn vllm(model: Option<&str>) -> Result<Sample, String> {
+        extract(&parse(VLLM_PAGE).unwrap(), EngineKind::Vllm, model)
+    }
+
+    #[test]
+    fn vllm_all_engines() {
+        // Two data-parallel engine cores serving one model.
+        assert_eq!(
+            vllm(None).unwrap(),
+            Sample {
+                queue_depth: Some(7.0),
+                running: Some(45.0),
+                kv_cache: Some(0.8125),
+                ..Sample::default()
+            }
+        );
+    }
+
+    #[test]
+    fn vllm_model_filter() {
+        assert_eq!(
+            vllm(Some("meta-llama/Llama-3.1-70B-Instruct")).unwrap(),
+            vllm(None).unwrap()
+        );
+        let e = vllm(Some("llama-3-70b")).unwrap_err();
+        assert_eq!(
+            e,
+            "no vllm:num_requests_waiting series with model_name=\"llama-3-70b\"; models on \
+             the page: meta-llama/Llama-3.1-70B-Instruct"
+        );
+    }
+
+    #[test]
+    fn vllm_older_kv_cache_name() {
+        let page = parse(
+            "# TYPE vllm:num_requests_waiting gauge\n\
+             vllm:num_requests_waiting{model_name=\"a\"} 2.0\n\
+             vllm:num_requests_waiting{model_name=\"b\"} 5.0\n\
+             vllm:num_requests_running{model_name=\"a\"} 1.0\n\
+             vllm:gpu_cache_usage_perc{model_name=\"a\"} 0.5\n\
+             vllm:gpu_cache_usage_perc{model_name=\"b\"} 0.9\n",
+        )
+        .unwrap();
+        let a = extract(&page, EngineKind::Vllm, Some("a")).unwrap();
+        assert_eq!(
+            (a.queue_depth, a.running, a.kv_cache),
+            (Some(2.0), Some(1.0), Some(0.5))
+        );
+        let b = extract(&page, EngineKind::Vllm, Some("b")).unwrap();
+        assert_eq!(
+            (b.queue_depth, b.running, b.kv_cache),
+            (Some(5.0), None, Some(0.9))
+        );
+        let all = extract(&page, EngineKind::Vllm, None).unwrap();
+        assert_eq!((all.queue_depth, all.kv_cache), (Some(7.0), Some(0.9)));
+    }
+
+    #[test]
+    fn sglang() {
+        let page = parse(SGLANG_PAGE).unwrap();
+        let want = Sample {
+            queue_depth: Some(12.0),
+            running: Some(64.0),
+            kv_cache: Some(0.91),
+            ..Sample::default()
+        };
+        assert_eq!(extract(&page, EngineKind::Sglang, None).unwrap(), want);
+        assert_eq!(
+            extract(&page, EngineKind::Sglang, Some("Qwen/Qwen2.5-72B-Instruct")).unwrap(),
+            want
+        );
+    }
+
+    #[test]
+    fn wrong_engine_kind() {
+        let e = extract(&parse(SGLANG_PAGE).unwrap(), EngineKind::Vllm, None).unwrap_err();
+        assert_eq!(
+            e,
+            "vllm:num_requests_waiting is not on the page (is this a vllm metrics endpoint?)"
+        );
+    }
+
+    #[test]
+    fn nan_values_are_not_readings() {
+        let page = parse("vllm:num_requests_waiting NaN\n").unwrap();
+        assert_eq!(
+            extract(&page, EngineKind::Vllm, None).unwrap_err(),
+            "vllm:num_requests_waiting has no finite value"
+        );
+    }
+}
