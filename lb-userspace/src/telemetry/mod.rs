@@ -31,12 +31,15 @@
 
 pub mod dcgm;
 pub mod engine;
+pub mod hub;
 pub mod prom;
 pub mod roce;
 
 use std::{fmt, net::IpAddr};
 
 use serde::{Deserialize, Serialize};
+
+pub use hub::{BackendTelemetry, Hub};
 
 /// A backend: (VIP name, backend address).
 pub type BackendKey = (String, IpAddr);
