@@ -31,15 +31,20 @@
 
 pub mod dcgm;
 pub mod engine;
+pub mod http;
 pub mod hub;
 pub mod prom;
 pub mod roce;
+pub mod scrape;
+pub mod target;
 
 use std::{fmt, net::IpAddr};
 
 use serde::{Deserialize, Serialize};
 
 pub use hub::{BackendTelemetry, Hub};
+pub use scrape::run;
+pub use target::{sources, targets, Target};
 
 /// A backend: (VIP name, backend address).
 pub type BackendKey = (String, IpAddr);

@@ -1,0 +1,352 @@
+//! What to scrape for each backend, derived from the configuration.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    path::PathBuf,
+};
+
+use super::{BackendKey, Source};
+use crate::config::{Config, EngineKind, RoceConfig};
+
+/// One source of one backend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    pub key: BackendKey,
+    pub endpoint: Endpoint,
+    pub reader: Reader,
+}
+
+/// Where the data comes from. Targets with equal endpoints share one fetch per round.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Endpoint {
+    Http(HttpUrl),
+    /// A `hw_counters` directory.
+    Sysfs(PathBuf),
+}
+
+/// How a target reads its part from the endpoint's data.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reader {
+    Dcgm {
+        gpus: Vec<String>,
+        uuids: Vec<String>,
+    },
+    Engine {
+        kind: EngineKind,
+        model: Option<String>,
+    },
+    /// node_exporter infiniband counters of one device port.
+    RoceExporter {
+        device: String,
+        port: String,
+    },
+    RoceSysfs,
+}
+
+impl Target {
+    pub fn source(&self) -> Source {
+        match self.reader {
+            Reader::Dcgm { .. } => Source::Dcgm,
+            Reader::Engine { .. } => Source::Engine,
+            Reader::RoceExporter { .. } | Reader::RoceSysfs => Source::Roce,
+        }
+    }
+}
+
+/// An `http://` URL split for a plain HTTP/1.1 client.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct HttpUrl {
+    /// Host name or address, without IPv6 brackets (for connecting).
+    pub host: String,
+    pub port: u16,
+    /// `host[:port]` as written (the Host header).
+    pub authority: String,
+    /// Path and query; `/` when the URL has none.
+    pub path: String,
+}
+
+impl HttpUrl {
+    pub fn parse(url: &str) -> Result<HttpUrl, String> {
+        if url.starts_with("https://") {
+            return Err(format!(
+                "{url:?}: https is not supported by the telemetry scraper; use an http:// \
+                 endpoint (a sidecar or a local exporter port)"
+            ));
+        }
+        let rest = url
+            .strip_prefix("http://")
+            .ok_or_else(|| format!("{url:?} is not an http:// URL"))?;
+        let rest = rest.split('#').next().unwrap_or_default();
+        let split = rest.find(['/', '?']).unwrap_or(rest.len());
+        let (authority, path) = rest.split_at(split);
+        let path = match path {
+            "" => "/".to_owned(),
+            p if p.starts_with('?') => format!("/{p}"),
+            p => p.to_owned(),
+        };
+        let bad = || format!("{url:?} has no valid host[:port]");
+        let (host, port) = match authority.strip_prefix('[') {
+            Some(v6) => {
+                let (h, after) = v6.split_once(']').ok_or_else(bad)?;
+                (h, after.strip_prefix(':'))
+            }
+            None => match authority.rsplit_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (authority, None),
+            },
+        };
+        let port = match port {
+            None => 80,
+            Some(p) => p.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(bad)?,
+        };
+        if host.is_empty() || authority.contains('@') || url.contains(char::is_whitespace) {
+            return Err(bad());
+        }
+        Ok(HttpUrl {
+            host: host.to_owned(),
+            port,
+            authority: authority.to_owned(),
+            path,
+        })
+    }
+}
+
+impl fmt::Display for HttpUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "http://{}{}", self.authority, self.path)
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Endpoint::Http(u) => u.fmt(f),
+            Endpoint::Sysfs(p) => p.display().fmt(f),
+        }
+    }
+}
+
+/// Every telemetry target of the configuration. Fails, naming each offending key, when an
+/// endpoint is https (the scraper speaks plain HTTP only) or not a usable URL.
+pub fn targets(config: &Config) -> Result<Vec<Target>, String> {
+    let mut out = Vec::new();
+    let mut errors = Vec::new();
+    for (vi, vip) in config.vips.iter().enumerate() {
+        for (bi, b) in vip.backends.iter().enumerate() {
+            let key: BackendKey = (vip.name.clone(), b.address);
+            let mut add = |what: &str, endpoint: Result<Endpoint, String>, reader| match endpoint {
+                Ok(endpoint) => out.push(Target {
+                    key: key.clone(),
+                    endpoint,
+                    reader,
+                }),
+                Err(e) => errors.push(format!("vip[{vi}].backend[{bi}].{what}.url: {e}")),
+            };
+            let http = |url: &str| HttpUrl::parse(url).map(Endpoint::Http);
+            if let Some(d) = &b.dcgm {
+                let reader = Reader::Dcgm {
+                    gpus: d.gpus.clone(),
+                    uuids: d.uuids.clone(),
+                };
+                add("dcgm", http(&d.url), reader);
+            }
+            if let Some(e) = &b.engine {
+                let reader = Reader::Engine {
+                    kind: e.kind,
+                    model: e.model.clone(),
+                };
+                add("engine", http(&e.url), reader);
+            }
+            match &b.roce {
+                Some(RoceConfig::Exporter { url, device, port }) => {
+                    let reader = Reader::RoceExporter {
+                        device: device.clone(),
+                        port: port.clone(),
+                    };
+                    add("roce", http(url), reader);
+                }
+                Some(RoceConfig::Sysfs { sysfs }) => add(
+                    "roce",
+                    Ok(Endpoint::Sysfs(sysfs.clone())),
+                    Reader::RoceSysfs,
+                ),
+                None => {}
+            }
+        }
+    }
+    if errors.is_empty() {
+        Ok(out)
+    } else {
+        Err(errors.join("\n"))
+    }
+}
+
+/// The sources each backend of the configuration expects, for [`super::Hub::configure`];
+/// backends without telemetry map to an empty set.
+pub fn sources(config: &Config) -> BTreeMap<BackendKey, BTreeSet<Source>> {
+    let mut out = BTreeMap::new();
+    for vip in &config.vips {
+        for b in &vip.backends {
+            let set: &mut BTreeSet<Source> = out.entry((vip.name.clone(), b.address)).or_default();
+            set.extend(b.dcgm.as_ref().map(|_| Source::Dcgm));
+            set.extend(b.engine.as_ref().map(|_| Source::Engine));
+            set.extend(b.roce.as_ref().map(|_| Source::Roce));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config;
+
+    const BASE: &str = r#"[dataplane]
+interfaces = [{ name = "eth0" }]
+hash_seed = 1
+encap_source_v4 = "172.16.0.0/16"
+encap_source_v6 = "fd00:5:1::/96"
+"#;
+
+    fn parse(vips: &str) -> Config {
+        config::parse(&format!("{BASE}{vips}"), "t.toml").unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn urls() {
+        let u = HttpUrl::parse("http://10.1.0.1:9400/metrics").unwrap();
+        assert_eq!(
+            u,
+            HttpUrl {
+                host: "10.1.0.1".into(),
+                port: 9400,
+                authority: "10.1.0.1:9400".into(),
+                path: "/metrics".into(),
+            }
+        );
+        assert_eq!(u.to_string(), "http://10.1.0.1:9400/metrics");
+        let u = HttpUrl::parse("http://[2001:db8:1::11]:30000/metrics?x=1#frag").unwrap();
+        assert_eq!((u.host.as_str(), u.port), ("2001:db8:1::11", 30000));
+        assert_eq!(
+            (u.authority.as_str(), u.path.as_str()),
+            ("[2001:db8:1::11]:30000", "/metrics?x=1")
+        );
+        let u = HttpUrl::parse("http://gpu-node-01").unwrap();
+        assert_eq!(
+            (u.host.as_str(), u.port, u.path.as_str()),
+            ("gpu-node-01", 80, "/")
+        );
+        assert_eq!(HttpUrl::parse("http://h?q").unwrap().path, "/?q");
+        for bad in [
+            "http://",
+            "http://:80/",
+            "http://h:0/",
+            "http://h:x/",
+            "http://u@h/",
+            "ftp://h/",
+        ] {
+            assert!(HttpUrl::parse(bad).is_err(), "{bad}");
+        }
+        assert!(HttpUrl::parse("https://h/metrics")
+            .unwrap_err()
+            .contains("https is not supported"));
+    }
+
+    #[test]
+    fn targets_and_sources_from_config() {
+        let cfg = parse(
+            r#"[[vip]]
+name = "chat"
+address = "10.100.0.1"
+port = 443
+  [[vip.backend]]
+  address = "10.1.0.1"
+  dcgm = { url = "http://10.1.0.1:9400/metrics", gpus = ["0", "1"] }
+  engine = { url = "http://10.1.0.1:8000/metrics", kind = "vllm", model = "m" }
+  roce = { sysfs = "/sys/class/infiniband/mlx5_0/ports/1/hw_counters" }
+  [[vip.backend]]
+  address = "10.1.0.2"
+  roce = { url = "http://10.1.0.2:9100/metrics", device = "mlx5_0", port = "1" }
+  [[vip.backend]]
+  address = "10.1.0.3"
+"#,
+        );
+        let t = targets(&cfg).unwrap();
+        let k1 = ("chat".to_owned(), "10.1.0.1".parse().unwrap());
+        let k2 = ("chat".to_owned(), "10.1.0.2".parse().unwrap());
+        let k3 = ("chat".to_owned(), "10.1.0.3".parse().unwrap());
+        assert_eq!(t.len(), 4);
+        assert_eq!(
+            t[0],
+            Target {
+                key: k1.clone(),
+                endpoint: Endpoint::Http(HttpUrl::parse("http://10.1.0.1:9400/metrics").unwrap()),
+                reader: Reader::Dcgm {
+                    gpus: vec!["0".into(), "1".into()],
+                    uuids: vec![],
+                },
+            }
+        );
+        assert_eq!(
+            t[1].reader,
+            Reader::Engine {
+                kind: EngineKind::Vllm,
+                model: Some("m".into())
+            }
+        );
+        assert_eq!(
+            t[2].endpoint,
+            Endpoint::Sysfs("/sys/class/infiniband/mlx5_0/ports/1/hw_counters".into())
+        );
+        assert_eq!((t[2].source(), &t[3].key), (Source::Roce, &k2));
+        assert_eq!(
+            t[3].reader,
+            Reader::RoceExporter {
+                device: "mlx5_0".into(),
+                port: "1".into()
+            }
+        );
+        let s = sources(&cfg);
+        assert_eq!(s[&k1], [Source::Dcgm, Source::Engine, Source::Roce].into());
+        assert_eq!(s[&k2], [Source::Roce].into());
+        assert_eq!(s[&k3], BTreeSet::new());
+    }
+
+    #[test]
+    fn https_endpoints_are_refused_with_their_keys() {
+        let cfg = parse(
+            r#"[[vip]]
+name = "chat"
+address = "10.100.0.1"
+port = 443
+  [[vip.backend]]
+  address = "10.1.0.1"
+  [[vip.backend]]
+  address = "10.1.0.2"
+  dcgm = { url = "https://10.1.0.2:9400/metrics" }
+  engine = { url = "https://10.1.0.2:8000/metrics", kind = "sglang" }
+"#,
+        );
+        let e = targets(&cfg).unwrap_err();
+        let lines: Vec<&str> = e.lines().collect();
+        assert_eq!(lines.len(), 2);
+        assert!(lines[0].starts_with(
+            "vip[0].backend[1].dcgm.url: \"https://10.1.0.2:9400/metrics\": https is not supported"
+        ));
+        assert!(lines[1].starts_with("vip[0].backend[1].engine.url:"));
+    }
+
+    #[test]
+    fn the_example_configuration() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/sluice.toml");
+        let cfg = config::load(std::path::Path::new(path)).unwrap();
+        let t = targets(&cfg).unwrap();
+        assert!(t.iter().any(|t| t.source() == Source::Roce));
+        let s = sources(&cfg);
+        assert_eq!(
+            s.len(),
+            cfg.vips.iter().map(|v| v.backends.len()).sum::<usize>()
+        );
+    }
+}
