@@ -1,8 +1,11 @@
-//! Shared test helpers.
+//! Scenarios on a simulated clock with scripted telemetry, one step per second.
 
-use std::time::Duration;
+use std::net::{IpAddr, Ipv4Addr};
 
-use crate::telemetry::{BackendTelemetry, Sample};
+use super::*;
+use crate::{config::ShedMode, telemetry::Sample};
+
+const S: Duration = Duration::from_secs(1);
 
 pub(crate) fn sample() -> Sample {
     Sample::default()
@@ -15,4 +18,371 @@ pub(crate) fn telemetry(sample: Sample) -> BackendTelemetry {
         stale: false,
         errors: Vec::new(),
     }
+}
+
+struct Backend {
+    vip: &'static str,
+    id: u32,
+    healthy: bool,
+    sessions: u64,
+    max_sessions: u32,
+    telemetry: Option<BackendTelemetry>,
+}
+
+struct Sim {
+    policy: Policy,
+    now: Duration,
+    backends: Vec<Backend>,
+}
+
+impl Sim {
+    /// `n` idle backends of weight 100 in VIP "v", telemetry all zero.
+    fn new(cfg: PolicyConfig, n: u32) -> Self {
+        let backends = (1..=n)
+            .map(|id| Backend {
+                vip: "v",
+                id,
+                healthy: true,
+                sessions: 0,
+                max_sessions: 0,
+                telemetry: Some(telemetry(idle())),
+            })
+            .collect();
+        Sim {
+            policy: Policy::new(cfg),
+            now: Duration::ZERO,
+            backends,
+        }
+    }
+
+    fn sample(&mut self, i: usize) -> &mut Sample {
+        &mut self.backends[i].telemetry.as_mut().unwrap().sample
+    }
+
+    fn step(&mut self) -> Decisions {
+        let inputs: Vec<BackendInput> = self
+            .backends
+            .iter()
+            .map(|b| BackendInput {
+                vip: b.vip,
+                address: addr(b.id),
+                id: b.id,
+                weight: 100,
+                healthy: b.healthy,
+                sessions: b.sessions,
+                max_sessions: b.max_sessions,
+                telemetry: b.telemetry.as_ref(),
+            })
+            .collect();
+        let d = self.policy.step(self.now, &inputs);
+        self.now += S;
+        d
+    }
+
+    /// Steps until `now` reaches `t`; returns every decision made.
+    fn run_until(&mut self, t: Duration) -> Vec<Decisions> {
+        let mut out = Vec::new();
+        while self.now < t {
+            out.push(self.step());
+        }
+        out
+    }
+}
+
+fn addr(id: u32) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(10, 0, 0, id as u8))
+}
+
+fn idle() -> Sample {
+    Sample {
+        gpu_util: Some(0.0),
+        ecn_rate: Some(0.0),
+        ..sample()
+    }
+}
+
+fn kinds(d: &Decisions, id: u32) -> Vec<EventKind> {
+    d.events
+        .iter()
+        .filter(|e| e.backend == Some(addr(id)))
+        .map(|e| e.kind)
+        .collect()
+}
+
+#[test]
+fn congestion_spike_cuts_the_weight_in_one_step() {
+    let mut sim = Sim::new(PolicyConfig::default(), 2);
+    sim.run_until(5 * S);
+    sim.sample(0).ecn_rate = Some(5000.0);
+    let d = sim.step();
+    let b = &d.backends[0];
+    assert_eq!((b.weight, b.state), (0, SteerState::MovedAway));
+    assert!(b.moved_away);
+    assert_eq!(b.reason, Some(Reason::Congestion));
+    assert_eq!(b.cooldown_left, PolicyConfig::default().cooldown_base);
+    assert_eq!(
+        kinds(&d, 1),
+        [
+            EventKind::Reroute,
+            EventKind::CooldownStart,
+            EventKind::WeightChange
+        ]
+    );
+    let reroute = &d.events[0];
+    assert_eq!(reroute.reason, "ecn_rate 5000 over 1000");
+    assert_eq!(
+        reroute.telemetry.as_ref().unwrap()["sample"]["ecn_rate"],
+        5000.0
+    );
+    assert_eq!(d.backends[1].weight, 100);
+    assert_eq!(d.weights(), BTreeMap::from([(1, 0), (2, 100)]));
+    let json = serde_json::to_value(&d).unwrap();
+    assert_eq!(json["backends"][0]["state"], "moved-away");
+    assert_eq!(json["backends"][0]["cooldown_left_s"], 10.0);
+    assert_eq!(json["events"][0]["kind"], "reroute");
+}
+
+/// The most moves away within `span` when every return is followed by a move within
+/// `flap_window` and before `stable_period` (so each cooldown doubles): move k comes at
+/// least cooldown_1 + ... + cooldown_(k-1) after the first.
+fn max_moves(cfg: &PolicyConfig, span: Duration) -> u32 {
+    let (mut moves, mut elapsed, mut cooldown) = (1, Duration::ZERO, cfg.cooldown_base);
+    while elapsed + cooldown < span {
+        elapsed += cooldown;
+        cooldown = (cooldown * 2).min(cfg.cooldown_max);
+        moves += 1;
+    }
+    moves
+}
+
+#[test]
+fn flapping_signal_doubles_the_cooldown_and_bounds_weight_changes() {
+    let cfg = PolicyConfig::default();
+    let (toggle, span) = (5 * S, 600 * S);
+    // Bound: each move is one change (to 0); each stay in rotation lasts under `toggle`, and
+    // the weight only rises within it (the score falls, the ramp climbs), so it takes at most
+    // the ramp levels reachable in `toggle`: 1 + (levels - 1) * toggle / slow_start.
+    let moves = max_moves(&cfg, span);
+    let ramp =
+        1 + (cfg.weight_levels - 1) * toggle.as_secs() as u32 / cfg.slow_start.as_secs() as u32;
+    let bound = moves * (1 + ramp);
+    // base 10s, max 600s: cooldowns 10+20+40+80+160 = 310s < 600s, +320s = 630s > 600s.
+    assert_eq!((moves, ramp, bound), (6, 2, 18));
+    assert!(toggle < cfg.flap_window && toggle < cfg.stable_period);
+
+    let mut sim = Sim::new(cfg.clone(), 2);
+    sim.run_until(10 * S);
+    let start = sim.now;
+    let mut decisions = Vec::new();
+    while sim.now < start + span {
+        let bad = ((sim.now - start).as_secs() / toggle.as_secs()).is_multiple_of(2);
+        sim.sample(0).ecn_rate = Some(if bad { 5000.0 } else { 0.0 });
+        decisions.push(sim.step());
+    }
+    let events: Vec<&Event> = decisions.iter().flat_map(|d| &d.events).collect();
+    let cooldowns: Vec<String> = events
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::CooldownStart | EventKind::CooldownExtend))
+        .map(|e| e.reason.rsplit(' ').next().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        cooldowns,
+        ["10s", "20s", "40s", "80s", "160s", "320s"][..cooldowns.len()]
+    );
+    assert!(cooldowns.len() as u32 <= moves);
+    let changes = events
+        .iter()
+        .filter(|e| e.kind == EventKind::WeightChange)
+        .count() as u32;
+    let weights: Vec<u32> = decisions.iter().map(|d| d.backends[0].weight).collect();
+    let diffs = weights.windows(2).filter(|w| w[0] != w[1]).count() as u32;
+    assert_eq!(changes, diffs + u32::from(weights[0] != 100));
+    // Without the cooldown each of the 120 toggles would change the weight.
+    assert!(changes <= bound, "{changes} weight changes, bound {bound}");
+    // The other backend never moves.
+    assert!(decisions.iter().all(|d| d.backends[1].weight == 100));
+}
+
+#[test]
+fn recovery_ramps_linearly_over_slow_start() {
+    let cfg = PolicyConfig::default(); // cooldown 10s, slow start 30s, 8 levels
+    let mut sim = Sim::new(cfg, 2);
+    sim.run_until(5 * S);
+    sim.sample(0).throttle = Some(0x40);
+    let moved = sim.now;
+    assert_eq!(sim.step().backends[0].reason, Some(Reason::Throttling));
+    sim.sample(0).throttle = Some(0);
+    // Signals fine again, but the cooldown holds it out.
+    let out = sim.run_until(moved + 10 * S);
+    assert!(out.iter().all(|d| d.backends[0].weight == 0));
+    assert_eq!(out.last().unwrap().backends[0].cooldown_left, S);
+    let ramp = sim.run_until(moved + 41 * S);
+    assert_eq!(kinds(&ramp[0], 1)[0], EventKind::Recover);
+    let weights: Vec<u32> = ramp.iter().map(|d| d.backends[0].weight).collect();
+    // Level 1 + 7 * t / 30 of 8: 12 at t=0, 25 at 5s, 50 at 15s, 87 at 29s, 100 at 30s.
+    assert_eq!(
+        [
+            weights[0],
+            weights[5],
+            weights[15],
+            weights[29],
+            weights[30]
+        ],
+        [12, 25, 50, 87, 100]
+    );
+    assert!(weights.windows(2).all(|w| w[0] <= w[1]));
+    assert_eq!(ramp[15].backends[0].state, SteerState::SlowStart);
+    assert_eq!(ramp[30].backends[0].state, SteerState::Active);
+}
+
+#[test]
+fn stale_telemetry_is_treated_as_saturated_but_not_down() {
+    let mut sim = Sim::new(PolicyConfig::default(), 2);
+    sim.run_until(3 * S);
+    let t = sim.backends[0].telemetry.as_mut().unwrap();
+    t.stale = true;
+    t.age = Some(10 * S);
+    let d = sim.step();
+    let b = &d.backends[0];
+    assert_eq!((b.weight, b.state), (0, SteerState::MovedAway));
+    assert_eq!(b.reason, Some(Reason::Stale));
+    assert_eq!(b.telemetry_age, Some(10 * S));
+    // Not down, and not full: a telemetry outage does not shed.
+    assert!(!b.full);
+    assert!(!d.shed["v"].shedding());
+    assert!(!d.events.iter().any(|e| e.kind == EventKind::Down));
+}
+
+#[test]
+fn noise_within_the_hysteresis_band_changes_no_weight() {
+    let noisy = |cfg: PolicyConfig| {
+        let mut sim = Sim::new(cfg, 2);
+        let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+        let mut changes = 0;
+        sim.sample(0).gpu_util = Some(0.5); // level 4 from the start
+        for _ in 0..1000 {
+            let d = sim.step();
+            assert_eq!(d.backends[0].state, SteerState::Active);
+            changes += kinds(&d, 1).len();
+            // gpu_util 0.4..0.6: pressure 0.42..0.63, (1 - score) * 8 in 2.95..4.63: never
+            // over 0.5 + 0.1 * 8 = 1.3 levels from 4.
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            sim.sample(0).gpu_util = Some(0.4 + 0.2 * (rng % 1000) as f64 / 1000.0);
+        }
+        changes
+    };
+    assert_eq!(noisy(PolicyConfig::default()), 0);
+    // The band is what holds it: without it the same noise moves the weight.
+    let bare = PolicyConfig {
+        hysteresis: 0.0,
+        ewma_alpha: 1.0,
+        ..PolicyConfig::default()
+    };
+    assert!(noisy(bare) > 10);
+}
+
+#[test]
+fn never_all_backends_moved_away() {
+    let mut sim = Sim::new(PolicyConfig::default(), 4);
+    for (i, util) in [0.9, 0.2, 0.5, 0.1].into_iter().enumerate() {
+        sim.sample(i).gpu_util = Some(util);
+    }
+    sim.run_until(10 * S);
+    for i in 0..4 {
+        sim.sample(i).kv_cache = Some(0.9);
+    }
+    let d = sim.step();
+    let states: Vec<SteerState> = d.backends.iter().map(|b| b.state).collect();
+    // The least-loaded half (by score) stays in, at a score-based weight.
+    use SteerState::{Guarded, MovedAway};
+    assert_eq!(states, [MovedAway, Guarded, MovedAway, Guarded]);
+    assert!(d.backends[1].weight > 0 && d.backends[3].weight > 0);
+    assert_eq!(d.backends[3].reason, Some(Reason::Saturation));
+
+    // A lone backend with stale telemetry stays in.
+    let mut sim = Sim::new(PolicyConfig::default(), 1);
+    sim.backends[0].telemetry.as_mut().unwrap().stale = true;
+    let d = sim.step();
+    assert_eq!((d.backends[0].state, d.backends[0].weight), (Guarded, 100));
+
+    // Down backends do not count: the healthy one stays in.
+    let mut sim = Sim::new(PolicyConfig::default(), 2);
+    sim.backends[0].healthy = false;
+    sim.sample(1).cnp_rate = Some(1e4);
+    let d = sim.step();
+    assert_eq!(d.backends[0].state, SteerState::Down);
+    assert_eq!(d.backends[1].state, Guarded);
+}
+
+#[test]
+fn down_is_weight_zero_at_once_and_up_enters_slow_start() {
+    let mut sim = Sim::new(PolicyConfig::default(), 2);
+    sim.run_until(3 * S);
+    sim.backends[0].healthy = false;
+    let d = sim.step();
+    assert_eq!(
+        (d.backends[0].state, d.backends[0].weight),
+        (SteerState::Down, 0)
+    );
+    sim.run_until(20 * S);
+    sim.backends[0].healthy = true;
+    let ramp = sim.run_until(51 * S);
+    let weights: Vec<u32> = ramp.iter().map(|d| d.backends[0].weight).collect();
+    assert_eq!((weights[0], weights[15], weights[30]), (12, 50, 100));
+}
+
+#[test]
+fn admission_marks_full_backends_and_sheds_the_lowest_priority_first() {
+    let cfg = PolicyConfig {
+        shed: ShedMode::Rst,
+        ..PolicyConfig::default()
+    };
+    let period = cfg.cooldown_base;
+    let mut sim = Sim::new(cfg, 2);
+    for b in &mut sim.backends {
+        b.max_sessions = 10;
+        b.sessions = 10;
+    }
+    sim.backends[1].sessions = 9;
+    let d = sim.step();
+    assert_eq!(
+        d.backends.iter().map(|b| b.full).collect::<Vec<_>>(),
+        [true, false]
+    );
+    assert!(!d.shed["v"].shedding());
+
+    // Full pool: class 7 first, then one more class per period, class 0 never.
+    sim.backends[1].sessions = 10;
+    let out = sim.run_until(sim.now + 10 * period);
+    let admit: Vec<u8> = out.iter().map(|d| d.shed["v"].admit_max).collect();
+    assert_eq!(admit[0], 6);
+    assert_eq!(admit[10], 5);
+    assert_eq!(admit[20], 4);
+    assert_eq!(*admit.last().unwrap(), 0);
+    let shed = &out[10].shed["v"];
+    assert!(shed.sheds(7) && shed.sheds(6) && !shed.sheds(5));
+    assert_eq!(shed.mode, ShedMode::Rst);
+    let starts = out
+        .iter()
+        .flat_map(|d| &d.events)
+        .filter(|e| e.kind == EventKind::ShedStart);
+    assert_eq!(starts.count(), 7);
+    assert_eq!(
+        out[0].events[0].reason,
+        "all 2 backends full: admitting classes 0..=6"
+    );
+
+    // Room again: highest priority readmitted first, one class per period.
+    sim.backends[0].sessions = 3;
+    let out = sim.run_until(sim.now + 8 * period);
+    let admit: Vec<u8> = out.iter().map(|d| d.shed["v"].admit_max).collect();
+    assert_eq!((admit[9], admit[10], admit[20]), (0, 1, 2));
+    assert_eq!(*admit.last().unwrap(), LOWEST_CLASS);
+    let stops = out
+        .iter()
+        .flat_map(|d| &d.events)
+        .filter(|e| e.kind == EventKind::ShedStop);
+    assert_eq!(stops.count(), 7);
 }
