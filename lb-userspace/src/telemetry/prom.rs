@@ -5,6 +5,12 @@
 //! half wrong cannot be trusted to be half right. `# HELP`, `# TYPE` and other comments are
 //! checked for shape and dropped; timestamps and exemplars are checked and dropped (samples
 //! are taken as of the scrape). Label values are unescaped (`\\`, `\"`, `\n`).
+//!
+//! Written here because the crates.io parsers tried fail on real exporter pages:
+//! prometheus-parse 0.2 drops every series whose name has a `:` (all of vLLM's and SGLang's)
+//! and skips malformed lines silently; prom_text_format_parser 0.1 rejects a page with a
+//! `# TYPE` that has no samples yet (prometheus_client emits those) and knows no exemplars;
+//! openmetrics-parser is LGPL-3.0.
 
 use std::borrow::Cow;
 
