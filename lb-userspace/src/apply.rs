@@ -5,11 +5,12 @@
 use anyhow::{Context, Result};
 use lb_common::{
     Backend as PlaneBackend, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
-    VIP_F_SRC_HASH,
+    BACKEND_F_FULL, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
 };
 
 use crate::{
     addr::to_words,
+    controller::Overlay,
     dataplane::Dataplane,
     state::{Backend, HashMode, PlaneState, State, Vip},
 };
@@ -24,7 +25,7 @@ pub fn vip_key(v: &Vip) -> VipKey {
     }
 }
 
-fn plane_backend(vip: &Vip, b: &Backend) -> PlaneBackend {
+fn plane_backend(vip: &Vip, b: &Backend, overlay: &Overlay) -> PlaneBackend {
     let (addr, family) = to_words(b.spec.address);
     let state = match b.plane_state() {
         PlaneState::Active => BACKEND_ACTIVE,
@@ -35,10 +36,27 @@ fn plane_backend(vip: &Vip, b: &Backend) -> PlaneBackend {
         addr,
         family,
         state,
-        flags: 0,
+        flags: if overlay.full.contains(&b.id) {
+            BACKEND_F_FULL
+        } else {
+            0
+        },
         _pad: 0,
         vip: vip.id,
     }
+}
+
+fn vip_flags(vip: &Vip, overlay: &Overlay) -> u32 {
+    let mut f = 0;
+    if vip.spec.hash == HashMode::Source {
+        f |= VIP_F_SRC_HASH;
+    }
+    match overlay.shed.get(&vip.spec.name) {
+        Some(true) => f |= VIP_F_SHED | VIP_F_SHED_RST,
+        Some(false) => f |= VIP_F_SHED,
+        None => {}
+    }
+    f
 }
 
 /// What one apply wrote, for logs and tests.
@@ -49,31 +67,27 @@ pub struct Applied {
     pub vips_removed: usize,
 }
 
-/// Moves the data plane from `old` to `new`. `weight_of` gives each active backend's Maglev
-/// weight (the configured weight, or the adaptive policy's).
+/// Moves the data plane from `old` to `new`, with the adaptive `overlay` (weights, full
+/// backends, shed VIPs).
 pub fn apply(
     dp: &mut Dataplane,
     old: &State,
     new: &State,
     seed: u32,
-    weight_of: &dyn Fn(&Vip, &Backend) -> u32,
+    overlay: &Overlay,
 ) -> Result<Applied> {
     let mut done = Applied::default();
     for vip in new.vips.values() {
         for b in vip.backends.values() {
-            dp.set_backend(b.id, &plane_backend(vip, b))?;
+            dp.set_backend(b.id, &plane_backend(vip, b, overlay))?;
             done.backends += 1;
         }
         let table = vip
-            .table(seed, |b| weight_of(vip, b))
+            .table(seed, |b| overlay.weight(b))
             .with_context(|| format!("building the Maglev table of VIP {:?}", vip.spec.name))?;
         let meta = VipMeta {
             id: vip.id,
-            flags: if vip.spec.hash == HashMode::Source {
-                VIP_F_SRC_HASH
-            } else {
-                0
-            },
+            flags: vip_flags(vip, overlay),
             ring_size: vip.spec.ring_size,
             active_ring: 0,
             affinity_secs: vip.spec.affinity_secs,
@@ -98,7 +112,7 @@ pub fn apply(
                 .is_some_and(|n| n.id == b.id);
             if !kept {
                 // Its flows re-steer to the table's choice on their next packet.
-                let mut gone = plane_backend(vip, b);
+                let mut gone = plane_backend(vip, b, overlay);
                 gone.state = BACKEND_DOWN;
                 dp.set_backend(b.id, &gone)?;
             }
@@ -125,13 +139,8 @@ pub fn monotonic_ns() -> u64 {
 }
 
 impl crate::controller::Plane for MapPlane {
-    fn apply(
-        &mut self,
-        old: &State,
-        new: &State,
-        weight_of: &dyn Fn(&Vip, &Backend) -> u32,
-    ) -> Result<()> {
-        let done = apply(&mut self.dp, old, new, self.seed, weight_of)?;
+    fn apply(&mut self, old: &State, new: &State, overlay: &Overlay) -> Result<()> {
+        let done = apply(&mut self.dp, old, new, self.seed, overlay)?;
         tracing::debug!(?done, "data plane updated");
         Ok(())
     }

@@ -18,17 +18,30 @@ use lb_common::TrafficStats;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::state::{Admin, Backend, BackendSpec, Limits, Op, OpError, State, Vip, VipSpec};
+use crate::state::{Admin, Backend, BackendSpec, Limits, Op, OpError, State, VipSpec};
+
+/// What adaptive steering lays over the operator's state: it changes how new sessions are
+/// admitted and spread, never the VIPs and backends themselves.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Overlay {
+    /// Maglev weight per backend id where it differs from the configured weight.
+    pub weights: BTreeMap<u32, u32>,
+    /// Backends at their session cap or saturated: new sessions probe past them.
+    pub full: std::collections::BTreeSet<u32>,
+    /// VIPs whose new sessions are shed, and whether TCP ones get a RST.
+    pub shed: BTreeMap<String, bool>,
+}
+
+impl Overlay {
+    pub fn weight(&self, b: &Backend) -> u32 {
+        self.weights.get(&b.id).copied().unwrap_or(b.spec.weight)
+    }
+}
 
 /// Where the data plane lives, as the controller needs it.
 pub trait Plane: Send {
-    /// Writes `new` (coming from `old`); `weight_of` gives each backend's Maglev weight.
-    fn apply(
-        &mut self,
-        old: &State,
-        new: &State,
-        weight_of: &dyn Fn(&Vip, &Backend) -> u32,
-    ) -> Result<()>;
+    /// Writes `new` (coming from `old`) with the adaptive `overlay`.
+    fn apply(&mut self, old: &State, new: &State, overlay: &Overlay) -> Result<()>;
     /// Connection-table entries seen within `idle`, per backend id.
     fn active_flows(&mut self, idle: Duration) -> Result<BTreeMap<u32, u64>>;
     /// Global counters by name, and traffic of the VIPs and backends in `state` by id.
@@ -121,9 +134,8 @@ pub struct Controller<P: Plane> {
     settings: Settings,
     events: VecDeque<Event>,
     event_counts: BTreeMap<String, u64>,
-    /// Maglev weight per backend id when it differs from the configured weight (the adaptive
-    /// policy sets these).
-    weight_overrides: BTreeMap<u32, u32>,
+    /// Set by the adaptive policy.
+    overlay: Overlay,
 }
 
 fn affected(state: &State, op: &Op) -> serde_json::Value {
@@ -147,7 +159,7 @@ impl<P: Plane> Controller<P> {
     /// an empty state for fresh maps, the restored state after a restart).
     pub fn new(state: State, previous: &State, mut plane: P, settings: Settings) -> Result<Self> {
         plane
-            .apply(previous, &state, &|_, b| b.spec.weight)
+            .apply(previous, &state, &Overlay::default())
             .context("writing the initial state")?;
         let c = Controller {
             state,
@@ -155,7 +167,7 @@ impl<P: Plane> Controller<P> {
             settings,
             events: VecDeque::new(),
             event_counts: BTreeMap::new(),
-            weight_overrides: BTreeMap::new(),
+            overlay: Overlay::default(),
         };
         c.persist()?;
         Ok(c)
@@ -179,10 +191,11 @@ impl<P: Plane> Controller<P> {
 
     /// The Maglev weight a backend is steered with now.
     pub fn effective_weight(&self, b: &Backend) -> u32 {
-        self.weight_overrides
-            .get(&b.id)
-            .copied()
-            .unwrap_or(b.spec.weight)
+        self.overlay.weight(b)
+    }
+
+    pub fn overlay(&self) -> &Overlay {
+        &self.overlay
     }
 
     pub fn record(&mut self, e: Event) {
@@ -200,11 +213,9 @@ impl<P: Plane> Controller<P> {
     }
 
     fn write(&mut self, new: State) -> Result<(), RequestError> {
-        let overrides = self.weight_overrides.clone();
-        let w = move |_: &Vip, b: &Backend| overrides.get(&b.id).copied().unwrap_or(b.spec.weight);
-        if let Err(e) = self.plane.apply(&self.state, &new, &w) {
+        if let Err(e) = self.plane.apply(&self.state, &new, &self.overlay) {
             // Put back what was there; the request fails as a whole.
-            if let Err(back) = self.plane.apply(&new, &self.state, &w) {
+            if let Err(back) = self.plane.apply(&new, &self.state, &self.overlay) {
                 tracing::error!(error = %format!("{back:#}"), "rolling back a failed data-plane write also failed");
             }
             return Err(RequestError::Plane(e));
@@ -269,20 +280,13 @@ impl<P: Plane> Controller<P> {
         result
     }
 
-    /// Sets the adaptive weights (backend id → weight) and rewrites the tables that change.
-    pub fn set_weights(&mut self, overrides: BTreeMap<u32, u32>) -> Result<()> {
-        if overrides == self.weight_overrides {
+    /// Installs the adaptive policy's overlay; only tables and flags that change are written.
+    pub fn set_overlay(&mut self, overlay: Overlay) -> Result<()> {
+        if overlay == self.overlay {
             return Ok(());
         }
-        let old = std::mem::replace(&mut self.weight_overrides, overrides);
-        let state = self.state.clone();
-        let w = self.weight_overrides.clone();
-        if let Err(e) = self.plane.apply(&state, &state, &move |_, b| {
-            w.get(&b.id).copied().unwrap_or(b.spec.weight)
-        }) {
-            self.weight_overrides = old;
-            return Err(e);
-        }
+        self.plane.apply(&self.state, &self.state, &overlay)?;
+        self.overlay = overlay;
         Ok(())
     }
 
@@ -398,12 +402,7 @@ pub mod fake {
     }
 
     impl Plane for FakePlane {
-        fn apply(
-            &mut self,
-            _old: &State,
-            new: &State,
-            _w: &dyn Fn(&Vip, &Backend) -> u32,
-        ) -> Result<()> {
+        fn apply(&mut self, _old: &State, new: &State, _overlay: &Overlay) -> Result<()> {
             if std::mem::take(&mut self.fail_next) {
                 anyhow::bail!("injected failure");
             }
