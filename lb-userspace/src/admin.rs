@@ -48,6 +48,7 @@ use self::{
 use crate::{
     controller::{Controller, Peer, Plane},
     state::{BackendSpec, Op, OpError, VipSpec},
+    telemetry::{Hub, Sample, Source},
 };
 
 /// What `GET /v1/status` reports about the daemon itself.
@@ -58,6 +59,8 @@ pub struct DaemonInfo {
     /// (interface, XDP mode) as attached.
     pub interfaces: Vec<(String, String)>,
     pub pin_dir: String,
+    /// Where pushed telemetry samples go (the same hub the scrapers feed).
+    pub telemetry: Arc<std::sync::Mutex<Hub>>,
 }
 
 /// Requests larger than this are refused with 413.
@@ -270,6 +273,7 @@ enum Route {
     Weight(String, IpAddr),
     Drain(String, IpAddr),
     Undrain(String, IpAddr),
+    Telemetry(String, IpAddr),
     Flows,
     Stats,
     Events,
@@ -303,6 +307,7 @@ impl Route {
             ["vips", v, "backends", a, "weight"] => Route::Weight(s(v), path_addr(a)?),
             ["vips", v, "backends", a, "drain"] => Route::Drain(s(v), path_addr(a)?),
             ["vips", v, "backends", a, "undrain"] => Route::Undrain(s(v), path_addr(a)?),
+            ["vips", v, "backends", a, "telemetry"] => Route::Telemetry(s(v), path_addr(a)?),
             ["flows"] => Route::Flows,
             ["stats"] => Route::Stats,
             ["events"] => Route::Events,
@@ -317,7 +322,7 @@ impl Route {
             Route::Vips | Route::Backends(_) => "GET, POST",
             Route::Vip(_) | Route::Backend(..) => "GET, DELETE",
             Route::Weight(..) => "PUT",
-            Route::Drain(..) | Route::Undrain(..) => "POST",
+            Route::Drain(..) | Route::Undrain(..) | Route::Telemetry(..) => "POST",
         }
     }
 }
@@ -476,6 +481,17 @@ where
             let ctl = submit(api, peer, op).await?;
             backend_reply(StatusCode::OK, &ctl, &vip, address)
         }
+        (Route::Telemetry(vip, address), Method::POST) => {
+            // For sources Sluice does not scrape: the sample joins the scraped ones and ages
+            // like them (stale after telemetry.stale_after).
+            let sample: Sample = json_body(body, SAMPLE_SHAPE).await?;
+            sample.validate().map_err(|e| ApiError::new(400, e))?;
+            api.ctl.lock().await.state().backend(&vip, address)?;
+            let key = (vip, address);
+            let mut hub = api.info.telemetry.lock().expect("telemetry hub lock");
+            hub.update(&key, Source::Push, sample, Instant::now());
+            no_content()
+        }
         (Route::Drain(vip, address), Method::POST) => {
             let bytes = read_body(body).await?;
             let req: DrainRequest = if bytes.trim_ascii().is_empty() {
@@ -540,6 +556,7 @@ where
     }
 }
 
+const SAMPLE_SHAPE: &str = r#"{"gpu_util": 0.0-1.0, "kv_cache": 0.0-1.0, "queue_depth": n, "ecn_rate": n, ...} (fields of a telemetry sample, all optional)"#;
 const NEW_VIP_SHAPE: &str = r#"{"vip": {"name", "address", "port", "protocol", ...}, "backends": [{"address", "weight", ...}]}"#;
 const BACKEND_SHAPE: &str =
     r#"{"address": "10.1.0.1", "weight": 100, "labels": {...}, "max_sessions": 0}"#;
@@ -675,6 +692,7 @@ pub(crate) mod testing {
             started: Instant::now(),
             interfaces: vec![("eth0".into(), "native".into())],
             pin_dir: "/sys/fs/bpf/sluice".into(),
+            telemetry: Arc::new(std::sync::Mutex::new(Hub::new(Duration::from_secs(3)))),
         }
     }
 

@@ -136,6 +136,8 @@ pub struct Controller<P: Plane> {
     event_counts: BTreeMap<String, u64>,
     /// Set by the adaptive policy.
     overlay: Overlay,
+    /// The policy's latest per-backend view (score, state, cooldown, telemetry age).
+    decisions: BTreeMap<u32, crate::policy::BackendDecision>,
 }
 
 fn affected(state: &State, op: &Op) -> serde_json::Value {
@@ -168,6 +170,7 @@ impl<P: Plane> Controller<P> {
             events: VecDeque::new(),
             event_counts: BTreeMap::new(),
             overlay: Overlay::default(),
+            decisions: BTreeMap::new(),
         };
         c.persist()?;
         Ok(c)
@@ -196,6 +199,20 @@ impl<P: Plane> Controller<P> {
 
     pub fn overlay(&self) -> &Overlay {
         &self.overlay
+    }
+
+    pub fn set_decisions(&mut self, d: Vec<crate::policy::BackendDecision>) {
+        self.decisions = d.into_iter().map(|b| (b.id, b)).collect();
+    }
+
+    /// The adaptive policy's latest view of a backend, if it has one.
+    pub fn decision(&self, id: u32) -> Option<&crate::policy::BackendDecision> {
+        self.decisions.get(&id)
+    }
+
+    /// Audits a steering decision with the telemetry that caused it.
+    pub fn audit_event(&self, e: &crate::policy::Event) {
+        self.audit(json!({"time_ms": crate::admin::now_ms(), "peer": null, "steering": e}));
     }
 
     pub fn record(&mut self, e: Event) {

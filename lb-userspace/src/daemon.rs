@@ -7,7 +7,7 @@ use std::{
     hash::{Hash, Hasher},
     path::{Path, PathBuf},
     sync::Arc,
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -22,7 +22,10 @@ use crate::{
     dataplane::{remove_pinned, Dataplane, LoadOptions, PROG_XDP},
     metrics,
     object::BPF_OBJECT,
+    policy::Policy,
     state::{BackendSpec, HashMode, Limits, Protocol, State, VipSpec},
+    steering,
+    telemetry::{self, Hub},
 };
 
 /// The VIPs and backends a configuration asks for.
@@ -213,12 +216,22 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let ctl = Arc::new(Mutex::new(Controller::new(
         desired, &in_plane, plane, settings,
     )?));
+    let hub = Arc::new(std::sync::Mutex::new(Hub::new(cfg.telemetry.stale_after)));
+    {
+        let mut h = hub.lock().expect("telemetry hub lock");
+        for (key, sources) in telemetry::target::sources(&cfg) {
+            h.configure(key, sources);
+        }
+    }
+    let targets = telemetry::target::targets(&cfg).map_err(|e| anyhow!("telemetry: {e}"))?;
     let info = Arc::new(DaemonInfo {
         version: env!("CARGO_PKG_VERSION").to_string(),
         started: Instant::now(),
         interfaces,
         pin_dir: pin_dir.display().to_string(),
+        telemetry: hub.clone(),
     });
+    let cfg = Arc::new(cfg);
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -248,11 +261,28 @@ pub async fn run(config_path: &Path) -> Result<()> {
         }
         None => None,
     };
+    let epoch = Instant::now();
+    let scraper = tokio::spawn(telemetry::scrape::run(
+        targets,
+        hub.clone(),
+        cfg.telemetry.clone(),
+        stopped(stop_rx.clone()),
+    ));
+    let health = tokio::spawn(steering::run_health(
+        ctl.clone(),
+        cfg.clone(),
+        epoch,
+        stopped(stop_rx.clone()),
+    ));
+    // Drains and the adaptive policy step together, once per telemetry interval.
     let ticker = {
-        let ctl = ctl.clone();
+        let (ctl, hub, cfg) = (ctl.clone(), hub.clone(), cfg.clone());
         let mut rx = stop_rx.clone();
         tokio::spawn(async move {
-            let mut every = tokio::time::interval(Duration::from_secs(1));
+            let mut policy = Policy::new(cfg.policy.clone());
+            let rst = cfg.policy.shed == config::ShedMode::Rst;
+            let mut every = tokio::time::interval(cfg.telemetry.scrape_interval);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
                     _ = every.tick() => {}
@@ -260,6 +290,10 @@ pub async fn run(config_path: &Path) -> Result<()> {
                 }
                 if let Err(e) = ctl.lock().await.tick(now_ms()) {
                     tracing::error!(error = %format!("{e:#}"), "drain check failed");
+                }
+                if let Err(e) = steering::step(&ctl, &hub, &mut policy, rst, epoch.elapsed()).await
+                {
+                    tracing::error!(error = %format!("{e:#}"), "steering step failed");
                 }
             }
         })
@@ -282,6 +316,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
         let _ = t.await;
     }
     let _ = ticker.await;
+    let _ = health.await;
+    let _ = scraper.await;
     let _ = std::fs::remove_file(&cfg.admin.socket);
     // Drop the maps and programs before unpinning, so nothing of ours holds them.
     drop(ctl);

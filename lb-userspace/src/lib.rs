@@ -14,4 +14,5 @@ pub mod metrics;
 pub mod object;
 pub mod policy;
 pub mod state;
+pub mod steering;
 pub mod telemetry;

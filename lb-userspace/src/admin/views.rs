@@ -9,6 +9,7 @@ use tokio::sync::Mutex;
 
 use crate::{
     controller::{Controller, Counters, Plane, Traffic},
+    policy::BackendDecision,
     state::{Admin, Backend, PlaneState, State, Vip, VipSpec},
 };
 
@@ -21,6 +22,8 @@ pub(crate) struct Snapshot {
     pub flows: BTreeMap<u32, u64>,
     pub counters: Counters,
     pub event_counts: BTreeMap<String, u64>,
+    /// Backend id → the adaptive policy's latest view (score, state, cooldown, telemetry).
+    pub steering: BTreeMap<u32, BackendDecision>,
 }
 
 impl Snapshot {
@@ -35,12 +38,19 @@ impl Snapshot {
             .flat_map(|v| v.backends.values())
             .map(|b| (b.id, ctl.effective_weight(b)))
             .collect();
+        let steering = state
+            .vips
+            .values()
+            .flat_map(|v| v.backends.values())
+            .filter_map(|b| ctl.decision(b.id).map(|d| (b.id, d.clone())))
+            .collect();
         Ok(Snapshot {
             state,
             effective,
             flows,
             counters,
             event_counts: ctl.event_counts().clone(),
+            steering,
         })
     }
 
@@ -64,6 +74,7 @@ impl Snapshot {
         Live {
             active_flows: v.backends.values().map(|b| self.backend_flows(b)).sum(),
             traffic: self.vip_traffic(v),
+            steering: None,
         }
     }
 
@@ -71,6 +82,7 @@ impl Snapshot {
         let live = Live {
             active_flows: self.backend_flows(b),
             traffic: self.backend_traffic(b),
+            steering: self.steering.get(&b.id).cloned(),
         };
         BackendView::new(b, self.effective[&b.id], Some(live))
     }
@@ -81,6 +93,9 @@ impl Snapshot {
 pub(super) struct Live {
     active_flows: u64,
     traffic: Traffic,
+    /// Score, steering state, cooldown left, sessions and telemetry age.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    steering: Option<BackendDecision>,
 }
 
 #[derive(Serialize)]

@@ -1,0 +1,171 @@
+//! The adaptive-steering shell: schedules health checks and policy steps and turns their
+//! results into controller calls. The decisions themselves live in `policy` (pure).
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    future::Future,
+    net::IpAddr,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use tokio::sync::Mutex;
+
+use crate::{
+    admin::now_ms,
+    config::{Config, HealthCheck},
+    controller::{Controller, Overlay, Peer, Plane},
+    policy::{health, BackendDecision, BackendInput, Policy},
+    state::{Op, Vip},
+    telemetry::{BackendKey, Hub},
+};
+
+/// The health check of a backend: the configured one, else TCP to the VIP's port (a
+/// backend of an all-ports VIP added at run time without one is not checked).
+fn check_of(cfg: &Config, vip: &Vip, addr: IpAddr) -> Option<HealthCheck> {
+    let configured = cfg
+        .vips
+        .iter()
+        .find(|v| v.name == vip.spec.name)
+        .and_then(|v| v.backends.iter().find(|b| b.address == addr))
+        .map(|b| b.health.clone());
+    configured.or((vip.spec.port != 0).then_some(HealthCheck::Tcp {
+        port: vip.spec.port,
+    }))
+}
+
+/// Probes every backend each `health.interval`; a backend that fails `fall` times is marked
+/// down in the data plane at once (its flows re-steer), and up again after `rise` successes.
+pub async fn run_health<P: Plane + 'static>(
+    ctl: Arc<Mutex<Controller<P>>>,
+    cfg: Arc<Config>,
+    epoch: Instant,
+    shutdown: impl Future<Output = ()>,
+) {
+    let hc = cfg.health.clone();
+    let mut trackers: BTreeMap<BackendKey, health::Health> = BTreeMap::new();
+    let mut every = tokio::time::interval(hc.interval);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = every.tick() => {}
+            _ = &mut shutdown => return,
+        }
+        let probes: Vec<(BackendKey, bool, HealthCheck)> = {
+            let c = ctl.lock().await;
+            c.state()
+                .vips
+                .values()
+                .flat_map(|v| {
+                    let cfg = &cfg;
+                    v.backends.values().filter_map(move |b| {
+                        let check = check_of(cfg, v, b.spec.address)?;
+                        Some(((v.spec.name.clone(), b.spec.address), b.healthy, check))
+                    })
+                })
+                .collect()
+        };
+        let keys: BTreeSet<BackendKey> = probes.iter().map(|(k, ..)| k.clone()).collect();
+        trackers.retain(|k, _| keys.contains(k));
+        // All probes run at once, each bounded by the timeout.
+        let tasks: Vec<_> = probes
+            .iter()
+            .map(|((_, addr), _, check)| {
+                let (addr, check, timeout) = (*addr, check.clone(), hc.timeout);
+                tokio::spawn(async move { health::check(addr, &check, timeout).await })
+            })
+            .collect();
+        let mut results = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            results.push(
+                t.await
+                    .unwrap_or(Err(health::CheckError::Timeout(hc.timeout))),
+            );
+        }
+        for (((vip, addr), healthy, _), result) in probes.into_iter().zip(results) {
+            let now = epoch.elapsed();
+            let t = trackers
+                .entry((vip.clone(), addr))
+                .or_insert_with(|| health::Health::new(now, healthy));
+            let Some(ev) = t.record(now, &result, &hc, &vip, addr) else {
+                continue;
+            };
+            let mut c = ctl.lock().await;
+            let op = Op::SetHealth {
+                vip: vip.clone(),
+                address: addr,
+                healthy: t.up,
+            };
+            if let Err(e) = c.submit(op, Peer::default(), now_ms()) {
+                tracing::error!(%vip, backend = %addr, error = %e, "cannot apply a health change");
+            }
+            c.record(ev.to_controller(now_ms()));
+        }
+    }
+}
+
+/// One policy step: gathers sessions, health and telemetry, steps the policy, installs the
+/// overlay and records the decisions' events. Returns the per-backend decisions.
+pub async fn step<P: Plane + 'static>(
+    ctl: &Mutex<Controller<P>>,
+    hub: &std::sync::Mutex<Hub>,
+    policy: &mut Policy,
+    shed_rst: bool,
+    now: Duration,
+) -> anyhow::Result<Vec<BackendDecision>> {
+    let mut c = ctl.lock().await;
+    let sessions = c.active_flows()?;
+    let state = c.state().clone();
+    let views: BTreeMap<u32, _> = {
+        let hub = hub.lock().expect("telemetry hub lock");
+        let known: BTreeSet<&BackendKey> = hub.keys().collect();
+        let at = Instant::now();
+        state
+            .vips
+            .values()
+            .flat_map(|v| v.backends.values().map(move |b| (v, b)))
+            .filter(|(v, b)| known.contains(&(v.spec.name.clone(), b.spec.address)))
+            .map(|(v, b)| (b.id, hub.view(&(v.spec.name.clone(), b.spec.address), at)))
+            .collect()
+    };
+    let inputs: Vec<BackendInput> = state
+        .vips
+        .values()
+        .flat_map(|v| v.backends.values().map(move |b| (v, b)))
+        .filter(|(_, b)| b.admin == crate::state::Admin::Active)
+        .map(|(v, b)| BackendInput {
+            vip: &v.spec.name,
+            address: b.spec.address,
+            id: b.id,
+            weight: b.spec.weight,
+            healthy: b.healthy,
+            sessions: sessions.get(&b.id).copied().unwrap_or(0),
+            max_sessions: b.spec.max_sessions,
+            telemetry: views.get(&b.id),
+        })
+        .collect();
+    let d = policy.step(now, &inputs);
+    let overlay = Overlay {
+        weights: d.weights(),
+        full: d.backends.iter().filter(|b| b.full).map(|b| b.id).collect(),
+        shed: state
+            .vips
+            .values()
+            .filter(|v| {
+                d.shed
+                    .get(&v.spec.name)
+                    .is_some_and(|s| s.sheds(v.spec.priority as u8))
+            })
+            .map(|v| (v.spec.name.clone(), shed_rst))
+            .collect(),
+    };
+    c.set_overlay(overlay)?;
+    let t = now_ms();
+    for e in &d.events {
+        c.record(e.to_controller(t));
+        c.audit_event(e);
+    }
+    c.set_decisions(d.backends.clone());
+    Ok(d.backends)
+}
