@@ -1,6 +1,6 @@
 //! `cargo xtask bench <name> [args...]`: builds (release), then runs `sluice-bench` as root.
 
-use std::{env, path::PathBuf, process::Command};
+use std::process::Command;
 
 use anyhow::{bail, Result};
 
@@ -12,7 +12,7 @@ use crate::{
 pub fn run(name: &str, args: &[String]) -> Result<()> {
     build::run(Profile::Release)?;
     step(&format!("benchmark {name}"));
-    let bin = target_dir().join("release/sluice-bench");
+    let bin = cmd::target_dir().join("release/sluice-bench");
     if !bin.is_file() {
         bail!("the build did not produce {}", bin.display());
     }
@@ -33,14 +33,4 @@ pub fn run(name: &str, args: &[String]) -> Result<()> {
             .arg(name)
             .args(args),
     )
-}
-
-/// The workspace's cargo target directory, taken from where this xtask binary was built
-/// (`<target>/<profile>/xtask`), so `CARGO_TARGET_DIR` and `build.target-dir` are honoured.
-fn target_dir() -> PathBuf {
-    env::current_exe()
-        .ok()
-        .and_then(|exe| Some(exe.parent()?.parent()?.to_path_buf()))
-        .filter(|dir| dir.join("CACHEDIR.TAG").exists())
-        .unwrap_or_else(|| cmd::workspace_root().join("target"))
 }

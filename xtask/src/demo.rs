@@ -6,7 +6,7 @@
 //! built on `sluice_tests::netns`). It runs about 20 s; `SLUICE_DEMO_SECONDS=N` changes that
 //! (or run `target/release/sluice-demo --seconds N` directly).
 
-use std::{env, os::unix::process::CommandExt, path::PathBuf, process::Command};
+use std::{os::unix::process::CommandExt, process::Command};
 
 use anyhow::{bail, Result};
 
@@ -19,25 +19,32 @@ use crate::{
 /// Overrides the demo's duration in seconds.
 const SECONDS_ENV: &str = "SLUICE_DEMO_SECONDS";
 
-pub fn run() -> Result<()> {
+pub fn run(seconds: Option<u64>) -> Result<()> {
     if !cmd::is_root() {
         bail!(
             "`cargo xtask demo` must run as root: the demo creates network namespaces, loads \
              BPF programs and attaches XDP (e.g. `sudo -E cargo xtask demo`)"
         );
     }
-    let seconds = match std::env::var(SECONDS_ENV) {
-        Ok(s) => match s.parse::<u64>() {
+    let seconds = match (seconds, std::env::var(SECONDS_ENV)) {
+        (Some(n), _) => Some(n.to_string()),
+        (None, Ok(s)) => Some(s),
+        (None, Err(_)) => None,
+    };
+    let seconds = match seconds {
+        Some(s) => match s.parse::<u64>() {
             Ok(n) if (1..=3600).contains(&n) => Some(n),
-            _ => bail!("{SECONDS_ENV}={s:?}: expected a number of seconds from 1 to 3600"),
+            _ => bail!(
+                "--seconds / {SECONDS_ENV} = {s:?}: expected a number of seconds from 1 to 3600"
+            ),
         },
-        Err(_) => None,
+        None => None,
     };
     setup::run()?;
     build::run(Profile::Release)?;
 
     step("demo");
-    let demo = target_dir().join("release").join("sluice-demo");
+    let demo = cmd::target_dir().join("release").join("sluice-demo");
     if !cmd::is_executable(&demo) {
         bail!(
             "{} was not built (it comes from the sluice-tests crate)",
@@ -54,14 +61,4 @@ pub fn run() -> Result<()> {
     // on the terminal).
     let e = c.exec();
     bail!("could not run {}: {e}", demo.display())
-}
-
-/// The workspace's cargo target directory, taken from where this xtask binary was built
-/// (`<target>/<profile>/xtask`), so `CARGO_TARGET_DIR` and `build.target-dir` are honoured.
-fn target_dir() -> PathBuf {
-    env::current_exe()
-        .ok()
-        .and_then(|exe| Some(exe.parent()?.parent()?.to_path_buf()))
-        .filter(|dir| dir.join("CACHEDIR.TAG").exists())
-        .unwrap_or_else(|| cmd::workspace_root().join("target"))
 }

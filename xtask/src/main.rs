@@ -51,8 +51,13 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// setup, build, then the namespace-lab demo (coming in a later change).
-    Demo,
+    /// setup, build, then the namespace-lab demo: a client streaming tokens through the LB
+    /// to three accelerator backends, with a live view (about 20 s).
+    Demo {
+        /// How long the streams run.
+        #[arg(long)]
+        seconds: Option<u64>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -66,7 +71,7 @@ fn main() -> ExitCode {
         Cmd::Test => test::run(),
         Cmd::Lint => lint::run(),
         Cmd::Bench { name, args } => bench::run(&name, &args),
-        Cmd::Demo => demo::run(),
+        Cmd::Demo { seconds } => demo::run(seconds),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
