@@ -48,7 +48,7 @@ use self::{
 use crate::{
     controller::{Controller, Peer, Plane},
     state::{BackendSpec, Op, OpError, VipSpec},
-    telemetry::{Hub, Sample, Source},
+    telemetry::{Hub, Sample},
 };
 
 /// What `GET /v1/status` reports about the daemon itself.
@@ -489,7 +489,7 @@ where
             api.ctl.lock().await.state().backend(&vip, address)?;
             let key = (vip, address);
             let mut hub = api.info.telemetry.lock().expect("telemetry hub lock");
-            hub.update(&key, Source::Push, sample, Instant::now());
+            hub.push(&key, sample, Instant::now());
             no_content()
         }
         (Route::Drain(vip, address), Method::POST) => {
@@ -926,6 +926,16 @@ mod tests {
         assert_eq!(v["events"][0]["kind"], "drain-complete");
         assert_eq!(v["counts"]["drain-complete"], 1);
 
+        let sample = json!({"kv_cache": 0.9, "queue_depth": 7});
+        let (st, _) = c
+            .request(
+                "POST",
+                "/v1/vips/chat/backends/10.1.0.1/telemetry",
+                Some(&sample),
+            )
+            .unwrap();
+        assert_eq!(st, 204, "a valid pushed sample is accepted");
+
         let (st, _) = c.request("DELETE", "/v1/vips/chat", None).unwrap();
         assert_eq!(st, 204);
         assert!(srv.state().vips.is_empty());
@@ -998,6 +1008,27 @@ mod tests {
                 "backend 10.1.0.2 of \"chat\" is already draining",
             ),
             ("POST", "/v1/vips/chat/backends/10.1.0.1/undrain", None, 409, "is not draining"),
+            (
+                "POST",
+                "/v1/vips/chat/backends/10.1.0.1/telemetry",
+                Some(b"{\"kv_cache\": 1.5}"),
+                400,
+                "kv_cache",
+            ),
+            (
+                "POST",
+                "/v1/vips/chat/backends/10.1.0.1/telemetry",
+                Some(b"{\"temperature\": 80}"),
+                400,
+                "unknown field `temperature`",
+            ),
+            (
+                "POST",
+                "/v1/vips/chat/backends/10.9.9.9/telemetry",
+                Some(b"{\"kv_cache\": 0.5}"),
+                404,
+                "has no backend 10.9.9.9",
+            ),
             ("DELETE", "/v1/vips/chat/backends/10.9.9.9", None, 404, "VIP \"chat\" has no backend 10.9.9.9"),
             ("DELETE", "/v1/vips/nope", None, 404, "no VIP named \"nope\""),
             ("PUT", "/v1/vips/chat/backends/not-an-ip/weight", Some(b"{\"weight\": 1}"), 400, "\"not-an-ip\" is not an IP address"),

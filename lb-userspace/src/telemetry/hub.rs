@@ -57,12 +57,22 @@ impl Hub {
 
     /// Sets the sources expected for `key`, keeping what was received from them (and any
     /// push) so a reload does not reset fresh telemetry.
-    pub fn configure(&mut self, key: BackendKey, sources: BTreeSet<Source>) {
+    pub fn configure(&mut self, key: BackendKey, mut sources: BTreeSet<Source>) {
         let b = self.backends.entry(key).or_default();
         let keep = |s: &Source| sources.contains(s) || *s == Source::Push;
         b.parts.retain(|s, _| keep(s));
         b.errors.retain(|s, _| keep(s));
+        if b.configured.contains(&Source::Push) {
+            sources.insert(Source::Push);
+        }
         b.configured = sources;
+    }
+
+    /// Records a pushed sample. A backend that pushes is from then on expected to keep
+    /// pushing: when its pushes stop it goes stale like a scraped source would.
+    pub fn push(&mut self, key: &BackendKey, part: Sample, at: Instant) {
+        self.backend(key).configured.insert(Source::Push);
+        self.update(key, Source::Push, part, at);
     }
 
     /// Forgets the backends for which `keep` is false (removed from the configuration).
@@ -228,6 +238,18 @@ mod tests {
         assert!(v.stale);
         assert_eq!(v.age, Some(Duration::from_secs_f64(3.5)));
         assert_eq!(v.sample, engine(4.0));
+    }
+
+    #[test]
+    fn a_backend_that_pushed_goes_stale_when_pushes_stop_even_after_a_reload() {
+        let t0 = Instant::now();
+        let k = key("10.1.0.9");
+        let mut hub = hub_with(&[]);
+        hub.push(&k, gpu(0.4), t0);
+        let v = hub.view(&k, secs(t0, 0.5));
+        assert_eq!((v.stale, v.sample), (false, gpu(0.4)));
+        hub.configure(k.clone(), BTreeSet::new());
+        assert!(hub.view(&k, secs(t0, 60.0)).stale, "pushes stopped: stale");
     }
 
     #[test]
