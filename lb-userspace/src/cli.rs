@@ -359,6 +359,13 @@ pub fn main() -> ExitCode {
     // Not a held StdoutLock: `run` lasts as long as the daemon, and its threads may print.
     match execute(&cli, &mut std::io::stdout()) {
         Ok(()) => ExitCode::SUCCESS,
+        // `sluice stats | head`: the reader left; nothing is wrong.
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::from(1)
