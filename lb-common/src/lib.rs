@@ -155,7 +155,8 @@ pub struct LbConfig {
     /// New flows per second per CPU above which flows are steered by hash alone and not
     /// inserted into the connection table, so a SYN flood cannot evict live flows. 0 = off.
     pub flood_new_flows_per_sec: u32,
-    pub _pad2: u32,
+    /// `LB_F_*` bits.
+    pub flags: u32,
 }
 
 /// Per-VIP and per-backend traffic counters (per-CPU arrays; userspace sums the CPUs).
@@ -165,6 +166,29 @@ pub struct TrafficStats {
     pub packets: u64,
     pub bytes: u64,
     pub new_flows: u64,
+}
+
+/// `LbConfig::flags`: some VIP listens on every port, so an address whose exact-port lookup
+/// misses must also be looked up with port 0. Without it non-VIP traffic pays one lookup.
+pub const LB_F_WILDCARD_VIPS: u32 = 1 << 0;
+
+/// How long a next hop learnt from the FIB is reused before asking again. The FIB lookup
+/// costs as much as the rest of an established flow's path; a neighbour change is seen
+/// within this time.
+pub const NEXTHOP_TTL_NS: u64 = 1_000_000_000;
+
+/// Per-CPU next-hop cache entry, indexed by backend id.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NextHop {
+    pub expires_ns: u64,
+    pub ifindex: u32,
+    /// The ingress interface the entry was learnt for.
+    pub ingress: u32,
+    /// Egress MTU: a packet whose encapsulation would exceed it asks the FIB again.
+    pub mtu: u32,
+    pub smac: [u8; 6],
+    pub dmac: [u8; 6],
 }
 
 /// Per-CPU flood-guard window.
@@ -210,7 +234,8 @@ pub mod stat {
     pub const SHED_PRIORITY: u32 = 30;
     pub const SHED_FULL: u32 = 31;
     pub const SHED_RST_SENT: u32 = 32;
-    pub const COUNT: u32 = 33;
+    pub const DROP_FRAG_NEEDED: u32 = 33;
+    pub const COUNT: u32 = 34;
 
     /// Names as exported (Prometheus label values, CLI); index = counter.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -247,6 +272,7 @@ pub mod stat {
         "shed_priority",
         "shed_full",
         "shed_rst_sent",
+        "drop_frag_needed",
     ];
 }
 
@@ -264,4 +290,5 @@ mod pod {
     unsafe impl aya::Pod for LbConfig {}
     unsafe impl aya::Pod for TrafficStats {}
     unsafe impl aya::Pod for FloodWindow {}
+    unsafe impl aya::Pod for NextHop {}
 }

@@ -1,17 +1,20 @@
 //! IPIP / IPv6 encapsulation towards a backend and the choice of next hop.
 
 use aya_ebpf::{
-    bindings::{bpf_fib_lookup, xdp_action, BPF_FIB_LKUP_RET_SUCCESS},
+    bindings::{
+        bpf_fib_lookup, xdp_action, BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_SUCCESS,
+    },
     helpers::{bpf_fib_lookup as fib_lookup, bpf_xdp_adjust_head},
     programs::XdpContext,
     EbpfContext,
 };
-use lb_common::{stat, Backend, LbConfig, FAMILY_V4, PROTO_IPIP, PROTO_IPV6};
+use lb_common::{stat, LbConfig, NextHop, FAMILY_V4, NEXTHOP_TTL_NS, PROTO_IPIP, PROTO_IPV6};
 
 use crate::{
-    maps::TX_PORTS,
+    maps::{NEXTHOPS, TX_PORTS},
     parse::{at, Parsed, ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
     stats::count,
+    steer::Decision,
 };
 
 const AF_INET: u8 = 2;
@@ -51,21 +54,12 @@ struct Ipv6Hdr {
     dst: [u32; 4],
 }
 
-struct NextHop {
-    smac: [u8; 6],
-    dmac: [u8; 6],
-    ifindex: u32,
-}
-
-/// Encapsulates the packet for `b` and returns the XDP action, or `Err(drop counter)`.
+/// Encapsulates the packet for the decided backend and returns the XDP action, or
+/// `Err(drop counter)`.
 #[inline(always)]
-pub fn forward(
-    ctx: &XdpContext,
-    p: &Parsed,
-    b: &Backend,
-    h: u32,
-    cfg: &LbConfig,
-) -> Result<u32, u32> {
+pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Result<u32, u32> {
+    let b = &d.backend;
+    let h = d.hash;
     let outer_v4 = b.family == FAMILY_V4;
     if outer_v4 && p.key.family != FAMILY_V4 {
         // IPv6 inside IPv4 is not offered: the control plane refuses such backends.
@@ -79,22 +73,12 @@ pub fn forward(
     let src_v4 = cfg.encap_src_v4 | (h & cfg.encap_src_v4_hostmask);
     let mut src_v6 = cfg.encap_src_v6;
     src_v6[3] |= h & cfg.encap_src_v6_hostmask;
-    // The ingress MAC is this host's: it is the source when the FIB gives no neighbour.
-    let ingress_mac = match at(ctx, 0, 6) {
-        Some(m) => unsafe { core::ptr::read_unaligned(m as *const [u8; 6]) },
-        None => return Err(stat::DROP_ADJUST_HEAD),
-    };
     let outer_len = if outer_v4 { IPV4_HLEN } else { IPV6_HLEN };
-    let nh = next_hop(
-        ctx,
-        b,
-        outer_v4,
-        src_v4,
-        &src_v6,
-        p.l3_len + outer_len,
-        ingress_mac,
-        cfg,
-    )?;
+    let src = OuterSource {
+        v4: src_v4,
+        v6: src_v6,
+    };
+    let nh = next_hop(ctx, d, &src, p.l3_len + outer_len, cfg)?;
 
     let delta = (ETH_HLEN + outer_len) as i32 - p.l3_off as i32;
     if unsafe { bpf_xdp_adjust_head(ctx.as_ptr() as *mut _, -delta) } != 0 {
@@ -154,31 +138,41 @@ pub fn forward(
     }
 }
 
-/// Next hop from the kernel FIB; when it has none (no route, no resolved neighbour,
-/// forwarding off), the configured fallback MAC out of the ingress interface.
+struct OuterSource {
+    v4: u32,
+    v6: [u32; 4],
+}
+
+/// Next hop from the kernel FIB, reused per backend and CPU for `NEXTHOP_TTL_NS` while the
+/// packet fits its MTU; when the FIB has none (no route, no resolved neighbour, forwarding
+/// off), the configured fallback MAC out of the ingress interface.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn next_hop(
     ctx: &XdpContext,
-    b: &Backend,
-    v4: bool,
-    src_v4: u32,
-    src_v6: &[u32; 4],
+    d: &Decision,
+    src: &OuterSource,
     tot_len: usize,
-    ingress_mac: [u8; 6],
     cfg: &LbConfig,
 ) -> Result<NextHop, u32> {
     let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
+    let cache = NEXTHOPS.get_ptr_mut(d.backend_id);
+    if let Some(c) = cache {
+        let c = unsafe { &*c };
+        if c.expires_ns > d.now && c.ingress == ingress && tot_len as u32 <= c.mtu {
+            return Ok(*c);
+        }
+    }
+    let v4 = d.backend.family == FAMILY_V4;
     let mut f: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     f.family = if v4 { AF_INET } else { AF_INET6 };
     f.__bindgen_anon_1.tot_len = tot_len as u16;
     f.ifindex = ingress;
     if v4 {
-        f.__bindgen_anon_3.ipv4_src = src_v4;
-        f.__bindgen_anon_4.ipv4_dst = b.addr[0];
+        f.__bindgen_anon_3.ipv4_src = src.v4;
+        f.__bindgen_anon_4.ipv4_dst = d.backend.addr[0];
     } else {
-        f.__bindgen_anon_3.ipv6_src = *src_v6;
-        f.__bindgen_anon_4.ipv6_dst = b.addr;
+        f.__bindgen_anon_3.ipv6_src = src.v6;
+        f.__bindgen_anon_4.ipv6_dst = d.backend.addr;
     }
     let rc = unsafe {
         fib_lookup(
@@ -189,21 +183,41 @@ fn next_hop(
         )
     };
     if rc == BPF_FIB_LKUP_RET_SUCCESS as i64 {
-        return Ok(NextHop {
+        let e = NextHop {
+            expires_ns: d.now + NEXTHOP_TTL_NS,
+            ifindex: f.ifindex,
+            ingress,
+            // The lookup answers with the egress MTU in place of the length it was given.
+            mtu: unsafe { f.__bindgen_anon_1.mtu_result } as u32,
             smac: f.smac,
             dmac: f.dmac,
-            ifindex: f.ifindex,
-        });
+        };
+        if let Some(c) = cache {
+            unsafe { *c = e };
+        }
+        return Ok(e);
+    }
+    if rc == BPF_FIB_LKUP_RET_FRAG_NEEDED as i64 {
+        // Encapsulated, the packet exceeds the path to the backend: sending it to the
+        // fallback router would not fit either. Size the backend-facing MTU for the outer
+        // header (or clamp the clients' MSS).
+        return Err(stat::DROP_FRAG_NEEDED);
     }
     if cfg.fallback_mac == [0; 6] {
         return Err(stat::DROP_NO_NEXTHOP);
     }
     count(stat::FIB_FALLBACK_MAC);
-    // The fallback router sits on the ingress segment, whose MAC is this host's.
+    // The fallback router sits on the ingress segment, and the frame's destination MAC is
+    // this host's address there.
+    let smac = match at(ctx, 0, 6) {
+        Some(m) => unsafe { core::ptr::read_unaligned(m as *const [u8; 6]) },
+        None => return Err(stat::DROP_ADJUST_HEAD),
+    };
     Ok(NextHop {
-        smac: ingress_mac,
+        smac,
         dmac: cfg.fallback_mac,
         ifindex: ingress,
+        ..NextHop::default()
     })
 }
 

@@ -25,17 +25,17 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
             return xdp_action::XDP_PASS;
         }
     };
-    let Some(vip) = steer::vip(&p.key) else {
+    let Some(cfg) = CONFIG.get(0) else {
+        count(stat::DROP_NO_CONFIG);
+        return xdp_action::XDP_DROP;
+    };
+    let Some(vip) = steer::vip(&p.key, cfg) else {
         count(if p.icmp_error {
             stat::PASS_ICMP_NOT_VIP
         } else {
             stat::PASS_NOT_VIP
         });
         return xdp_action::XDP_PASS;
-    };
-    let Some(cfg) = CONFIG.get(0) else {
-        count(stat::DROP_NO_CONFIG);
-        return xdp_action::XDP_DROP;
     };
     let d = match steer::decide(&p.key, &vip, cfg, !p.icmp_error, p.opens()) {
         Ok(d) => d,
@@ -58,7 +58,7 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
         count(stat::ICMP_TOO_BIG_STEERED);
     }
     stats::traffic(vip.id, d.backend_id, p.l3_len as u64, d.new_flow);
-    match encap::forward(&ctx, &p, &d.backend, d.hash, cfg) {
+    match encap::forward(&ctx, &p, &d, cfg) {
         Ok(action) => action,
         Err(reason) => {
             count(reason);

@@ -6,9 +6,9 @@ use aya_ebpf::{
     maps::{Array, DevMapHash, HashMap, LruHashMap, PerCpuArray},
 };
 use lb_common::{
-    AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig, TrafficStats,
-    VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, MAX_BACKENDS, MAX_TX_PORTS, MAX_VIPS,
-    RINGS_PER_VIP, RING_SIZE_MAX,
+    AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig, NextHop,
+    TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, MAX_BACKENDS,
+    MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
 /// Per-CPU LRU lists: each CPU evicts from its own list, so flows steered by RSS to one CPU
@@ -56,6 +56,9 @@ pub static VIP_STATS: PerCpuArray<TrafficStats> = PerCpuArray::with_max_entries(
 #[map]
 pub static BACKEND_STATS: PerCpuArray<TrafficStats> =
     PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+#[map]
+pub static NEXTHOPS: PerCpuArray<NextHop> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
 
 #[map]
 pub static FLOOD: PerCpuArray<FloodWindow> = PerCpuArray::with_max_entries(1, 0);

@@ -1,11 +1,11 @@
 //! The steering decision: VIP, connection table, client affinity, Maglev ring with bounded
 //! probing past backends that take no new flows.
 
-use aya_ebpf::helpers::bpf_ktime_get_ns;
+use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
     hash, stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta,
-    BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, MAX_PROBES, RINGS_PER_VIP, RING_SIZE_MAX,
-    VIP_F_SHED, VIP_F_SRC_HASH,
+    BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, LB_F_WILDCARD_VIPS, MAX_PROBES,
+    RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SHED, VIP_F_SRC_HASH,
 };
 
 use crate::{
@@ -33,11 +33,14 @@ pub struct Decision {
     pub backend: Backend,
     pub new_flow: bool,
     pub hash: u32,
+    /// The coarse clock read once per packet (connection ages, next-hop cache).
+    pub now: u64,
 }
 
-/// Exact (address, port, protocol) first, then the address's all-ports VIP.
+/// Exact (address, port, protocol) first, then, if any VIP takes every port, the address's
+/// all-ports VIP.
 #[inline(always)]
-pub fn vip(key: &FlowKey) -> Option<VipMeta> {
+pub fn vip(key: &FlowKey, cfg: &LbConfig) -> Option<VipMeta> {
     let mut vk = VipKey {
         addr: key.dst,
         port: key.dport,
@@ -46,6 +49,9 @@ pub fn vip(key: &FlowKey) -> Option<VipMeta> {
     };
     if let Some(m) = unsafe { VIPS.get(&vk) } {
         return Some(*m);
+    }
+    if cfg.flags & LB_F_WILDCARD_VIPS == 0 {
+        return None;
     }
     vk.port = 0;
     unsafe { VIPS.get(&vk) }.copied()
@@ -78,19 +84,27 @@ pub fn decide(
     } else {
         hash::flow_hash(key, cfg.hash_seed)
     };
-    let now = unsafe { bpf_ktime_get_ns() };
+    // CLOCK_MONOTONIC at tick resolution: a precise read costs ~30 ns per packet here, and
+    // connection ages only need seconds.
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
 
     if let Some(e) = CONNS.get_ptr_mut(key) {
         let id = unsafe { (*e).backend };
         if let Some(b) = backend(id, vip) {
             if b.state == BACKEND_ACTIVE || b.state == BACKEND_DRAINING {
-                unsafe { (*e).last_seen_ns = now };
+                // The coarse clock moves once a tick: most packets leave the line clean.
+                unsafe {
+                    if (*e).last_seen_ns != now {
+                        (*e).last_seen_ns = now;
+                    }
+                }
                 count(stat::CONN_HIT);
                 return Ok(Decision {
                     backend_id: id,
                     backend: b,
                     new_flow: false,
                     hash: h,
+                    now,
                 });
             }
         }
@@ -107,6 +121,7 @@ pub fn decide(
             backend: b,
             new_flow: true,
             hash: h,
+            now,
         });
     }
 
@@ -135,6 +150,7 @@ pub fn decide(
         backend: b,
         new_flow: true,
         hash: h,
+        now,
     })
 }
 

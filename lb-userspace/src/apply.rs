@@ -77,6 +77,11 @@ pub fn apply(
     overlay: &Overlay,
 ) -> Result<Applied> {
     let mut done = Applied::default();
+    let wildcard = |s: &State| s.vips.values().any(|v| v.spec.port == 0);
+    // On before an all-ports VIP appears, off only after the last one is gone.
+    if wildcard(new) {
+        dp.set_wildcard_vips(true)?;
+    }
     for vip in new.vips.values() {
         for b in vip.backends.values() {
             dp.set_backend(b.id, &plane_backend(vip, b, overlay))?;
@@ -117,6 +122,9 @@ pub fn apply(
                 dp.set_backend(b.id, &gone)?;
             }
         }
+    }
+    if !wildcard(new) {
+        dp.set_wildcard_vips(false)?;
     }
     Ok(done)
 }

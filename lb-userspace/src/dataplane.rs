@@ -21,9 +21,9 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig,
+    stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig, NextHop,
     TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, LAYOUT_VERSION,
-    MAX_BACKENDS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
+    LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
 use crate::maglev;
@@ -57,7 +57,7 @@ impl Default for LoadOptions {
 }
 
 /// (map, key size, value size, required entries or 0) as this build reads them.
-fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 12] {
+fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 13] {
     let u32s = size_of::<u32>();
     [
         ("META", u32s, u32s, 1),
@@ -87,6 +87,7 @@ fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 12] {
             MAX_BACKENDS,
         ),
         ("FLOOD", u32s, size_of::<FloodWindow>(), 1),
+        ("NEXTHOPS", u32s, size_of::<NextHop>(), MAX_BACKENDS),
     ]
 }
 
@@ -302,8 +303,30 @@ impl Dataplane {
             .ok_or_else(|| anyhow!("map {name} missing from the eBPF object"))
     }
 
+    /// Sets or clears `LB_F_WILDCARD_VIPS` in the live CONFIG (the other settings stay).
+    pub fn set_wildcard_vips(&mut self, on: bool) -> Result<()> {
+        let mut a: Array<&mut MapData, LbConfig> = Array::try_from(self.map("CONFIG")?)?;
+        let mut cfg = a.get(&0, 0)?;
+        let flags = if on {
+            cfg.flags | LB_F_WILDCARD_VIPS
+        } else {
+            cfg.flags & !LB_F_WILDCARD_VIPS
+        };
+        if flags != cfg.flags {
+            cfg.flags = flags;
+            a.set(0, cfg, 0).context("writing CONFIG")?;
+        }
+        Ok(())
+    }
+
+    /// Writes the global settings, keeping the flags the map writer maintains.
     pub fn set_config(&mut self, cfg: &LbConfig) -> Result<()> {
         let mut a: Array<&mut MapData, LbConfig> = Array::try_from(self.map("CONFIG")?)?;
+        let live = a.get(&0, 0)?;
+        let cfg = LbConfig {
+            flags: cfg.flags | (live.flags & LB_F_WILDCARD_VIPS),
+            ..*cfg
+        };
         a.set(0, cfg, 0).context("writing CONFIG")?;
         Ok(())
     }

@@ -98,6 +98,9 @@ impl Lab {
             affinity_secs,
             priority: 0,
         };
+        if port == 0 {
+            self.dp.set_wildcard_vips(true).unwrap();
+        }
         self.dp.set_vip(&key, &meta).unwrap();
         key
     }

@@ -436,10 +436,9 @@ fn flood_guard_stops_inserting_new_flows_above_the_rate() {
     assert_eq!(lab.dp.conns().unwrap().len(), 3);
 }
 
-#[test]
-fn fib_next_hop_redirects_through_the_devmap() {
-    let (mut lab, vip) = lab_v4();
-    // In this test's namespace: a veth whose neighbour table knows the backends' router.
+/// In this test's namespace: a veth (MTU `mtu`) whose neighbour table knows the backends;
+/// returns its ifindex.
+fn fib_segment(mtu: u32) -> u32 {
     let sh = |c: &str| {
         let ok = std::process::Command::new("sh")
             .arg("-c")
@@ -449,13 +448,35 @@ fn fib_next_hop_redirects_through_the_devmap() {
             .success();
         assert!(ok, "{c}");
     };
-    sh("ip link add fibA type veth peer name fibB && ip link set fibA address 02:00:00:00:0a:0a && ip link set fibA up && ip link set fibB up && ip link set lo up");
+    sh(&format!("ip link add fibA mtu {mtu} type veth peer name fibB && ip link set fibA address 02:00:00:00:0a:0a && ip link set fibA up && ip link set fibB up && ip link set lo up"));
     sh("ip addr add 10.1.0.254/24 dev fibA && ip neigh replace 10.1.0.1 lladdr 02:00:00:00:0b:01 nud permanent dev fibA && ip neigh replace 10.1.0.2 lladdr 02:00:00:00:0b:02 nud permanent dev fibA && ip neigh replace 10.1.0.3 lladdr 02:00:00:00:0b:03 nud permanent dev fibA");
     sh("sysctl -qw net.ipv4.conf.all.forwarding=1 net.ipv4.conf.lo.forwarding=1");
     // /sys shows the namespace it was mounted in, so ask the kernel by name from this thread.
     let name = std::ffi::CString::new("fibA").unwrap();
     let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
     assert_ne!(ifindex, 0);
+    ifindex
+}
+
+#[test]
+fn packet_too_big_for_the_backend_path_is_dropped_and_counted() {
+    let (mut lab, _vip) = lab_v4();
+    let ifindex = fib_segment(1280);
+    lab.dp.add_tx_port(ifindex).unwrap();
+    // Fits: 1200 + 20 <= 1280. Then a 1270-byte packet, which the outer header pushes over.
+    for (len, action) in [(1200usize, XDP_REDIRECT), (1270, XDP_DROP)] {
+        let mut h = V4::new(CLIENT4, VIP4, PROTO_TCP);
+        h.frag = 0x4000;
+        let l3 = h.build(&tcp(40600, 443, ACK, &vec![0u8; len - 40]));
+        assert_eq!(lab.run(&on_wire(&l3)).0, action, "{len}-byte packet");
+    }
+    assert_eq!(lab.stat(stat::DROP_FRAG_NEEDED), 1);
+}
+
+#[test]
+fn fib_next_hop_redirects_through_the_devmap() {
+    let (mut lab, vip) = lab_v4();
+    let ifindex = fib_segment(1500);
     lab.dp.add_tx_port(ifindex).unwrap();
     let key = flow(CLIENT4, 40400, VIP4, 443, PROTO_TCP);
     let want = lab.ring_choice(&vip, &key, false);

@@ -152,7 +152,7 @@ fn pinned_maps_of_another_layout_are_refused_with_a_clear_message() {
             .expect("must refuse")
     );
     assert!(
-        err.contains("holds only some of Sluice's pinned maps (11 of 12)"),
+        err.contains("holds only some of Sluice's pinned maps"),
         "{err}"
     );
 }
