@@ -281,7 +281,13 @@ pub async fn run(config_path: &Path) -> Result<()> {
         tokio::spawn(async move {
             let mut policy = Policy::new(cfg.policy.clone());
             let rst = cfg.policy.shed == config::ShedMode::Rst;
-            let mut every = tokio::time::interval(cfg.telemetry.scrape_interval);
+            // The first step comes one interval after the start, not at once: by then the
+            // scrapers' first round (bounded by scrape_timeout < scrape_interval) has
+            // reported. Stepping at once would see every scraped backend as stale ("never
+            // scraped") and move half of each pool away for a cooldown and a slow start at
+            // every daemon start and restart.
+            let period = cfg.telemetry.scrape_interval;
+            let mut every = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {

@@ -145,7 +145,9 @@ enum Parsed<'a> {
     Counters(&'a Counters),
 }
 
-/// `w`'s part of the data; None for a first counter reading, which has no rate yet.
+/// `w`'s part of the data; None when the source reported nothing usable this round. A first
+/// counter reading has no rates yet: its part is empty, but the source has answered, so the
+/// backend is not taken for stale ("never scraped") until its second round.
 fn part(w: &mut Watched, data: &Parsed<'_>, at: Instant) -> Result<Option<Sample>, String> {
     let counters = match (&w.target.reader, data) {
         (Reader::Dcgm { gpus, uuids }, Parsed::Page(p)) => {
@@ -161,7 +163,7 @@ fn part(w: &mut Watched, data: &Parsed<'_>, at: Instant) -> Result<Option<Sample
         (reader, _) => return Err(format!("{reader:?} cannot read {}", w.target.endpoint)),
     };
     let Some(rates) = w.rates.observe(counters.clone(), at) else {
-        return Ok(None);
+        return Ok(Some(Sample::default()));
     };
     let errors = roce::errors(&rates);
     if !errors.is_empty() {
@@ -531,6 +533,30 @@ mod tests {
         assert!(s.ecn_rate.is_some_and(|r| r > 0.0), "{s:?}");
         assert_eq!(s.cnp_rate, Some(0.0));
         assert_eq!(views[0].errors, Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_first_counter_reading_is_an_empty_part_not_nothing() {
+        let mut w = Watched {
+            target: Target {
+                key: key(1),
+                endpoint: Endpoint::Sysfs("/sys/x".into()),
+                reader: Reader::RoceSysfs,
+            },
+            rates: RateTracker::default(),
+            failing: false,
+        };
+        let counters = Counters::from([("np_ecn_marked_roce_packets", 10.0)]);
+        let t0 = Instant::now();
+        let first = part(&mut w, &Parsed::Counters(&counters), t0).unwrap();
+        assert_eq!(first, Some(Sample::default()));
+        let later = Counters::from([("np_ecn_marked_roce_packets", 110.0)]);
+        let second = part(
+            &mut w,
+            &Parsed::Counters(&later),
+            t0 + Duration::from_secs(1),
+        );
+        assert_eq!(second.unwrap().unwrap().ecn_rate, Some(100.0));
     }
 
     #[test]
