@@ -339,6 +339,19 @@ impl Dataplane {
         Ok(())
     }
 
+    /// Forgets the cached next hops of these backends on every CPU, so the next packet asks
+    /// the FIB (after a routing change that should take effect before the cache's TTL).
+    pub fn flush_next_hops(&mut self, ids: impl IntoIterator<Item = u32>) -> Result<()> {
+        let mut a: PerCpuArray<&mut MapData, NextHop> =
+            PerCpuArray::try_from(self.map("NEXTHOPS")?)?;
+        let cpus = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;
+        for id in ids {
+            let empty = aya::maps::PerCpuValues::try_from(vec![NextHop::default(); cpus])?;
+            a.set(id, empty, 0).with_context(|| format!("clearing the next hop of {id}"))?;
+        }
+        Ok(())
+    }
+
     pub fn set_backend(&mut self, id: u32, b: &Backend) -> Result<()> {
         let mut a: Array<&mut MapData, Backend> = Array::try_from(self.map("BACKENDS")?)?;
         a.set(id, b, 0)
