@@ -116,8 +116,10 @@ pub struct FlowKey {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ConnEntry {
     pub backend: u32,
-    pub vip: u32,
-    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet.
+    /// The flow's steering hash, kept so an established packet need not hash again (it
+    /// picks the outer source address and IPv6 flow label).
+    pub hash: u32,
+    /// `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC) of the last packet.
     pub last_seen_ns: u64,
 }
 

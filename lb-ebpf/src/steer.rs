@@ -79,17 +79,13 @@ pub fn decide(
     track: bool,
     opens: bool,
 ) -> Result<Decision, Refusal> {
-    let h = if vip.flags & VIP_F_SRC_HASH != 0 {
-        hash::src_hash(key, cfg.hash_seed)
-    } else {
-        hash::flow_hash(key, cfg.hash_seed)
-    };
     // CLOCK_MONOTONIC at tick resolution: a precise read costs ~30 ns per packet here, and
     // connection ages only need seconds.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
 
     if let Some(e) = CONNS.get_ptr_mut(key) {
         let id = unsafe { (*e).backend };
+        let h = unsafe { (*e).hash };
         if let Some(b) = backend(id, vip) {
             if b.state == BACKEND_ACTIVE || b.state == BACKEND_DRAINING {
                 // The coarse clock moves once a tick: most packets leave the line clean.
@@ -126,6 +122,7 @@ pub fn decide(
     }
 
     count(stat::CONN_MISS);
+    let h = steering_hash(key, vip, cfg);
     let opens = opens && track;
     if opens && vip.flags & VIP_F_SHED != 0 {
         return Err(Refusal::Shed(stat::SHED_PRIORITY));
@@ -138,7 +135,7 @@ pub fn decide(
     } else {
         let e = ConnEntry {
             backend: id,
-            vip: vip.id,
+            hash: h,
             last_seen_ns: now,
         };
         if CONNS.insert(key, &e, 0).is_err() {
@@ -152,6 +149,15 @@ pub fn decide(
         hash: h,
         now,
     })
+}
+
+#[inline(always)]
+fn steering_hash(key: &FlowKey, vip: &VipMeta, cfg: &LbConfig) -> u32 {
+    if vip.flags & VIP_F_SRC_HASH != 0 {
+        hash::src_hash(key, cfg.hash_seed)
+    } else {
+        hash::flow_hash(key, cfg.hash_seed)
+    }
 }
 
 /// A backend takes this flow: it is active, and, for a new session, not at its cap.
