@@ -178,6 +178,29 @@ fn shown(cmd: &Command) -> String {
 /// with the command line and its stderr unless it exits with status 0.
 pub fn run_cmd(cmd: &mut Command, timeout: Duration) -> Result<String> {
     let line = shown(cmd);
+    let out = run_output(cmd, timeout)?;
+    if !out.status.success() {
+        bail!(
+            "`{line}` failed ({}): {}",
+            out.status,
+            out.stderr.trim_end()
+        );
+    }
+    Ok(out.stdout)
+}
+
+/// What a command run by [`run_output`] left: its exit status and its output.
+#[derive(Clone, Debug)]
+pub struct CmdOutput {
+    pub status: std::process::ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `cmd` to completion within `timeout` (killed after it) and returns its status and
+/// output whatever the status; fails only if it cannot start or does not finish in time.
+pub fn run_output(cmd: &mut Command, timeout: Duration) -> Result<CmdOutput> {
+    let line = shown(cmd);
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -212,10 +235,11 @@ pub fn run_cmd(cmd: &mut Command, timeout: Duration) -> Result<String> {
     // A grandchild could keep a pipe open: the output is waited for, but not forever.
     let stdout = out.recv_timeout(Duration::from_secs(2)).unwrap_or_default();
     let stderr = err.recv_timeout(Duration::from_secs(2)).unwrap_or_default();
-    if !status.success() {
-        bail!("`{line}` failed ({status}): {}", stderr.trim_end());
-    }
-    Ok(stdout)
+    Ok(CmdOutput {
+        status,
+        stdout,
+        stderr,
+    })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -944,6 +968,49 @@ impl Topology {
         Ok(())
     }
 
+    /// Makes the LB resolve the link-layer addresses (IPv4 and IPv6) of every backend, so
+    /// `bpf_fib_lookup` finds them ([`Topology::resolve_neighbours`]).
+    pub fn resolve_backend_neighbours(&self, timeout: Duration) -> Result<()> {
+        let targets: Vec<IpAddr> = self
+            .backends
+            .iter()
+            .flat_map(|b| [b.addr(false), b.addr(true)])
+            .collect();
+        self.resolve_neighbours(&self.lb, &targets, timeout)
+    }
+
+    /// Starts `sluice-testsrv serve --name <name> --max-seconds <lifetime> <args>` on backend
+    /// `index` and waits (10 s at most) until it prints READY.
+    pub fn start_server(
+        &mut self,
+        index: usize,
+        server: &Path,
+        name: &str,
+        lifetime: Duration,
+        args: &[String],
+    ) -> Result<ProcId> {
+        if !server.is_file() {
+            bail!("server binary {} does not exist", server.display());
+        }
+        let host = self
+            .backends
+            .get(index)
+            .ok_or_else(|| anyhow!("no backend {index}"))?;
+        let ns = host.ns.clone();
+        let label = format!("server {name} on {}", host.name);
+        let mut all: Vec<String> = vec![
+            "serve".into(),
+            "--name".into(),
+            name.into(),
+            "--max-seconds".into(),
+            lifetime.as_secs().max(1).to_string(),
+        ];
+        all.extend_from_slice(args);
+        let id = self.spawn(&ns, &label, server, &all)?;
+        self.wait_line(id, "READY", Duration::from_secs(10))?;
+        Ok(id)
+    }
+
     /// Starts `program args...` in `ns` (`ip netns exec`), in its own process group (a
     /// terminal's Ctrl-C reaches only the test or demo, which then cleans up). Its stdout is
     /// read line by line ([`Topology::wait_line`]); stderr is inherited. The process gets
@@ -1186,6 +1253,32 @@ pub fn attach_native(dp: &mut Dataplane, prog: &str, ns: &Netns, dev: &str) -> R
         .with_context(|| format!("attaching {prog} to {}/{dev}", ns.name()))
 }
 
+/// The lab's data planes besides the LB's own: `sluice_pass` (native) on the LB's switch port
+/// (native XDP_TX frames on a veth are delivered only when the peer runs XDP) and
+/// `sluice_decap` (native) on every backend's eth0. Dropping it detaches them.
+pub struct Edges {
+    /// `RX` counts every frame the LB namespace sends.
+    pub edge_dp: Dataplane,
+    /// Per backend (index as in `topo.backends`): `DECAP_OK` counts what each decapsulated.
+    pub decap_dps: Vec<Dataplane>,
+}
+
+impl Edges {
+    pub fn attach(topo: &Topology) -> Result<Edges> {
+        let mut edge_dp = Dataplane::load(BPF_OBJECT, &LoadOptions::decap_only())
+            .context("loading the switch port's data plane")?;
+        attach_native(&mut edge_dp, PROG_PASS, &topo.switch, &topo.lb.port)?;
+        let mut decap_dps = Vec::new();
+        for b in &topo.backends {
+            let mut dp = Dataplane::load(BPF_OBJECT, &LoadOptions::decap_only())
+                .with_context(|| format!("loading {}'s decap data plane", b.name))?;
+            attach_native(&mut dp, PROG_DECAP, &b.ns, DEV)?;
+            decap_dps.push(dp);
+        }
+        Ok(Edges { edge_dp, decap_dps })
+    }
+}
+
 impl NetLab {
     pub fn start(opts: &LabOptions) -> Result<NetLab> {
         let topo = Topology::build(&opts.topology)?;
@@ -1211,17 +1304,7 @@ impl NetLab {
         };
         lb_dp.set_config(&cfg)?;
 
-        // The peer of the LB's eth0 must run XDP for native XDP_TX frames to be delivered.
-        let mut edge_dp = Dataplane::load(BPF_OBJECT, &LoadOptions::decap_only())
-            .context("loading the switch port's data plane")?;
-        attach_native(&mut edge_dp, PROG_PASS, &topo.switch, &topo.lb.port)?;
-        let mut decap_dps = Vec::new();
-        for b in &topo.backends {
-            let mut dp = Dataplane::load(BPF_OBJECT, &LoadOptions::decap_only())
-                .with_context(|| format!("loading {}'s decap data plane", b.name))?;
-            attach_native(&mut dp, PROG_DECAP, &b.ns, DEV)?;
-            decap_dps.push(dp);
-        }
+        let Edges { edge_dp, decap_dps } = Edges::attach(&topo)?;
         attach_native(&mut lb_dp, PROG_XDP, &topo.lb.ns, DEV)?;
 
         let mut lab = NetLab {
@@ -1242,15 +1325,8 @@ impl NetLab {
         if let Some(server) = &opts.server {
             lab.start_servers(server, opts.server_lifetime)?;
         }
-        let targets: Vec<IpAddr> = lab
-            .topo
-            .backends
-            .iter()
-            .flat_map(|b| [b.addr(false), b.addr(true)])
-            .collect();
-        let lb = lab.topo.lb.clone();
         lab.topo
-            .resolve_neighbours(&lb, &targets, Duration::from_secs(5))?;
+            .resolve_backend_neighbours(Duration::from_secs(5))?;
         Ok(lab)
     }
 
@@ -1326,34 +1402,21 @@ impl NetLab {
 
     /// Starts `sluice-testsrv serve` on every backend and waits until each is listening.
     pub fn start_servers(&mut self, server: &Path, lifetime: Duration) -> Result<()> {
-        if !server.is_file() {
-            bail!("server binary {} does not exist", server.display());
+        let mut listen = Vec::new();
+        for s in &self.services {
+            let flag = if s.proto == PROTO_TCP {
+                "--tcp"
+            } else {
+                "--udp"
+            };
+            listen.push(flag.to_string());
+            listen.push(s.addr.to_string());
         }
-        let mut args_of = Vec::new();
-        for b in &self.topo.backends {
-            let mut args: Vec<String> = vec![
-                "serve".into(),
-                "--name".into(),
-                b.name.clone(),
-                "--max-seconds".into(),
-                lifetime.as_secs().max(1).to_string(),
-            ];
-            for s in &self.services {
-                let flag = if s.proto == PROTO_TCP {
-                    "--tcp"
-                } else {
-                    "--udp"
-                };
-                args.push(flag.into());
-                args.push(s.addr.to_string());
-            }
-            args_of.push((b.ns.clone(), b.name.clone(), args));
-        }
-        for (ns, name, args) in args_of {
+        for i in 0..self.topo.backends.len() {
+            let name = self.topo.backends[i].name.clone();
             let id = self
                 .topo
-                .spawn(&ns, &format!("server on {name}"), server, &args)?;
-            self.topo.wait_line(id, "READY", Duration::from_secs(10))?;
+                .start_server(i, server, &name, lifetime, &listen)?;
             self.servers.push(id);
         }
         Ok(())
