@@ -4,6 +4,13 @@
 //! - `--tcp ADDR` (repeatable): token streams (see `sluice_tests::stream`): per connection a
 //!   greeting naming this backend, then tokens at the requested rate, then `[DONE]`.
 //! - `--udp ADDR` (repeatable): answers every datagram with `<name> <datagram>`.
+//! - `--metrics ADDR=FILE` (repeatable): a fake Prometheus exporter (dcgm-exporter, vLLM,
+//!   node_exporter...): `GET /metrics` on ADDR answers the content of FILE, read again for
+//!   every request, so a test changes the values at run time by rewriting the file (write a
+//!   temporary file and rename it over FILE, so no request sees half a page). In the page,
+//!   `{{counter:RATE}}` becomes a counter growing by RATE per second since the server
+//!   started (a congestion counter such as ECN marks at a steady rate). HTTP/1.1 with
+//!   keep-alive, as Prometheus and Sluice's scraper use it; a missing file answers 503.
 //!
 //! Prints `READY <name>` once every socket is bound. Bounded: it exits after `--max-seconds`
 //! (default 300), serves at most `--max-conns` concurrent connections (default 1024, others
@@ -12,6 +19,7 @@
 use std::{
     io::{BufRead, BufReader, Write},
     net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    path::{Path, PathBuf},
     process::exit,
     sync::{
         atomic::{AtomicU64, AtomicUsize, Ordering},
@@ -29,6 +37,7 @@ struct Opts {
     name: String,
     tcp: Vec<SocketAddr>,
     udp: Vec<SocketAddr>,
+    metrics: Vec<(SocketAddr, PathBuf)>,
     max_seconds: u64,
     max_conns: usize,
     default_tokens: u32,
@@ -36,7 +45,8 @@ struct Opts {
 }
 
 const USAGE: &str = "usage: sluice-testsrv serve --name NAME [--tcp ADDR:PORT]... \
-[--udp ADDR:PORT]... [--max-seconds N] [--max-conns N] [--tokens N] [--interval-ms N]";
+[--udp ADDR:PORT]... [--metrics ADDR:PORT=FILE]... [--max-seconds N] [--max-conns N] \
+[--tokens N] [--interval-ms N]";
 
 fn parse_args() -> Result<Opts, String> {
     let mut args = std::env::args().skip(1);
@@ -47,6 +57,7 @@ fn parse_args() -> Result<Opts, String> {
         name: String::new(),
         tcp: vec![],
         udp: vec![],
+        metrics: vec![],
         max_seconds: 300,
         max_conns: 1024,
         default_tokens: 20,
@@ -61,6 +72,13 @@ fn parse_args() -> Result<Opts, String> {
             "--name" => o.name = v,
             "--tcp" => o.tcp.push(v.parse().map_err(|e| bad(&e))?),
             "--udp" => o.udp.push(v.parse().map_err(|e| bad(&e))?),
+            "--metrics" => {
+                let (addr, file) = v
+                    .split_once('=')
+                    .ok_or_else(|| bad(&"expected ADDR:PORT=FILE"))?;
+                o.metrics
+                    .push((addr.parse().map_err(|e| bad(&e))?, PathBuf::from(file)));
+            }
             "--max-seconds" => o.max_seconds = v.parse().map_err(|e| bad(&e))?,
             "--max-conns" => o.max_conns = v.parse().map_err(|e| bad(&e))?,
             "--tokens" => o.default_tokens = v.parse().map_err(|e| bad(&e))?,
@@ -71,8 +89,10 @@ fn parse_args() -> Result<Opts, String> {
     if o.name.is_empty() || o.name.contains(char::is_whitespace) {
         return Err(format!("--name is required (no spaces)\n{USAGE}"));
     }
-    if o.tcp.is_empty() && o.udp.is_empty() {
-        return Err(format!("nothing to serve: give --tcp or --udp\n{USAGE}"));
+    if o.tcp.is_empty() && o.udp.is_empty() && o.metrics.is_empty() {
+        return Err(format!(
+            "nothing to serve: give --tcp, --udp or --metrics\n{USAGE}"
+        ));
     }
     Ok(o)
 }
@@ -143,6 +163,26 @@ fn main() {
         let name = name.clone();
         threads.push(thread::spawn(move || echo(s, &name, deadline)));
     }
+    let started = Instant::now();
+    for (addr, file) in &o.metrics {
+        let l = match TcpListener::bind(addr) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("sluice-testsrv {}: binding metrics {addr}: {e}", o.name);
+                exit(1);
+            }
+        };
+        let file: Arc<Path> = file.as_path().into();
+        threads.push(thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(s) = s else { continue };
+                let file = file.clone();
+                thread::spawn(move || {
+                    let _ = exporter(s, &file, started);
+                });
+            }
+        }));
+    }
     println!("READY {}", o.name);
     let _ = std::io::stdout().flush();
     for t in threads {
@@ -164,7 +204,10 @@ fn stream(
     s.set_nodelay(true)?;
     let mut r = BufReader::new(s.try_clone()?);
     let mut line = String::new();
-    r.read_line(&mut line)?;
+    if r.read_line(&mut line)? == 0 {
+        // Closed before asking for anything: a TCP health check.
+        return Ok(());
+    }
     let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
     let Some((tokens, interval)) = parse_request(line.trim_end(), default_tokens, default_interval)
     else {
@@ -220,4 +263,82 @@ fn echo(s: UdpSocket, name: &str, deadline: Instant) {
         out.extend_from_slice(&buf[..n]);
         let _ = s.send_to(&out, from);
     }
+}
+
+/// Serves `GET /metrics` requests on one kept-alive connection with the content of `file`.
+fn exporter(s: TcpStream, file: &Path, started: Instant) -> std::io::Result<()> {
+    // An idle scraper connection is closed after a while; the scraper reconnects.
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.set_write_timeout(Some(IO_TIMEOUT))?;
+    s.set_nodelay(true)?;
+    let mut r = BufReader::new(s.try_clone()?);
+    let mut w = &s;
+    // At most this many requests per connection (a bound, not a limit a scraper reaches).
+    for _ in 0..1_000_000u32 {
+        let mut line = String::new();
+        if r.read_line(&mut line)? == 0 {
+            return Ok(());
+        }
+        let mut close = false;
+        for _ in 0..MAX_HEADER_LINES {
+            let mut h = String::new();
+            if r.read_line(&mut h)? == 0 || h.trim_end().is_empty() {
+                break;
+            }
+            let h = h.to_ascii_lowercase();
+            close |= h.starts_with("connection:") && h.contains("close");
+        }
+        let mut parts = line.split_whitespace();
+        let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        let (status, body) = if method != "GET" || path.split('?').next() != Some("/metrics") {
+            ("404 Not Found", "only GET /metrics here\n".to_string())
+        } else {
+            match std::fs::read_to_string(file) {
+                Ok(text) => ("200 OK", expand(&text, started.elapsed())),
+                Err(e) => (
+                    "503 Service Unavailable",
+                    format!("{}: {e}\n", file.display()),
+                ),
+            }
+        };
+        let head = format!(
+            "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n\
+             Content-Length: {}\r\n{}\r\n",
+            body.len(),
+            if close { "Connection: close\r\n" } else { "" }
+        );
+        w.write_all(head.as_bytes())?;
+        w.write_all(body.as_bytes())?;
+        if close {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// Replaces every `{{counter:RATE}}` with `RATE * elapsed seconds`, rounded down.
+fn expand(text: &str, elapsed: Duration) -> String {
+    const OPEN: &str = "{{counter:";
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find(OPEN) {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + OPEN.len()..];
+        match after
+            .find("}}")
+            .map(|j| (after[..j].trim().parse::<f64>(), j))
+        {
+            Some((Ok(rate), j)) => {
+                out.push_str(&format!("{}", (rate * elapsed.as_secs_f64()).floor()));
+                rest = &after[j + 2..];
+            }
+            // Not a template after all: keep it as written.
+            _ => {
+                out.push_str(OPEN);
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
