@@ -1,0 +1,1083 @@
+//! The namespace lab with the load balancer run by the real daemon: `sluice run --config`
+//! in the LB namespace, driven through the `sluice` CLI and the admin API as an operator
+//! would.
+//!
+//! [`DaemonLab::start`] builds the [`Topology`] (see `netns`), attaches the lab's other data
+//! planes ([`Edges`]: `sluice_pass` on the LB's switch port, `sluice_decap` on every
+//! backend), starts a token server on every backend (on the VIPs, and on the backend's own
+//! addresses for the health checks), optionally a fake Prometheus exporter per backend
+//! (`sluice-testsrv serve --metrics`, whose page a test rewrites at run time), writes a
+//! configuration and starts the daemon with `nsenter --net=/run/netns/<lb>` (not
+//! `ip netns exec`, which remounts /sys and would hide the host's /sys/fs/bpf).
+//!
+//! Every lab has its own pin directory (`/sys/fs/bpf/sluice-lab-<pid>-<n>`) and temporary
+//! directory (`$TMPDIR/sluice-lab-<pid>-<n>`: configuration, state file, audit log, admin
+//! socket, one log file per daemon start). Dropping the lab, also while a test panics,
+//! stops the daemon (SIGTERM, then SIGKILL), removes the pins and the temporary directory
+//! (after printing the end of the daemon's log if the test failed), then the data planes
+//! and namespaces. [`DaemonLab::start`] removes what a crashed earlier run left.
+//!
+//! Timings are fast so tests are short: health every 200 ms (rise 2, fall 2), telemetry every
+//! 250 ms (stale after 1 s), policy cooldown 2 s and slow start 2 s, flows idle after 3 s;
+//! [`DaemonLabOptions::set`] changes any key.
+
+use std::{
+    collections::BTreeMap,
+    fs::{self, File},
+    io::{Read, Write},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream},
+    os::unix::process::CommandExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    sync::atomic::{AtomicUsize, Ordering},
+    thread,
+    time::{Duration, Instant, SystemTime},
+};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::Value;
+use sluice::{client::Client, dataplane::remove_pinned};
+
+use crate::{
+    netns::{
+        mac_string, run_output, tool, CmdOutput, Edges, ProcId, Topology, TopologySpec, DEV,
+        ENCAP_SRC_V4, ENCAP_SRC_V6, SEED, TCP_PORT, VIP4, VIP6,
+    },
+    stream::TokenStream,
+};
+
+/// First characters of every lab's pin and temporary directory (`sluice-lab-<pid>-<n>`).
+pub const PREFIX: &str = "sluice-lab-";
+/// The port of the fake exporters on the backends' own addresses.
+pub const EXPORTER_PORT: u16 = 9400;
+/// The backends' health-check port: their token servers also listen on their own addresses.
+pub const HEALTH_PORT: u16 = TCP_PORT;
+/// Bound on every CLI command.
+pub const CLI_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the daemon may take to answer on its admin socket after it is started.
+pub const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+static LAB_COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// A VIP of the daemon's configuration.
+#[derive(Clone, Debug)]
+pub struct VipDef {
+    pub name: String,
+    pub addr: SocketAddr,
+    /// "tcp" or "udp".
+    pub protocol: &'static str,
+    pub priority: u8,
+    /// Topology backend indexes; addressed over the VIP's family.
+    pub backends: Vec<usize>,
+    pub weight: u32,
+    /// 0: no cap.
+    pub max_sessions: u32,
+    /// dcgm, engine (vllm) and roce sources on the backend's fake exporter (needs
+    /// [`DaemonLabOptions::exporters`]).
+    pub telemetry: bool,
+}
+
+impl VipDef {
+    /// A TCP VIP on every backend of a `backends`-backend topology, weight 100, no cap.
+    pub fn tcp(name: &str, addr: SocketAddr, backends: usize) -> VipDef {
+        VipDef {
+            name: name.into(),
+            addr,
+            protocol: "tcp",
+            priority: 0,
+            backends: (0..backends).collect(),
+            weight: 100,
+            max_sessions: 0,
+            telemetry: false,
+        }
+    }
+}
+
+/// What [`DaemonLab::start`] builds.
+#[derive(Clone, Debug)]
+pub struct DaemonLabOptions {
+    pub topology: TopologySpec,
+    pub vips: Vec<VipDef>,
+    /// Where every backend's token server listens, besides its own addresses on
+    /// [`HEALTH_PORT`]. Default: TCP on [`VIP4`] and [`VIP6`] port [`TCP_PORT`].
+    pub serve: Vec<SocketAddr>,
+    /// More VIP addresses to put on every backend's `lo` (besides [`VIP4`] and [`VIP6`]).
+    pub backend_vips: Vec<IpAddr>,
+    /// A fake exporter per backend on `<backend v4>:`[`EXPORTER_PORT`], serving the page
+    /// [`DaemonLab::set_telemetry`] writes ([`FakeTelemetry::default`] at start).
+    pub exporters: bool,
+    /// Servers exit on their own after this long.
+    pub server_lifetime: Duration,
+    /// The `sluice-testsrv` binary.
+    pub server: PathBuf,
+    /// Configuration keys by section, as raw TOML values; [`DaemonLabOptions::set`].
+    pub settings: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+impl DaemonLabOptions {
+    /// A lab of `backends` backends with the given VIPs and the fast test timings.
+    pub fn new(server: impl Into<PathBuf>, backends: usize, vips: Vec<VipDef>) -> Self {
+        let mut o = DaemonLabOptions {
+            topology: TopologySpec::with_backends(backends),
+            vips,
+            serve: vec![
+                SocketAddr::new(VIP4.into(), TCP_PORT),
+                SocketAddr::new(VIP6.into(), TCP_PORT),
+            ],
+            backend_vips: Vec::new(),
+            exporters: false,
+            server_lifetime: Duration::from_secs(180),
+            server: server.into(),
+            settings: BTreeMap::new(),
+        };
+        for (section, key, value) in [
+            ("daemon", "keep_dataplane_on_exit", "false"),
+            ("daemon", "log_level", "\"info\""),
+            ("dataplane", "flow_idle_timeout", "\"3s\""),
+            ("dataplane", "conn_table_size", "65536"),
+            ("dataplane", "affinity_table_size", "4096"),
+            ("dataplane", "max_vips", "8"),
+            ("health", "interval", "\"200ms\""),
+            ("health", "timeout", "\"150ms\""),
+            ("health", "rise", "2"),
+            ("health", "fall", "2"),
+            ("telemetry", "scrape_interval", "\"250ms\""),
+            ("telemetry", "scrape_timeout", "\"200ms\""),
+            ("telemetry", "stale_after", "\"1s\""),
+            ("policy", "cooldown_base", "\"2s\""),
+            ("policy", "slow_start", "\"2s\""),
+        ] {
+            o.set(section, key, value);
+        }
+        o
+    }
+
+    /// Sets `key` of `[section]` to `value`, written as is (TOML: quote strings).
+    pub fn set(&mut self, section: &str, key: &str, value: &str) -> &mut Self {
+        self.settings
+            .entry(section.into())
+            .or_default()
+            .insert(key.into(), value.into());
+        self
+    }
+}
+
+/// What a backend's fake exporter reports: a dcgm-exporter, vLLM and node_exporter
+/// (infiniband) page in one.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FakeTelemetry {
+    /// DCGM_FI_DEV_GPU_UTIL, 0..=100.
+    pub gpu_util_pct: f64,
+    pub gpu_temp_c: f64,
+    /// vllm:kv_cache_usage_perc, 0..=1.
+    pub kv_cache: f64,
+    /// vllm:num_requests_waiting.
+    pub queue: u32,
+    /// ECN-marked RoCE packets per second (the counter grows at this rate).
+    pub ecn_per_s: f64,
+}
+
+impl Default for FakeTelemetry {
+    /// A calm backend: far below every threshold of the default policy.
+    fn default() -> Self {
+        FakeTelemetry {
+            gpu_util_pct: 20.0,
+            gpu_temp_c: 40.0,
+            kv_cache: 0.2,
+            queue: 0,
+            ecn_per_s: 0.0,
+        }
+    }
+}
+
+impl FakeTelemetry {
+    /// The exporter page, in the exporters' formats (see the fixtures under
+    /// lb-userspace/tests/fixtures/telemetry/).
+    pub fn page(&self) -> String {
+        let gpu = r#"gpu="0",UUID="GPU-1d3b8c4a-9f62-4e0b-a7c5-2b81e0f3d6a9",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",Hostname="lab""#;
+        let model = r#"model_name="meta-llama/Llama-3.1-8B-Instruct",engine="0""#;
+        let ib = r#"device="mlx5_0",port="1""#;
+        format!(
+            "# HELP DCGM_FI_DEV_GPU_UTIL GPU utilization (in %).\n\
+             # TYPE DCGM_FI_DEV_GPU_UTIL gauge\n\
+             DCGM_FI_DEV_GPU_UTIL{{{gpu}}} {}\n\
+             # HELP DCGM_FI_DEV_FB_FREE Framebuffer memory free (in MiB).\n\
+             # TYPE DCGM_FI_DEV_FB_FREE gauge\n\
+             DCGM_FI_DEV_FB_FREE{{{gpu}}} 40000\n\
+             # HELP DCGM_FI_DEV_FB_USED Framebuffer memory used (in MiB).\n\
+             # TYPE DCGM_FI_DEV_FB_USED gauge\n\
+             DCGM_FI_DEV_FB_USED{{{gpu}}} 41559\n\
+             # HELP DCGM_FI_DEV_GPU_TEMP GPU temperature (in C).\n\
+             # TYPE DCGM_FI_DEV_GPU_TEMP gauge\n\
+             DCGM_FI_DEV_GPU_TEMP{{{gpu}}} {}\n\
+             # HELP DCGM_FI_DEV_POWER_USAGE Power draw (in W).\n\
+             # TYPE DCGM_FI_DEV_POWER_USAGE gauge\n\
+             DCGM_FI_DEV_POWER_USAGE{{{gpu}}} 350.000000\n\
+             # HELP DCGM_FI_DEV_CLOCKS_EVENT_REASONS Current clock event reasons (bitmask).\n\
+             # TYPE DCGM_FI_DEV_CLOCKS_EVENT_REASONS gauge\n\
+             DCGM_FI_DEV_CLOCKS_EVENT_REASONS{{{gpu}}} 0\n\
+             # HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+             # TYPE vllm:num_requests_running gauge\n\
+             vllm:num_requests_running{{{model}}} 4.0\n\
+             # HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+             # TYPE vllm:num_requests_waiting gauge\n\
+             vllm:num_requests_waiting{{{model}}} {}.0\n\
+             # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n\
+             # TYPE vllm:kv_cache_usage_perc gauge\n\
+             vllm:kv_cache_usage_perc{{{model}}} {}\n\
+             # HELP node_infiniband_np_ecn_marked_roce_packets_received_total Number of ECN marked RoCEv2 packets received.\n\
+             # TYPE node_infiniband_np_ecn_marked_roce_packets_received_total counter\n\
+             node_infiniband_np_ecn_marked_roce_packets_received_total{{{ib}}} {{{{counter:{}}}}}\n\
+             # HELP node_infiniband_np_cnp_packets_sent_total Number of CNP packets sent.\n\
+             # TYPE node_infiniband_np_cnp_packets_sent_total counter\n\
+             node_infiniband_np_cnp_packets_sent_total{{{ib}}} 0\n",
+            self.gpu_util_pct, self.gpu_temp_c, self.queue, self.kv_cache, self.ecn_per_s
+        )
+    }
+}
+
+/// The `sluice` binary next to the test executable (target/<profile>/sluice). Fails with
+/// what to do when it is missing or older than the daemon's sources.
+pub fn sluice_binary() -> Result<PathBuf> {
+    let exe = std::env::current_exe().context("locating the test executable")?;
+    // target/<profile>/deps/<test> or target/<profile>/<bin>.
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let bin = dir.join("sluice");
+    let built = fs::metadata(&bin).and_then(|m| m.modified()).map_err(|_| {
+        anyhow!(
+            "the sluice binary {} does not exist: build it with \
+             `cargo build -p lb-userspace --bin sluice` (`cargo test --workspace` builds it too)",
+            bin.display()
+        )
+    })?;
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../lb-userspace/src");
+    if let Some((newer, _)) = newest_file(&src).filter(|(_, t)| *t > built) {
+        bail!(
+            "the sluice binary {} is older than {}: rebuild it with \
+             `cargo build -p lb-userspace --bin sluice` (`cargo test --workspace` does)",
+            bin.display(),
+            newer.display()
+        );
+    }
+    Ok(bin)
+}
+
+fn newest_file(dir: &Path) -> Option<(PathBuf, SystemTime)> {
+    let mut best: Option<(PathBuf, SystemTime)> = None;
+    for e in fs::read_dir(dir).ok()?.flatten() {
+        let p = e.path();
+        let found = if p.is_dir() {
+            newest_file(&p)
+        } else {
+            e.metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .map(|t| (p.clone(), t))
+        };
+        if let Some((p, t)) = found {
+            if best.as_ref().is_none_or(|(_, b)| t > *b) {
+                best = Some((p, t));
+            }
+        }
+    }
+    best
+}
+
+/// Whether process `pid` is alive (not a zombie).
+fn pid_alive(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|st| st != "Z" && st != "X")
+    })
+}
+
+/// Removes pin directories and temporary directories of labs whose test process is gone.
+pub fn sweep_stale() {
+    for root in [PathBuf::from("/sys/fs/bpf"), std::env::temp_dir()] {
+        let Ok(entries) = fs::read_dir(&root) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(pid) = name
+                .strip_prefix(PREFIX)
+                .and_then(|r| r.split_once('-'))
+                .and_then(|(p, _)| p.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if pid == std::process::id() || pid_alive(pid) {
+                continue;
+            }
+            let p = e.path();
+            let r = if root.starts_with("/sys/fs/bpf") {
+                remove_pinned(&p)
+            } else {
+                fs::remove_dir_all(&p).map_err(Into::into)
+            };
+            match r {
+                Ok(()) => eprintln!("daemon lab: removed {} left by a dead run", p.display()),
+                Err(e) => eprintln!("daemon lab: could not remove {}: {e:#}", p.display()),
+            }
+        }
+    }
+}
+
+/// Fails with what is missing: the `sluice` binary, `nsenter`, a bpffs at /sys/fs/bpf (the
+/// namespace prerequisites are checked by [`Topology::build`]).
+pub fn require_daemon_prerequisites(server: &Path) -> Result<PathBuf> {
+    crate::netns::require_lab_prerequisites()?;
+    tool("nsenter").context("the daemon lab starts the daemon with nsenter (util-linux)")?;
+    let mounts = fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
+    if !mounts
+        .lines()
+        .any(|l| l.split_whitespace().nth(1) == Some("/sys/fs/bpf") && l.contains(" bpf "))
+    {
+        bail!("no bpffs at /sys/fs/bpf: `mount -t bpf bpf /sys/fs/bpf` (cargo xtask setup does)");
+    }
+    if !server.is_file() {
+        bail!("the test server {} does not exist", server.display());
+    }
+    sluice_binary()
+}
+
+/// The lab (see the module docs). Fields drop in order after [`Drop`] has stopped the daemon:
+/// the helper data planes, then the topology (servers, namespaces).
+pub struct DaemonLab {
+    pub opts: DaemonLabOptions,
+    /// `sluice-lab-<pid>-<n>`.
+    pub id: String,
+    pub dir: PathBuf,
+    pub bpffs: PathBuf,
+    pub socket: PathBuf,
+    pub config: PathBuf,
+    pub audit_log: PathBuf,
+    pub state_file: PathBuf,
+    /// The daemon's metrics endpoint (inside the LB namespace).
+    pub metrics: SocketAddr,
+    pub sluice: PathBuf,
+    daemon: Option<Child>,
+    /// Daemon starts so far; start `k` logs to `daemon-<k>.log`.
+    starts: usize,
+    /// The token server of each backend.
+    pub servers: Vec<ProcId>,
+    /// The fake exporter of each backend (with [`DaemonLabOptions::exporters`]).
+    pub exporters: Vec<ProcId>,
+    pub edges: Edges,
+    pub topo: Topology,
+}
+
+impl DaemonLab {
+    pub fn start(opts: DaemonLabOptions) -> Result<DaemonLab> {
+        let t = Instant::now();
+        let sluice = require_daemon_prerequisites(&opts.server)?;
+        sweep_stale();
+        let topo = Topology::build(&opts.topology)?;
+        for b in &topo.backends {
+            for a in &opts.backend_vips {
+                topo.add_backend_vip(b, *a)?;
+            }
+        }
+        let edges = Edges::attach(&topo)?;
+        let id = format!(
+            "{PREFIX}{}-{}",
+            std::process::id(),
+            LAB_COUNTER.fetch_add(1, Ordering::Relaxed)
+        );
+        let dir = std::env::temp_dir().join(&id);
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let bpffs = Path::new("/sys/fs/bpf").join(&id);
+        let port = topo
+            .lb
+            .ns
+            .run(|| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).and_then(|l| l.local_addr()))?
+            .context("finding a free port for the metrics endpoint")?
+            .port();
+        let mut lab = DaemonLab {
+            socket: dir.join("admin.sock"),
+            config: dir.join("sluice.toml"),
+            audit_log: dir.join("audit.jsonl"),
+            state_file: dir.join("state.json"),
+            metrics: SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port),
+            sluice,
+            daemon: None,
+            starts: 0,
+            servers: Vec::new(),
+            exporters: Vec::new(),
+            id,
+            dir,
+            bpffs,
+            opts,
+            edges,
+            topo,
+        };
+        lab.start_servers()?;
+        lab.topo
+            .resolve_backend_neighbours(Duration::from_secs(5))?;
+        lab.write_config()?;
+        lab.start_daemon()?;
+        eprintln!(
+            "daemon lab {} ({}) up in {:?}",
+            lab.id,
+            lab.topo.id,
+            t.elapsed()
+        );
+        Ok(lab)
+    }
+
+    fn start_servers(&mut self) -> Result<()> {
+        let lifetime = self.opts.server_lifetime;
+        for i in 0..self.topo.backends.len() {
+            let b = self.topo.backends[i].clone();
+            let mut args = Vec::new();
+            let own = [
+                SocketAddr::new(b.addr(false), HEALTH_PORT),
+                SocketAddr::new(b.addr(true), HEALTH_PORT),
+            ];
+            for a in self.opts.serve.iter().chain(own.iter()) {
+                args.push("--tcp".to_string());
+                args.push(a.to_string());
+            }
+            let id =
+                self.topo
+                    .start_server(i, &self.opts.server.clone(), &b.name, lifetime, &args)?;
+            self.servers.push(id);
+            if self.opts.exporters {
+                let file = self.metrics_file(i);
+                write_atomic(&file, &FakeTelemetry::default().page())?;
+                let args = vec![
+                    "--metrics".to_string(),
+                    format!("{}={}", self.exporter_addr(i), file.display()),
+                ];
+                let name = format!("{}-exporter", b.name);
+                let id =
+                    self.topo
+                        .start_server(i, &self.opts.server.clone(), &name, lifetime, &args)?;
+                self.exporters.push(id);
+            }
+        }
+        Ok(())
+    }
+
+    /// The file backend `i`'s fake exporter serves.
+    pub fn metrics_file(&self, i: usize) -> PathBuf {
+        self.dir
+            .join(format!("exporter-{}.prom", self.topo.backends[i].name))
+    }
+
+    pub fn exporter_addr(&self, i: usize) -> SocketAddr {
+        SocketAddr::new(self.topo.backends[i].addr(false), EXPORTER_PORT)
+    }
+
+    /// Makes backend `i`'s exporter report `t` from its next scrape on.
+    pub fn set_telemetry(&self, i: usize, t: &FakeTelemetry) -> Result<()> {
+        write_atomic(&self.metrics_file(i), &t.page())
+    }
+
+    /// The configuration the daemon runs with (written to `self.config`).
+    pub fn config_text(&self) -> String {
+        let o = &self.opts;
+        let mut s = BTreeMap::<String, BTreeMap<String, String>>::new();
+        let mut put = |sec: &str, k: &str, v: String| {
+            s.entry(sec.into()).or_default().insert(k.into(), v);
+        };
+        put(
+            "daemon",
+            "bpffs",
+            toml_str(&self.bpffs.display().to_string()),
+        );
+        put(
+            "daemon",
+            "state_file",
+            toml_str(&self.state_file.display().to_string()),
+        );
+        put(
+            "admin",
+            "socket",
+            toml_str(&self.socket.display().to_string()),
+        );
+        put(
+            "admin",
+            "audit_log",
+            toml_str(&self.audit_log.display().to_string()),
+        );
+        put("metrics", "enabled", "true".into());
+        put("metrics", "listen", toml_str(&self.metrics.to_string()));
+        put(
+            "dataplane",
+            "interfaces",
+            format!("[{{ name = \"{DEV}\", mode = \"native\" }}]"),
+        );
+        put("dataplane", "hash_seed", format!("{SEED:#x}"));
+        put(
+            "dataplane",
+            "encap_source_v4",
+            toml_str(&format!("{ENCAP_SRC_V4}/16")),
+        );
+        put(
+            "dataplane",
+            "encap_source_v6",
+            toml_str(&format!("{ENCAP_SRC_V6}/96")),
+        );
+        put(
+            "dataplane",
+            "fallback_mac",
+            toml_str(&mac_string(&self.topo.gateway_mac)),
+        );
+        for (sec, kv) in &o.settings {
+            for (k, v) in kv {
+                put(sec, k, v.clone());
+            }
+        }
+        let mut text = format!("# daemon lab {} (generated)\n", self.id);
+        for sec in ["daemon", "admin", "metrics", "dataplane"] {
+            section(&mut text, sec, s.get(sec));
+        }
+        for v in &o.vips {
+            text += &format!(
+                "\n[[vip]]\nname = {}\naddress = \"{}\"\nport = {}\nprotocol = \"{}\"\n\
+                 priority = {}\nring_size = 4099\n",
+                toml_str(&v.name),
+                v.addr.ip(),
+                v.addr.port(),
+                v.protocol,
+                v.priority
+            );
+            for &i in &v.backends {
+                let b = &self.topo.backends[i];
+                text += &format!(
+                    "\n  [[vip.backend]]\n  address = \"{}\"\n  weight = {}\n  \
+                     max_sessions = {}\n  labels = {{ host = \"{}\" }}\n  \
+                     health = {{ kind = \"tcp\", port = {HEALTH_PORT} }}\n",
+                    b.addr(v.addr.is_ipv6()),
+                    v.weight,
+                    v.max_sessions,
+                    b.name
+                );
+                if v.telemetry {
+                    let url = format!("http://{}/metrics", self.exporter_addr(i));
+                    text += &format!(
+                        "  dcgm = {{ url = \"{url}\" }}\n  \
+                         engine = {{ url = \"{url}\", kind = \"vllm\" }}\n  \
+                         roce = {{ url = \"{url}\", device = \"mlx5_0\", port = \"1\" }}\n"
+                    );
+                }
+            }
+        }
+        for sec in s.keys() {
+            if !["daemon", "admin", "metrics", "dataplane"].contains(&sec.as_str()) {
+                section(&mut text, sec, s.get(sec));
+            }
+        }
+        text
+    }
+
+    fn write_config(&self) -> Result<()> {
+        write_atomic(&self.config, &self.config_text())
+    }
+
+    /// Changes the options and rewrites the configuration (the daemon reads it at its next
+    /// start).
+    pub fn reconfigure(&mut self, f: impl FnOnce(&mut DaemonLabOptions)) -> Result<()> {
+        f(&mut self.opts);
+        self.write_config()
+    }
+
+    /// The log of the latest daemon start.
+    pub fn log_path(&self) -> PathBuf {
+        self.dir
+            .join(format!("daemon-{}.log", self.starts.saturating_sub(1)))
+    }
+
+    /// The latest daemon start's log, without terminal colours.
+    pub fn log(&self) -> String {
+        strip_ansi(&fs::read_to_string(self.log_path()).unwrap_or_default())
+    }
+
+    /// Starts `sluice run --config` in the LB namespace and waits until it answers on the
+    /// admin socket.
+    pub fn start_daemon(&mut self) -> Result<()> {
+        if self.daemon_running() {
+            bail!("the daemon is already running");
+        }
+        let log_path = self.dir.join(format!("daemon-{}.log", self.starts));
+        self.starts += 1;
+        let log =
+            File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+        let mut cmd = Command::new(tool("nsenter")?);
+        cmd.arg(format!("--net={}", self.topo.lb.ns.path().display()))
+            .arg("--")
+            .arg(&self.sluice)
+            .args(["run", "--config"])
+            .arg(&self.config)
+            .env("NO_COLOR", "1")
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .process_group(0);
+        // SAFETY: prctl is async-signal-safe. nsenter execs the daemon in the same process,
+        // which keeps the signal: the daemon dies with the test thread that started it.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().context("starting the daemon with nsenter")?;
+        self.daemon = Some(child);
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Ok((200, _)) = self.api("GET", "/v1/status", None) {
+                return Ok(());
+            }
+            if let Some(status) = self
+                .daemon
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                self.daemon = None;
+                bail!(
+                    "the daemon exited ({status}) before answering on {}; its log:\n{}",
+                    self.socket.display(),
+                    tail(&self.log(), 40)
+                );
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "the daemon did not answer on {} within {START_TIMEOUT:?}; its log:\n{}",
+                    self.socket.display(),
+                    tail(&self.log(), 40)
+                );
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn daemon_running(&mut self) -> bool {
+        match self.daemon.as_mut().map(|c| c.try_wait()) {
+            Some(Ok(None)) => true,
+            Some(_) => {
+                self.daemon = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    pub fn daemon_pid(&self) -> Option<u32> {
+        self.daemon.as_ref().map(Child::id)
+    }
+
+    fn signal_and_wait(&mut self, sig: i32, timeout: Duration) -> Result<ExitStatus> {
+        let child = self
+            .daemon
+            .as_mut()
+            .ok_or_else(|| anyhow!("the daemon is not running"))?;
+        // SAFETY: a plain kill(2) of our own child.
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = child.try_wait()? {
+                self.daemon = None;
+                return Ok(s);
+            }
+            if Instant::now() >= deadline {
+                bail!("the daemon did not exit within {timeout:?} of signal {sig}");
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// A crash: SIGKILL, and wait until the process is gone.
+    pub fn kill9(&mut self) -> Result<()> {
+        self.signal_and_wait(libc::SIGKILL, Duration::from_secs(10))
+            .map(drop)
+    }
+
+    /// SIGTERM and wait (15 s at most) for the daemon to exit; returns its exit status.
+    pub fn stop(&mut self) -> Result<ExitStatus> {
+        self.signal_and_wait(libc::SIGTERM, Duration::from_secs(15))
+    }
+
+    /// Stops the daemon if it runs (SIGTERM) and starts it again with the configuration file.
+    pub fn restart(&mut self) -> Result<()> {
+        if self.daemon_running() {
+            self.stop()?;
+        }
+        self.start_daemon()
+    }
+
+    /// Runs `sluice --socket <lab socket> <args>`: (exit code, stdout, stderr).
+    pub fn cli(&self, args: &[&str]) -> (i32, String, String) {
+        let out = self
+            .cli_output(args)
+            .unwrap_or_else(|e| panic!("running sluice {args:?}: {e:#}"));
+        (out.status.code().unwrap_or(-1), out.stdout, out.stderr)
+    }
+
+    fn cli_output(&self, args: &[&str]) -> Result<CmdOutput> {
+        let mut cmd = Command::new(&self.sluice);
+        cmd.arg("--socket").arg(&self.socket).args(args);
+        run_output(&mut cmd, CLI_TIMEOUT)
+    }
+
+    /// `sluice <args>`, which must succeed: its stdout.
+    pub fn cli_ok(&self, args: &[&str]) -> String {
+        let (code, out, err) = self.cli(args);
+        assert_eq!(
+            code,
+            0,
+            "`sluice {}` failed with {code}: {err}{out}",
+            args.join(" ")
+        );
+        out
+    }
+
+    /// `sluice --json <args>`, which must succeed: its JSON.
+    pub fn cli_json(&self, args: &[&str]) -> Value {
+        let mut all = vec!["--json"];
+        all.extend_from_slice(args);
+        let out = self.cli_ok(&all);
+        serde_json::from_str(&out)
+            .unwrap_or_else(|e| panic!("`sluice {}`: not JSON ({e}): {out}", all.join(" ")))
+    }
+
+    /// One admin API request on the lab's socket: (status, JSON).
+    pub fn api(&self, method: &str, path: &str, body: Option<&Value>) -> Result<(u16, Value)> {
+        Client::new(&self.socket).request(method, path, body)
+    }
+
+    /// `sluice backend list <vip> --json`'s backends.
+    pub fn backends(&self, vip: &str) -> Vec<Value> {
+        self.cli_json(&["backend", "list", vip])["backends"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The backend entry of `addr` in `sluice backend list <vip> --json`.
+    pub fn backend(&self, vip: &str, addr: IpAddr) -> Option<Value> {
+        let a = addr.to_string();
+        self.backends(vip)
+            .into_iter()
+            .find(|b| b["address"].as_str() == Some(&a))
+    }
+
+    /// Active flows per backend name of `vip`, from `sluice flows --json`.
+    pub fn flows(&self, vip: &str) -> BTreeMap<String, u64> {
+        let v = self.cli_json(&["flows"]);
+        let mut out = BTreeMap::new();
+        for x in v["vips"].as_array().into_iter().flatten() {
+            if x["vip"].as_str() != Some(vip) {
+                continue;
+            }
+            for b in x["backends"].as_array().into_iter().flatten() {
+                let name = b["address"]
+                    .as_str()
+                    .and_then(|a| a.parse().ok())
+                    .and_then(|a| self.backend_name(a))
+                    .unwrap_or_else(|| b["address"].to_string());
+                out.insert(name, b["active_flows"].as_u64().unwrap_or(0));
+            }
+        }
+        out
+    }
+
+    /// `sluice events --json`'s events.
+    pub fn events(&self) -> Vec<Value> {
+        self.cli_json(&["events"])["events"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The data plane's global counters from `sluice stats --json`.
+    pub fn counters(&self) -> BTreeMap<String, u64> {
+        self.cli_json(&["stats"])["global"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| (k.clone(), v.as_u64().unwrap_or(0)))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The topology name of the backend with this address (v4 or v6).
+    pub fn backend_name(&self, addr: IpAddr) -> Option<String> {
+        self.topo
+            .backends
+            .iter()
+            .find(|b| b.addr(false) == addr || b.addr(true) == addr)
+            .map(|b| b.name.clone())
+    }
+
+    /// Backend `i`'s address in the family of `vip`.
+    pub fn backend_addr(&self, i: usize, vip: SocketAddr) -> IpAddr {
+        self.topo.backends[i].addr(vip.is_ipv6())
+    }
+
+    /// Whether any XDP program is attached to the LB's eth0 (`ip -n <lb> link show eth0`).
+    pub fn lb_has_xdp(&self) -> Result<bool> {
+        let out = self.topo.lb.ns.ip(&["link", "show", DEV])?;
+        Ok(out.contains("xdp"))
+    }
+
+    /// Opens a token stream from the client to `vip` (`tokens` tokens, one every
+    /// `interval_ms`) and reads it to the end on its own thread: see [`Running`].
+    pub fn stream(&self, vip: SocketAddr, tokens: u32, interval_ms: u32) -> Result<Running> {
+        let s = TokenStream::open(
+            &self.topo.client.ns,
+            vip,
+            tokens,
+            interval_ms,
+            Duration::from_secs(5),
+        )?;
+        let backend = s.backend.clone();
+        let local = s.local;
+        // Generous: the whole stream's duration plus slack for a loaded machine.
+        let deadline = Instant::now()
+            + Duration::from_millis(tokens as u64 * interval_ms as u64) * 2
+            + Duration::from_secs(15);
+        let h = thread::spawn(move || {
+            let mut s = s;
+            let r = s.read_to_end(deadline);
+            let received = s.received;
+            s.close();
+            r.map(|_| received)
+                .map_err(|e| anyhow!("{e:#} ({received} tokens received)"))
+        });
+        Ok(Running {
+            backend,
+            local,
+            tokens,
+            handle: Some(h),
+        })
+    }
+
+    /// A short session: connects to `vip`, reads a one-token stream and returns the backend
+    /// that greeted.
+    pub fn greet(&self, vip: SocketAddr, timeout: Duration) -> Result<String> {
+        let mut s = TokenStream::open(&self.topo.client.ns, vip, 1, 1, timeout)?;
+        s.read_to_end(Instant::now() + timeout)?;
+        let b = s.backend.clone();
+        s.close();
+        Ok(b)
+    }
+
+    /// `n` short sessions, `parallel` at a time: the greeting backend (or the error) of each.
+    pub fn greet_many(&self, vip: SocketAddr, n: usize, parallel: usize) -> Vec<Result<String>> {
+        let mut out = Vec::with_capacity(n);
+        let ns = self.topo.client.ns.clone();
+        while out.len() < n {
+            let batch = parallel.min(n - out.len());
+            let hs: Vec<_> = (0..batch)
+                .map(|_| {
+                    let ns = ns.clone();
+                    thread::spawn(move || -> Result<String> {
+                        let t = Duration::from_secs(5);
+                        let mut s = TokenStream::open(&ns, vip, 1, 1, t)?;
+                        s.read_to_end(Instant::now() + t)?;
+                        let b = s.backend.clone();
+                        s.close();
+                        Ok(b)
+                    })
+                })
+                .collect();
+            for h in hs {
+                out.push(
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow!("session thread panicked"))),
+                );
+            }
+        }
+        out
+    }
+
+    /// A TCP connection attempt from the client namespace, bounded by `timeout`.
+    pub fn connect(&self, vip: SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+        self.topo
+            .client
+            .ns
+            .run(move || TcpStream::connect_timeout(&vip, timeout))
+            .map_err(std::io::Error::other)?
+    }
+
+    /// GET of the daemon's metrics page (from inside the LB namespace).
+    pub fn metrics_page(&self) -> Result<String> {
+        let addr = self.metrics;
+        self.topo.lb.ns.run(move || -> Result<String> {
+            let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+            s.set_read_timeout(Some(Duration::from_secs(10)))?;
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: lab\r\nConnection: close\r\n\r\n")?;
+            let mut out = String::new();
+            s.read_to_string(&mut out)?;
+            Ok(out)
+        })?
+    }
+}
+
+impl Drop for DaemonLab {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            eprintln!(
+                "daemon lab {}: the end of the daemon's log ({}):\n{}",
+                self.id,
+                self.log_path().display(),
+                tail(&self.log(), 60)
+            );
+        }
+        if self.daemon_running() && self.stop().is_err() {
+            let _ = self.kill9();
+        }
+        if let Err(e) = remove_pinned(&self.bpffs) {
+            eprintln!("daemon lab {}: {e:#}", self.id);
+        }
+        if let Err(e) = fs::remove_dir_all(&self.dir) {
+            eprintln!(
+                "daemon lab {}: removing {}: {e}",
+                self.id,
+                self.dir.display()
+            );
+        }
+    }
+}
+
+/// A stream being read to its end on its own thread.
+pub struct Running {
+    /// The backend that greeted.
+    pub backend: String,
+    pub local: SocketAddr,
+    pub tokens: u32,
+    handle: Option<thread::JoinHandle<Result<u32>>>,
+}
+
+impl Running {
+    /// Waits for the stream's end: Ok(tokens) when it completed in order from its backend.
+    pub fn finish(mut self) -> Result<u32> {
+        self.handle
+            .take()
+            .expect("finished once")
+            .join()
+            .unwrap_or_else(|_| Err(anyhow!("stream thread panicked")))
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.handle.as_ref().is_none_or(|h| h.is_finished())
+    }
+}
+
+/// Polls `f` until it returns `Some`, at most `timeout`; fails naming `what` and the last
+/// state `f` reported.
+pub fn wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Result<Option<T>, String>,
+) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    let mut last = String::new();
+    loop {
+        match f() {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(state) => last = state,
+        }
+        if Instant::now() >= deadline {
+            bail!("{what}: not within {timeout:?}; last seen: {last}");
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Counts of each distinct value.
+pub fn tally<'a>(names: impl IntoIterator<Item = &'a String>) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for n in names {
+        *m.entry(n.clone()).or_default() += 1;
+    }
+    m
+}
+
+fn toml_str(s: &str) -> String {
+    format!("{s:?}")
+}
+
+fn section(text: &mut String, name: &str, kv: Option<&BTreeMap<String, String>>) {
+    let Some(kv) = kv else { return };
+    *text += &format!("\n[{name}]\n");
+    for (k, v) in kv {
+        *text += &format!("{k} = {v}\n");
+    }
+}
+
+/// Writes `path` through a temporary file and a rename, so no reader sees half of it.
+pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
+    Ok(())
+}
+
+/// The last `n` lines of `text`.
+pub fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI: ESC [ ... final byte in @..~
+            if chars.next() == Some('[') {
+                for c in chars.by_ref() {
+                    if ('@'..='~').contains(&c) {
+                        break;
+                    }
+                }
+            }
+            continue;
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ansi_codes_are_stripped() {
+        assert_eq!(
+            strip_ansi("\u{1b}[2m2026\u{1b}[0m \u{1b}[32m INFO\u{1b}[0m ready"),
+            "2026  INFO ready"
+        );
+    }
+
+    #[test]
+    fn the_fake_page_has_every_exporter() {
+        let p = FakeTelemetry {
+            ecn_per_s: 5000.0,
+            ..FakeTelemetry::default()
+        }
+        .page();
+        for m in [
+            "DCGM_FI_DEV_GPU_UTIL{",
+            "vllm:num_requests_waiting{",
+            "vllm:kv_cache_usage_perc{",
+            "node_infiniband_np_ecn_marked_roce_packets_received_total{device=\"mlx5_0\",port=\"1\"} {{counter:5000}}",
+        ] {
+            assert!(p.contains(m), "{m} missing from\n{p}");
+        }
+    }
+}
