@@ -1,0 +1,463 @@
+//! The control plane end to end: `sluice run` in the namespace lab's LB namespace, operated
+//! with the `sluice` CLI and the admin API while token streams run through the XDP data
+//! plane (see `sluice_tests::daemon_lab`). Needs root, `ip`, `ethtool`, `nsenter`, a bpffs
+//! and the `sluice` binary (`cargo build -p lb-userspace --bin sluice`); fails, never skips.
+//!
+//! Streams are real: every token of a stream is checked to come in order from the backend
+//! that greeted, and the stream must end with `[DONE]` and the server's close.
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    thread,
+    time::{Duration, Instant},
+};
+
+use serde_json::json;
+use sluice_tests::{
+    daemon_lab::{tally, wait_for, DaemonLab, DaemonLabOptions, Running, VipDef},
+    netns::{TCP_PORT, VIP4, VIP6},
+};
+
+const SERVER: &str = env!("CARGO_BIN_EXE_sluice-testsrv");
+const VIP: &str = "chat";
+const BACKENDS: usize = 3;
+
+fn vip() -> SocketAddr {
+    SocketAddr::new(VIP4.into(), TCP_PORT)
+}
+
+fn options() -> DaemonLabOptions {
+    DaemonLabOptions::new(SERVER, BACKENDS, vec![VipDef::tcp(VIP, vip(), BACKENDS)])
+}
+
+fn start(opts: DaemonLabOptions) -> DaemonLab {
+    DaemonLab::start(opts).unwrap_or_else(|e| panic!("starting the daemon lab: {e:#}"))
+}
+
+/// Opens streams until every backend has at least `min` (at most `max` streams).
+fn open_spread(lab: &DaemonLab, min: usize, tokens: u32, interval_ms: u32) -> Vec<Running> {
+    let max = 40;
+    let mut streams: Vec<Running> = Vec::new();
+    loop {
+        let counts = tally(streams.iter().map(|s| &s.backend));
+        let names = lab.topo.backends.iter().map(|b| &b.name);
+        if names
+            .clone()
+            .all(|n| counts.get(n).copied().unwrap_or(0) >= min)
+        {
+            return streams;
+        }
+        assert!(
+            streams.len() < max,
+            "{max} streams did not put {min} on every backend: {counts:?}"
+        );
+        streams.push(
+            lab.stream(vip(), tokens, interval_ms)
+                .unwrap_or_else(|e| panic!("opening a stream: {e:#}")),
+        );
+    }
+}
+
+/// Waits for every stream: each must have completed (all tokens, in order, from the backend
+/// that greeted). Returns the greeting backends.
+fn finish_all(streams: Vec<Running>, what: &str) -> Vec<String> {
+    let mut failures = Vec::new();
+    let mut backends = Vec::new();
+    let n = streams.len();
+    for s in streams {
+        let (backend, local, tokens) = (s.backend.clone(), s.local, s.tokens);
+        match s.finish() {
+            Ok(got) if got == tokens => backends.push(backend),
+            Ok(got) => failures.push(format!("{local} on {backend}: {got} of {tokens} tokens")),
+            Err(e) => failures.push(format!("{local} on {backend}: {e:#}")),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{what}: {} of {n} streams did not complete:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    backends
+}
+
+/// `n` short sessions opened now: all must succeed; returns how many each backend greeted.
+fn sessions(lab: &DaemonLab, n: usize) -> BTreeMap<String, usize> {
+    let results = lab.greet_many(vip(), n, 6);
+    let errors: Vec<String> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(|e| format!("{e:#}")))
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "{} of {n} new sessions failed:\n{}",
+        errors.len(),
+        errors.join("\n")
+    );
+    tally(results.iter().filter_map(|r| r.as_ref().ok()))
+}
+
+fn has_event(lab: &DaemonLab, kind: &str, backend: &str) -> bool {
+    lab.events()
+        .iter()
+        .any(|e| e["kind"] == kind && e["backend"] == backend)
+}
+
+#[test]
+fn drain_mid_stream_finishes_the_backends_streams_sends_new_sessions_elsewhere_then_removes_it() {
+    let lab = start(options());
+    let drained = lab.topo.backends[1].clone();
+    let addr = drained.v4.to_string();
+    // 4 s streams, at least two on every backend.
+    let streams = open_spread(&lab, 2, 40, 100);
+    let on_drained = streams.iter().filter(|s| s.backend == drained.name).count();
+    eprintln!(
+        "{} streams open: {:?}",
+        streams.len(),
+        tally(streams.iter().map(|s| &s.backend))
+    );
+
+    let out = lab.cli_ok(&["backend", "drain", VIP, &addr]);
+    assert!(out.contains("draining backend"), "drain said: {out}");
+    let b = lab
+        .backend(VIP, drained.v4.into())
+        .expect("listed while draining");
+    assert_eq!(b["state"], "draining", "{b}");
+    assert!(b["drain_since_ms"].is_u64(), "{b}");
+
+    // New sessions after the drain never reach it.
+    let new = sessions(&lab, 30);
+    eprintln!("30 sessions after the drain: {new:?}");
+    assert_eq!(
+        new.get(&drained.name),
+        None,
+        "new sessions reached the draining backend: {new:?}"
+    );
+    assert!(
+        lab.backend(VIP, drained.v4.into()).is_some(),
+        "removed while {on_drained} of its streams still run"
+    );
+
+    // Its streams finish on it, complete.
+    let t = Instant::now();
+    let backends = finish_all(streams, "streams open before the drain");
+    assert_eq!(
+        backends.iter().filter(|b| **b == drained.name).count(),
+        on_drained
+    );
+    let ended = Instant::now();
+
+    // Then it is removed: gone from the list, drain-complete in the events.
+    wait_for(
+        "the drained backend to be removed",
+        Duration::from_secs(20),
+        || match lab.backend(VIP, drained.v4.into()) {
+            None => Ok(Some(())),
+            Some(b) => Err(format!("{b}")),
+        },
+    )
+    .unwrap();
+    eprintln!(
+        "streams ended {:?} after the drain; the backend was removed {:?} after they ended \
+         (flow_idle_timeout 3s)",
+        ended - t,
+        ended.elapsed()
+    );
+    assert!(
+        has_event(&lab, "drain-complete", &addr),
+        "no drain-complete event for {addr}: {}",
+        lab.cli_ok(&["events"])
+    );
+    let list = lab.cli_ok(&["backend", "list", VIP]);
+    assert!(!list.contains(&addr), "{list}");
+}
+
+#[test]
+fn undrain_puts_a_draining_backend_back_into_rotation() {
+    let lab = start(options());
+    let b = lab.topo.backends[0].clone();
+    let addr = b.v4.to_string();
+    // A stream keeps the drain from completing while the test runs.
+    let keep = open_spread(&lab, 1, 60, 100);
+    lab.cli_ok(&["backend", "drain", VIP, &addr]);
+    let during = sessions(&lab, 12);
+    assert_eq!(during.get(&b.name), None, "{during:?}");
+    let out = lab.cli_ok(&["backend", "undrain", VIP, &addr]);
+    assert!(out.contains("takes new flows again"), "{out}");
+    assert_eq!(lab.backend(VIP, b.v4.into()).unwrap()["state"], "active");
+    let after = sessions(&lab, 30);
+    eprintln!("while draining: {during:?}; after undrain: {after:?}");
+    assert!(
+        after.get(&b.name).copied().unwrap_or(0) > 0,
+        "no new session reached the undrained backend: {after:?}"
+    );
+    finish_all(keep, "streams open across drain and undrain");
+}
+
+#[test]
+fn kill_9_mid_stream_keeps_streams_and_new_sessions_and_the_restart_readopts_the_pinned_plane() {
+    let mut lab = start(options());
+    // A runtime change through the API before the crash.
+    let b2 = lab.topo.backends[2].v4.to_string();
+    let (status, v) = lab
+        .api(
+            "PUT",
+            &format!("/v1/vips/{VIP}/backends/{b2}/weight"),
+            Some(&json!({ "weight": 50 })),
+        )
+        .unwrap();
+    assert_eq!((status, &v["weight"]), (200, &json!(50)), "{v}");
+
+    // 12 s streams: they outlive the crash and the restart.
+    let streams = open_spread(&lab, 2, 120, 100);
+    let want = tally(streams.iter().map(|s| &s.backend))
+        .into_iter()
+        .map(|(k, v)| (k, v as u64))
+        .collect::<BTreeMap<_, _>>();
+    let before = wait_for(
+        "sluice flows to count the open streams",
+        Duration::from_secs(5),
+        || {
+            let f = lab.flows(VIP);
+            let f: BTreeMap<_, _> = f.into_iter().filter(|(_, n)| *n > 0).collect();
+            if f == want {
+                Ok(Some(f))
+            } else {
+                Err(format!("{f:?}, streams {want:?}"))
+            }
+        },
+    )
+    .unwrap();
+    eprintln!("flows before the crash: {before:?}");
+
+    let t = Instant::now();
+    lab.kill9().unwrap();
+    assert!(
+        lab.bpffs.join("link_eth0").exists(),
+        "the pinned link is gone"
+    );
+    assert!(lab.lb_has_xdp().unwrap(), "XDP detached with the daemon");
+    // The data plane keeps steering with no daemon.
+    let dead = sessions(&lab, 12);
+    eprintln!("12 sessions with the daemon dead: {dead:?}");
+
+    lab.start_daemon().unwrap();
+    eprintln!("restarted {:?} after the crash", t.elapsed());
+    let log = lab.log();
+    assert!(
+        log.contains("data plane ready reused=true"),
+        "the restarted daemon did not re-adopt the pinned data plane:\n{log}"
+    );
+    let w = lab.backend(VIP, lab.topo.backends[2].v4.into()).unwrap();
+    assert_eq!(w["weight"], 50, "the weight change was lost: {w}");
+
+    // The same long-lived flows per backend (the sessions opened while the daemon was dead
+    // age out of the count after flow_idle_timeout).
+    let after = wait_for(
+        "the restarted daemon to show the same flows",
+        Duration::from_secs(8),
+        || {
+            let f = lab.flows(VIP);
+            let f: BTreeMap<_, _> = f.into_iter().filter(|(_, n)| *n > 0).collect();
+            if f == before {
+                Ok(Some(f))
+            } else {
+                Err(format!("{f:?}, before the crash {before:?}"))
+            }
+        },
+    )
+    .unwrap();
+    eprintln!("flows after the restart: {after:?}");
+    let status = lab.cli_ok(&["status"]);
+    assert!(
+        status.contains(&lab.bpffs.display().to_string()),
+        "{status}"
+    );
+
+    let backends = finish_all(streams, "streams across kill -9 and restart");
+    eprintln!("all {} streams completed", backends.len());
+    assert!(lab.stop().unwrap().success());
+}
+
+#[test]
+fn removing_a_backend_resteers_its_flows_and_new_sessions_to_the_others() {
+    let lab = start(options());
+    let gone = lab.topo.backends[2].clone();
+    let addr = gone.v4.to_string();
+    let streams = open_spread(&lab, 2, 60, 100);
+    let before = lab.counters()["conn_resteer_down"];
+
+    let out = lab.cli_ok(&["backend", "remove", VIP, &addr]);
+    assert!(out.contains("removed backend"), "{out}");
+    let list = lab.cli_ok(&["backend", "list", VIP]);
+    assert!(!list.contains(&addr), "still listed:\n{list}");
+    let audit = fs::read_to_string(&lab.audit_log).unwrap();
+    assert!(
+        audit.lines().any(|l| l.contains("\"remove-backend\"")
+            && l.contains(&addr)
+            && l.contains("\"result\":\"ok\"")),
+        "no audit line for the removal:\n{audit}"
+    );
+
+    let new = sessions(&lab, 30);
+    eprintln!("30 sessions after the removal: {new:?}");
+    assert_eq!(new.get(&gone.name), None, "{new:?}");
+
+    // Its streams' packets now go to another backend, which knows nothing of them: they
+    // are reset. The others complete.
+    let (theirs, others): (Vec<Running>, Vec<Running>) =
+        streams.into_iter().partition(|s| s.backend == gone.name);
+    let cut = theirs.len();
+    for s in theirs {
+        let local = s.local;
+        assert!(
+            s.finish().is_err(),
+            "stream {local} on the removed backend completed: its packets still reach it"
+        );
+    }
+    finish_all(others, "streams on the remaining backends");
+    let resteered = lab.counters()["conn_resteer_down"] - before;
+    eprintln!("{cut} streams on the removed backend were cut; conn_resteer_down +{resteered}");
+    assert!(
+        resteered >= cut as u64,
+        "conn_resteer_down grew by {resteered}, fewer than the {cut} flows of the removed backend"
+    );
+}
+
+/// The `sluice ...` lines of the README's worked example.
+fn worked_example() -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md");
+    let text = fs::read_to_string(&path).unwrap();
+    let start = text
+        .find("<!-- worked-example:start -->")
+        .unwrap_or_else(|| {
+            panic!(
+                "{}: no <!-- worked-example:start --> marker",
+                path.display()
+            )
+        });
+    let end = text[start..]
+        .find("<!-- worked-example:end -->")
+        .map(|e| start + e)
+        .expect("no <!-- worked-example:end --> marker after the start");
+    let block = &text[start..end];
+    let body = block
+        .split_once("```sh")
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .map(|(body, _)| body)
+        .expect("no ```sh block between the worked-example markers");
+    let lines: Vec<String> = body
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("sluice "))
+        .map(str::to_string)
+        .collect();
+    assert!(
+        !lines.is_empty(),
+        "the worked example has no sluice commands"
+    );
+    lines
+}
+
+#[test]
+fn readme_worked_example_runs_against_the_daemon() {
+    let commands = worked_example();
+    // The example creates its VIPs itself: the backends serve what its `vip add` lines name.
+    let mut opts = DaemonLabOptions::new(SERVER, BACKENDS, vec![]);
+    for line in commands.iter().filter(|l| l.starts_with("sluice vip add ")) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let arg = |flag: &str| {
+            let i = words.iter().position(|w| *w == flag)?;
+            words.get(i + 1).copied()
+        };
+        let addr: IpAddr = arg("--address")
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("{line}: no --address"));
+        let port: u16 = arg("--port")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("{line}: no --port"));
+        if addr != IpAddr::from(VIP4) && addr != IpAddr::from(VIP6) {
+            opts.backend_vips.push(addr);
+        }
+        opts.serve.push(SocketAddr::new(addr, port));
+    }
+    opts.serve.sort();
+    opts.serve.dedup();
+    let lab = start(opts);
+    for line in &commands {
+        let words: Vec<&str> = line.split_whitespace().skip(1).collect();
+        assert!(
+            !line.contains(['\'', '"', '\\', '$', '|', '>']),
+            "{line}: the worked example must be plain words (no quoting or shell syntax)"
+        );
+        let (code, out, err) = lab.cli(&words);
+        eprintln!("$ {line}\n{out}{err}");
+        assert_eq!(code, 0, "`{line}` failed: {err}{out}");
+        assert!(!out.trim().is_empty(), "`{line}` printed nothing");
+    }
+    // What it set up serves: a session through the VIP it added.
+    let vips = lab.cli_json(&["vip", "list"]);
+    let vip = &vips["vips"][0];
+    let addr = SocketAddr::new(
+        vip["address"].as_str().unwrap().parse().unwrap(),
+        vip["port"].as_u64().unwrap() as u16,
+    );
+    let b = lab
+        .greet(addr, Duration::from_secs(5))
+        .unwrap_or_else(|e| panic!("a session to the example's VIP {addr}: {e:#}"));
+    eprintln!("a session to {addr} was served by {b}");
+}
+
+#[test]
+fn sigterm_detaches_and_unpins_unless_keep_dataplane_on_exit() {
+    let mut opts = options();
+    opts.set("daemon", "keep_dataplane_on_exit", "true");
+    let mut lab = start(opts);
+    assert!(lab.lb_has_xdp().unwrap());
+    lab.greet(vip(), Duration::from_secs(5)).unwrap();
+
+    // keep_dataplane_on_exit = true: the pins stay and traffic still flows.
+    let status = lab.stop().unwrap();
+    assert!(status.success(), "the daemon exited with {status}");
+    assert!(
+        lab.bpffs.join("link_eth0").exists(),
+        "keep_dataplane_on_exit: the pins were removed"
+    );
+    assert!(
+        lab.lb_has_xdp().unwrap(),
+        "keep_dataplane_on_exit: XDP detached"
+    );
+    let served = sessions(&lab, 6);
+    eprintln!("6 sessions with the daemon stopped, data plane kept: {served:?}");
+
+    // keep_dataplane_on_exit = false: a restart re-adopts, SIGTERM detaches and unpins.
+    lab.reconfigure(|o| {
+        o.set("daemon", "keep_dataplane_on_exit", "false");
+    })
+    .unwrap();
+    lab.start_daemon().unwrap();
+    assert!(
+        lab.log().contains("data plane ready reused=true"),
+        "{}",
+        lab.log()
+    );
+    let status = lab.stop().unwrap();
+    assert!(status.success(), "the daemon exited with {status}");
+    assert!(
+        !lab.bpffs.exists(),
+        "{} is still there after SIGTERM",
+        lab.bpffs.display()
+    );
+    let link = lab.topo.lb.ns.ip(&["link", "show", "eth0"]).unwrap();
+    assert!(
+        !link.contains("xdp"),
+        "XDP still attached after SIGTERM:\n{link}"
+    );
+    assert!(lab.log().contains("data plane detached and unpinned"));
+    // Nothing steers the VIP any more.
+    thread::sleep(Duration::from_millis(100));
+    assert!(lab.connect(vip(), Duration::from_millis(500)).is_err());
+}
