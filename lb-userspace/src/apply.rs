@@ -56,6 +56,9 @@ fn vip_flags(vip: &Vip, overlay: &Overlay) -> u32 {
         Some(false) => f |= VIP_F_SHED,
         None => {}
     }
+    if overlay.rst {
+        f |= VIP_F_SHED_RST;
+    }
     f
 }
 
@@ -133,6 +136,18 @@ pub fn apply(
 pub struct MapPlane {
     pub dp: Dataplane,
     pub seed: u32,
+    /// Connection-table entries found by the last walk (active or not), for the fill level.
+    pub conn_entries: u64,
+}
+
+impl MapPlane {
+    pub fn new(dp: Dataplane, seed: u32) -> Self {
+        MapPlane {
+            dp,
+            seed,
+            conn_entries: 0,
+        }
+    }
 }
 
 /// CLOCK_MONOTONIC in ns, the clock `bpf_ktime_get_ns` stamps connections with.
@@ -159,7 +174,9 @@ impl crate::controller::Plane for MapPlane {
     ) -> Result<std::collections::BTreeMap<u32, u64>> {
         let now = monotonic_ns();
         let mut out = std::collections::BTreeMap::new();
-        for (_, c) in self.dp.conns()? {
+        let conns = self.dp.conns()?;
+        self.conn_entries = conns.len() as u64;
+        for (_, c) in conns {
             if now.saturating_sub(c.last_seen_ns) <= idle.as_nanos() as u64 {
                 *out.entry(c.backend).or_default() += 1;
             }
@@ -173,6 +190,19 @@ impl crate::controller::Plane for MapPlane {
         for (i, v) in global.into_iter().enumerate() {
             c.global.insert(lb_common::stat::NAMES[i].to_string(), v);
         }
+        c.maps.insert(
+            "conns".into(),
+            (self.conn_entries, self.dp.capacity("CONNS")?.into()),
+        );
+        c.maps.insert(
+            "vips".into(),
+            (state.vips.len() as u64, self.dp.capacity("VIPS")?.into()),
+        );
+        let backends = state.vips.values().map(|v| v.backends.len() as u64).sum();
+        c.maps.insert(
+            "backends".into(),
+            (backends, u64::from(lb_common::MAX_BACKENDS - 1)),
+        );
         for vip in state.vips.values() {
             c.vips.insert(vip.id, self.dp.vip_stats(vip.id)?.into());
             for b in vip.backends.values() {
@@ -180,5 +210,39 @@ impl crate::controller::Plane for MapPlane {
             }
         }
         Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{Protocol, VipSpec};
+
+    #[test]
+    fn rst_mode_marks_every_vip_so_full_pools_answer_with_rst_too() {
+        let vip = Vip {
+            id: 0,
+            spec: VipSpec {
+                name: "chat".into(),
+                address: "10.0.0.1".parse().unwrap(),
+                port: 443,
+                protocol: Protocol::Tcp,
+                hash: HashMode::FiveTuple,
+                affinity_secs: 0,
+                priority: 0,
+                ring_size: 65537,
+            },
+            backends: Default::default(),
+        };
+        let mut o = Overlay::default();
+        assert_eq!(vip_flags(&vip, &o), 0);
+        // Not shed by priority, but its SYNs refused by full backends get a RST.
+        o.rst = true;
+        assert_eq!(vip_flags(&vip, &o), VIP_F_SHED_RST);
+        o.shed.insert("chat".into(), true);
+        assert_eq!(vip_flags(&vip, &o), VIP_F_SHED | VIP_F_SHED_RST);
+        o = Overlay::default();
+        o.shed.insert("chat".into(), false);
+        assert_eq!(vip_flags(&vip, &o), VIP_F_SHED);
     }
 }

@@ -30,6 +30,9 @@ pub struct Overlay {
     pub full: std::collections::BTreeSet<u32>,
     /// VIPs whose new sessions are shed, and whether TCP ones get a RST.
     pub shed: BTreeMap<String, bool>,
+    /// `policy.shed = "rst"`: every VIP answers the TCP sessions it refuses with a RST, also
+    /// those refused because all of its backends are full (not only shed VIPs).
+    pub rst: bool,
 }
 
 impl Overlay {
@@ -53,6 +56,8 @@ pub struct Counters {
     pub global: BTreeMap<String, u64>,
     pub vips: BTreeMap<u32, Traffic>,
     pub backends: BTreeMap<u32, Traffic>,
+    /// Map fill levels: map name → (entries in use, capacity).
+    pub maps: BTreeMap<String, (u64, u64)>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]

@@ -209,10 +209,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         audit_log: Some(cfg.admin.audit_log.clone()),
         config_hash: hash,
     };
-    let plane = MapPlane {
-        dp,
-        seed: cfg.dataplane.hash_seed,
-    };
+    let plane = MapPlane::new(dp, cfg.dataplane.hash_seed);
     let ctl = Arc::new(Mutex::new(Controller::new(
         desired, &in_plane, plane, settings,
     )?));

@@ -297,6 +297,16 @@ impl Dataplane {
         Ok(false)
     }
 
+    /// A map's capacity (max_entries) as created.
+    pub fn capacity(&mut self, name: &str) -> Result<u32> {
+        let m = self.map(name)?;
+        let info = match m {
+            aya::maps::Map::LruHashMap(d) | aya::maps::Map::HashMap(d) => d.info()?,
+            _ => bail!("map {name} is not a hash map"),
+        };
+        Ok(info.max_entries())
+    }
+
     fn map(&mut self, name: &str) -> Result<&mut aya::maps::Map> {
         self.ebpf
             .map_mut(name)
@@ -347,7 +357,8 @@ impl Dataplane {
         let cpus = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;
         for id in ids {
             let empty = aya::maps::PerCpuValues::try_from(vec![NextHop::default(); cpus])?;
-            a.set(id, empty, 0).with_context(|| format!("clearing the next hop of {id}"))?;
+            a.set(id, empty, 0)
+                .with_context(|| format!("clearing the next hop of {id}"))?;
         }
         Ok(())
     }

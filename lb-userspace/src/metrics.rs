@@ -18,6 +18,7 @@ use tokio::{net::TcpListener, sync::Mutex};
 use crate::{
     admin::{serve_connections, serve_http, DaemonInfo, Snapshot},
     controller::{Controller, Plane},
+    policy::BackendDecision,
     state::PlaneState,
 };
 
@@ -96,6 +97,14 @@ fn counters(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, u6
 
 fn gauges(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, i64)>) {
     let family = Family::<Labels, Gauge>::default();
+    for (labels, v) in samples {
+        family.get_or_create(&labels).set(v);
+    }
+    reg.register(name, help, family);
+}
+
+fn float_gauges(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, f64)>) {
+    let family = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
     for (labels, v) in samples {
         family.get_or_create(&labels).set(v);
     }
@@ -224,6 +233,82 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
                     (l, i64::from(b.plane_state() == s))
                 })
             })
+            .collect(),
+    );
+
+    // The adaptive policy's view of each backend.
+    let steering = |f: fn(&BackendDecision) -> f64| -> Vec<(Labels, f64)> {
+        backends()
+            .filter_map(|(_, b, l)| snap.steering.get(&b.id).map(|d| (l, f(d))))
+            .collect()
+    };
+    float_gauges(
+        &mut reg,
+        "backend_load_score",
+        "Smoothed load score of the backend (0 idle, 1 at a threshold)",
+        steering(|d| d.score),
+    );
+    float_gauges(
+        &mut reg,
+        "backend_cooldown_seconds",
+        "Cooldown left before a moved-away backend may take new sessions again",
+        steering(|d| d.cooldown_left.as_secs_f64()),
+    );
+    float_gauges(
+        &mut reg,
+        "backend_telemetry_age_seconds",
+        "Age of the backend's oldest telemetry source (absent: none reported)",
+        backends()
+            .filter_map(|(_, b, l)| {
+                let age = snap.steering.get(&b.id)?.telemetry_age?;
+                Some((l, age.as_secs_f64()))
+            })
+            .collect(),
+    );
+    gauges(
+        &mut reg,
+        "backend_moved_away",
+        "1 while adaptive steering keeps new sessions off the backend, by reason",
+        backends()
+            .filter_map(|(_, b, l)| {
+                let d = snap.steering.get(&b.id)?;
+                let mut l = l;
+                let reason = d
+                    .reason
+                    .map(|r| serde_json::to_value(r).unwrap_or_default());
+                let reason = reason.as_ref().and_then(|r| r.as_str()).unwrap_or("none");
+                l.push(("reason", reason.to_string()));
+                Some((l, i64::from(d.moved_away)))
+            })
+            .collect(),
+    );
+    gauges(
+        &mut reg,
+        "backend_full",
+        "1 while the backend is at its session cap or saturated (new sessions probe past it)",
+        steering(|d| f64::from(u8::from(d.full)))
+            .into_iter()
+            .map(|(l, v)| (l, v as i64))
+            .collect(),
+    );
+    gauges(
+        &mut reg,
+        "map_entries",
+        "Entries in use in a data-plane map",
+        snap.counters
+            .maps
+            .iter()
+            .map(|(m, (used, _))| (vec![("map", m.clone())], *used as i64))
+            .collect(),
+    );
+    gauges(
+        &mut reg,
+        "map_capacity",
+        "Capacity of a data-plane map",
+        snap.counters
+            .maps
+            .iter()
+            .map(|(m, (_, cap))| (vec![("map", m.clone())], *cap as i64))
             .collect(),
     );
 
@@ -361,6 +446,25 @@ mod tests {
             .global
             .insert("decap_pass_not_encap".into(), 5);
         snap.counters.global.insert("conn_hit".into(), 9);
+        snap.counters.maps.insert("conns".into(), (12, 1 << 20));
+        snap.steering.insert(
+            id,
+            BackendDecision {
+                vip: "chat".into(),
+                address: "10.1.0.1".parse().unwrap(),
+                id,
+                weight: 0,
+                state: crate::policy::SteerState::MovedAway,
+                moved_away: true,
+                reason: Some(crate::policy::Reason::Congestion),
+                cooldown_left: std::time::Duration::from_secs(20),
+                full: false,
+                score: 0.75,
+                sessions: 4,
+                max_sessions: 0,
+                telemetry_age: Some(std::time::Duration::from_millis(500)),
+            },
+        );
         snap
     }
 
@@ -388,6 +492,13 @@ mod tests {
             r#"sluice_dataplane_events_total{event="conn_hit"} 9"#,
             r#"sluice_dataplane_events_total{event="rx"} 0"#,
             r#"sluice_control_events_total{kind="drain-complete"} 1"#,
+            r#"sluice_backend_load_score{vip="chat",backend="10.1.0.1"} 0.75"#,
+            r#"sluice_backend_cooldown_seconds{vip="chat",backend="10.1.0.1"} 20.0"#,
+            r#"sluice_backend_telemetry_age_seconds{vip="chat",backend="10.1.0.1"} 0.5"#,
+            r#"sluice_backend_moved_away{vip="chat",backend="10.1.0.1",reason="congestion"} 1"#,
+            r#"sluice_backend_full{vip="chat",backend="10.1.0.1"} 0"#,
+            r#"sluice_map_entries{map="conns"} 12"#,
+            r#"sluice_map_capacity{map="conns"} 1048576"#,
             "# TYPE sluice_uptime_seconds gauge",
             r#"sluice_build_info{version="test"} 1"#,
         ] {
