@@ -159,6 +159,7 @@ pub async fn step<P: Plane + 'static>(
             })
             .map(|v| (v.spec.name.clone(), shed_rst))
             .collect(),
+        rst: shed_rst,
     };
     c.set_overlay(overlay)?;
     let t = now_ms();
