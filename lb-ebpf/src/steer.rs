@@ -47,14 +47,14 @@ pub fn vip(key: &FlowKey, cfg: &LbConfig) -> Option<VipMeta> {
         proto: key.proto,
         family: key.family,
     };
-    if let Some(m) = unsafe { VIPS.get(&vk) } {
+    if let Some(m) = unsafe { VIPS.get(vk) } {
         return Some(*m);
     }
     if cfg.flags & LB_F_WILDCARD_VIPS == 0 {
         return None;
     }
     vk.port = 0;
-    unsafe { VIPS.get(&vk) }.copied()
+    unsafe { VIPS.get(vk) }.copied()
 }
 
 #[inline(always)]
@@ -138,7 +138,7 @@ pub fn decide(
             hash: h,
             last_seen_ns: now,
         };
-        if CONNS.insert(key, &e, 0).is_err() {
+        if CONNS.insert(key, e, 0).is_err() {
             count(stat::CONN_INSERT_FAILED);
         }
     }
@@ -182,7 +182,7 @@ fn choose(
         vip: vip.id,
     };
     if vip.affinity_secs != 0 {
-        if let Some(a) = unsafe { AFFINITY.get(&akey) } {
+        if let Some(a) = unsafe { AFFINITY.get(akey) } {
             if now.wrapping_sub(a.last_seen_ns) < vip.affinity_secs as u64 * NS_PER_SEC {
                 if let Some(b) = backend(a.backend, vip) {
                     if takes(&b, new_session) {
@@ -231,7 +231,7 @@ fn choose(
 fn remember(akey: &AffinityKey, backend: u32, now: u64) {
     let _ = AFFINITY.insert(
         akey,
-        &AffinityEntry {
+        AffinityEntry {
             backend,
             _pad: 0,
             last_seen_ns: now,

@@ -175,6 +175,16 @@ pub fn home() -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
+/// The workspace's cargo target directory, taken from where this xtask binary was built
+/// (`<target>/<profile>/xtask`), so `CARGO_TARGET_DIR` and `build.target-dir` are honoured.
+pub fn target_dir() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.to_path_buf()))
+        .filter(|dir| dir.join("CACHEDIR.TAG").exists())
+        .unwrap_or_else(|| workspace_root().join("target"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,14 +221,4 @@ mod tests {
         cmd.env("RUSTFLAGS", "-C a -C b").args(["x", "it's"]);
         assert_eq!(display(&cmd), r#"$ RUSTFLAGS='-C a -C b' echo x 'it'\''s'"#);
     }
-}
-
-/// The workspace's cargo target directory, taken from where this xtask binary was built
-/// (`<target>/<profile>/xtask`), so `CARGO_TARGET_DIR` and `build.target-dir` are honoured.
-pub fn target_dir() -> PathBuf {
-    std::env::current_exe()
-        .ok()
-        .and_then(|exe| Some(exe.parent()?.parent()?.to_path_buf()))
-        .filter(|dir| dir.join("CACHEDIR.TAG").exists())
-        .unwrap_or_else(|| workspace_root().join("target"))
 }
