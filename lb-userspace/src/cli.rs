@@ -9,7 +9,7 @@ use std::{
     time::{Duration, UNIX_EPOCH},
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::{
     builder::{PossibleValuesParser, TypedValueParser},
     CommandFactory, Parser, Subcommand, ValueEnum,
@@ -20,6 +20,7 @@ use serde_json::{json, Value};
 use crate::{
     admin::{now_ms, DrainRequest, NewVip, WeightChange},
     client::{path_segment, Client},
+    config::EngineKind,
     state::{BackendSpec, HashMode, Protocol, VipSpec},
 };
 
@@ -141,6 +142,29 @@ Examples:
     Completions {
         #[arg(value_enum)]
         shell: Shell,
+    },
+
+    /// Read an exporter page the way the daemon's scraper does, and print what Sluice takes
+    /// from it (to check an exporter and a GPU or model selection before configuring it)
+    #[command(after_help = "\
+Examples:
+  curl -s http://10.1.0.1:9400/metrics | sluice telemetry dcgm - --gpu 0 --gpu 1
+  sluice telemetry vllm vllm-metrics.txt --model llama-3-70b
+  sluice --json telemetry sglang page.txt")]
+    Telemetry {
+        #[arg(value_enum)]
+        kind: PageKind,
+        /// The page (Prometheus text); - reads standard input.
+        file: PathBuf,
+        /// dcgm: GPUs to select by their `gpu` label (default: all on the page).
+        #[arg(long = "gpu")]
+        gpus: Vec<String>,
+        /// dcgm: GPUs to select by their `UUID` label.
+        #[arg(long = "uuid")]
+        uuids: Vec<String>,
+        /// vllm/sglang: the `model_name` to select.
+        #[arg(long)]
+        model: Option<String>,
     },
 
     /// Remove a pinned data plane left behind by a daemon (detaches its XDP programs)
@@ -373,6 +397,26 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// Exporter pages `sluice telemetry` reads.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum PageKind {
+    Dcgm,
+    Vllm,
+    Sglang,
+}
+
+fn print_sample(out: &mut dyn Write, v: &Value) -> Result<()> {
+    for (k, v) in v.as_object().into_iter().flatten() {
+        let shown = match v {
+            Value::Null => "-".to_string(),
+            Value::Number(n) if k == "throttle" => format!("{:#x}", n.as_u64().unwrap_or(0)),
+            other => other.to_string(),
+        };
+        writeln!(out, "{k:<12} {shown}")?;
+    }
+    Ok(())
+}
+
 /// Runs one command, printing to `out`; an error is a refused request or a failure.
 pub fn execute(cli: &Cli, out: &mut dyn Write) -> Result<()> {
     let client = Client::new(&cli.socket);
@@ -388,6 +432,32 @@ pub fn execute(cli: &Cli, out: &mut dyn Write) -> Result<()> {
         Command::Flows => out.show(&client.call("GET", "/v1/flows", None)?, print_flows),
         Command::Stats => out.show(&client.call("GET", "/v1/stats", None)?, print_stats),
         Command::Events => out.show(&client.call("GET", "/v1/events", None)?, print_events),
+        Command::Telemetry {
+            kind,
+            file,
+            gpus,
+            uuids,
+            model,
+        } => {
+            let text = if file.as_os_str() == "-" {
+                std::io::read_to_string(std::io::stdin()).context("reading standard input")?
+            } else {
+                std::fs::read_to_string(file)
+                    .with_context(|| format!("reading {}", file.display()))?
+            };
+            let page = crate::telemetry::prom::parse(&text).map_err(|e| anyhow!("{e}"))?;
+            let sample = match kind {
+                PageKind::Dcgm => crate::telemetry::dcgm::extract(&page, gpus, uuids),
+                PageKind::Vllm => {
+                    crate::telemetry::engine::extract(&page, EngineKind::Vllm, model.as_deref())
+                }
+                PageKind::Sglang => {
+                    crate::telemetry::engine::extract(&page, EngineKind::Sglang, model.as_deref())
+                }
+            }
+            .map_err(|e| anyhow!("{e}"))?;
+            out.show(&serde_json::to_value(&sample)?, print_sample)
+        }
         Command::Completions { shell } => {
             let shell = match shell {
                 Shell::Bash => clap_complete::Shell::Bash,
@@ -831,6 +901,23 @@ mod tests {
         let mut out = Vec::new();
         execute(&cli, &mut out).map_err(|e| format!("{e:#}"))?;
         Ok(String::from_utf8(out).unwrap())
+    }
+
+    #[test]
+    fn telemetry_reads_an_exporter_page_as_the_scraper_does() {
+        let srv = TestServer::start();
+        let fixture = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/telemetry/dcgm-exporter.prom"
+        );
+        let out = sluice(&srv, &["telemetry", "dcgm", fixture, "--gpu", "0"]).unwrap();
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("gpu_util") && l.ends_with("0.87")),
+            "{out}"
+        );
+        let err = sluice(&srv, &["telemetry", "dcgm", fixture, "--gpu", "9"]).unwrap_err();
+        assert!(err.contains('9'), "{err}");
     }
 
     #[test]
