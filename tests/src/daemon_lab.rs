@@ -29,7 +29,10 @@ use std::{
     os::unix::process::CommandExt,
     path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
-    sync::atomic::{AtomicUsize, Ordering},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        OnceLock,
+    },
     thread,
     time::{Duration, Instant, SystemTime},
 };
@@ -237,8 +240,17 @@ impl FakeTelemetry {
 }
 
 /// The `sluice` binary next to the test executable (target/<profile>/sluice). Fails with
-/// what to do when it is missing or older than the daemon's sources.
+/// what to do when it is missing or older than the daemon's sources. Checked once per test
+/// process, so sources edited while the tests run do not fail the later tests.
 pub fn sluice_binary() -> Result<PathBuf> {
+    static CHECKED: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    CHECKED
+        .get_or_init(|| check_sluice_binary().map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(|e| anyhow!(e))
+}
+
+fn check_sluice_binary() -> Result<PathBuf> {
     let exe = std::env::current_exe().context("locating the test executable")?;
     // target/<profile>/deps/<test> or target/<profile>/<bin>.
     let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
