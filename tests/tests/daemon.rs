@@ -18,7 +18,7 @@ use std::{
 use serde_json::json;
 use sluice_tests::{
     daemon_lab::{tally, wait_for, DaemonLab, DaemonLabOptions, Running, VipDef},
-    netns::{TCP_PORT, VIP4, VIP6},
+    netns::{lab_namespaces, TCP_PORT, VIP4, VIP6},
 };
 
 const SERVER: &str = env!("CARGO_BIN_EXE_sluice-testsrv");
@@ -460,4 +460,33 @@ fn sigterm_detaches_and_unpins_unless_keep_dataplane_on_exit() {
     // Nothing steers the VIP any more.
     thread::sleep(Duration::from_millis(100));
     assert!(lab.connect(vip(), Duration::from_millis(500)).is_err());
+}
+
+#[test]
+fn a_daemon_lab_dropped_by_a_panicking_test_leaves_nothing_behind() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let h = thread::spawn(move || {
+        let lab = start(options());
+        tx.send((
+            lab.topo.id.clone(),
+            lab.bpffs.clone(),
+            lab.dir.clone(),
+            lab.daemon_pid().unwrap(),
+        ))
+        .unwrap();
+        panic!("a deliberate panic with the daemon running");
+    });
+    assert!(h.join().is_err(), "the thread was meant to panic");
+    let (id, bpffs, dir, pid) = rx.recv().unwrap();
+    let left: Vec<String> = lab_namespaces()
+        .into_iter()
+        .filter(|n| n.starts_with(&format!("{id}-")))
+        .collect();
+    assert!(left.is_empty(), "namespaces left: {left:?}");
+    assert!(!bpffs.exists(), "{} left", bpffs.display());
+    assert!(!dir.exists(), "{} left", dir.display());
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "the daemon (pid {pid}) still runs"
+    );
 }
