@@ -1,0 +1,462 @@
+//! Adaptive steering end to end: the daemon in the namespace lab scrapes fake exporters on
+//! the backends (`sluice-testsrv serve --metrics`: one page in the dcgm-exporter, vLLM and
+//! node_exporter formats, rewritten by the test at run time) and steers real token streams
+//! on what they report, on its health checks and on admission control. See
+//! `sluice_tests::daemon_lab`. Needs root, `ip`, `ethtool`, `nsenter`, a bpffs and the
+//! `sluice` binary; fails, never skips.
+//!
+//! Priority classes: shedding is decided per VIP over that VIP's own backends (backend entries
+//! are per VIP, each with its own session count and full flag). When two VIPs share saturated
+//! machines, every backend of both is full, so the data plane refuses the new sessions of both
+//! VIPs (`shed_full`) whatever their class; the class only decides whether the VIP is also
+//! marked shed (`shed_priority`, class 7 at once, class 0 never). A lower class therefore does
+//! not shed *first*: there is no shared pool in which a higher class keeps admitting while a
+//! lower one is refused. The tests below cover each path on one VIP (a class-7 VIP shed by
+//! priority, a class-0 VIP refused by full backends) instead.
+
+use std::{
+    collections::BTreeMap,
+    io::ErrorKind,
+    net::SocketAddr,
+    thread,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use sluice_tests::{
+    daemon_lab::{tally, wait_for, DaemonLab, DaemonLabOptions, FakeTelemetry, Running, VipDef},
+    netns::{TCP_PORT, VIP4},
+};
+
+const SERVER: &str = env!("CARGO_BIN_EXE_sluice-testsrv");
+const VIP: &str = "chat";
+const BACKENDS: usize = 3;
+
+fn vip() -> SocketAddr {
+    SocketAddr::new(VIP4.into(), TCP_PORT)
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// Three backends with fake exporters, every one scraped for dcgm, vLLM and RoCE.
+fn telemetry_options() -> DaemonLabOptions {
+    let mut v = VipDef::tcp(VIP, vip(), BACKENDS);
+    v.telemetry = true;
+    let mut o = DaemonLabOptions::new(SERVER, BACKENDS, vec![v]);
+    o.exporters = true;
+    o
+}
+
+/// Starts the lab and waits until the policy has seen every backend's telemetry: all in
+/// rotation. A starting daemon must not move backends away for want of a first scrape.
+fn start_settled(opts: DaemonLabOptions) -> DaemonLab {
+    let telemetry = opts.vips.iter().any(|v| v.telemetry);
+    let lab = DaemonLab::start(opts).unwrap_or_else(|e| panic!("starting the daemon lab: {e:#}"));
+    let t = Instant::now();
+    wait_for(
+        "every backend in rotation with fresh telemetry",
+        Duration::from_secs(10),
+        || {
+            let bs = lab.backends(VIP);
+            let ok = bs.iter().all(|b| {
+                let s = &b["steering"];
+                s["state"] == "active" && (!telemetry || s["telemetry_age_s"].is_f64())
+            });
+            if ok && bs.len() == BACKENDS {
+                Ok(Some(()))
+            } else {
+                Err(format!("{:?}", steering(&bs)))
+            }
+        },
+    )
+    .unwrap();
+    let reroutes: Vec<_> = lab
+        .events()
+        .into_iter()
+        .filter(|e| e["kind"] == "reroute" || e["kind"] == "cooldown-start")
+        .collect();
+    assert!(
+        reroutes.is_empty(),
+        "a starting daemon moved backends away: {reroutes:?}"
+    );
+    eprintln!("steering settled {:?} after the start", t.elapsed());
+    lab
+}
+
+/// (address, steering state, reason, effective weight) per backend, for messages.
+fn steering(bs: &[serde_json::Value]) -> Vec<String> {
+    bs.iter()
+        .map(|b| {
+            format!(
+                "{} {} {} w{} full={}",
+                b["address"].as_str().unwrap_or("?"),
+                b["steering"]["state"],
+                b["steering"]["reason"],
+                b["effective_weight"],
+                b["steering"]["full"]
+            )
+        })
+        .collect()
+}
+
+/// Opens 6 s streams until backend `name` has two and every other one (at most 40).
+fn open_spread(lab: &DaemonLab, name: &str) -> Vec<Running> {
+    let mut streams: Vec<Running> = Vec::new();
+    loop {
+        let c = tally(streams.iter().map(|s| &s.backend));
+        let n = |b: &str| c.get(b).copied().unwrap_or(0);
+        if n(name) >= 2 && lab.topo.backends.iter().all(|b| n(&b.name) >= 1) {
+            return streams;
+        }
+        assert!(streams.len() < 40, "40 streams did not spread: {c:?}");
+        streams.push(
+            lab.stream(vip(), 60, 100)
+                .unwrap_or_else(|e| panic!("opening a stream: {e:#}")),
+        );
+    }
+}
+
+/// Every stream must complete (all tokens, in order, from the backend that greeted).
+fn finish_all(streams: Vec<Running>, what: &str) -> BTreeMap<String, usize> {
+    let mut failures = Vec::new();
+    let mut done = Vec::new();
+    for s in streams {
+        let (backend, local) = (s.backend.clone(), s.local);
+        match s.finish() {
+            Ok(_) => done.push(backend),
+            Err(e) => failures.push(format!("{local} on {backend}: {e:#}")),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{what}: {} streams did not complete:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    tally(done.iter())
+}
+
+fn event<'a>(
+    events: &'a [serde_json::Value],
+    kind: &str,
+    backend: Option<&str>,
+) -> Option<&'a serde_json::Value> {
+    events
+        .iter()
+        .find(|e| e["kind"] == kind && backend.is_none_or(|b| e["backend"].as_str() == Some(b)))
+}
+
+#[test]
+fn congested_backend_gets_no_new_sessions_while_its_streams_finish_and_returns_after_cooldown() {
+    let lab = start_settled(telemetry_options());
+    let hot = lab.topo.backends[0].clone();
+    let addr = hot.v4.to_string();
+    let streams = open_spread(&lab, &hot.name);
+    let on_hot = streams.iter().filter(|s| s.backend == hot.name).count();
+    eprintln!(
+        "{} streams open: {:?}",
+        streams.len(),
+        tally(streams.iter().map(|s| &s.backend))
+    );
+
+    // RoCE congestion on b0: ECN marks at 5000/s (threshold 1000/s).
+    let t = Instant::now();
+    lab.set_telemetry(
+        0,
+        &FakeTelemetry {
+            ecn_per_s: 5000.0,
+            ..FakeTelemetry::default()
+        },
+    )
+    .unwrap();
+    let moved = wait_for(
+        "the congested backend to be moved away",
+        Duration::from_secs(5),
+        || {
+            let b = lab.backend(VIP, hot.v4.into()).unwrap();
+            let s = &b["steering"];
+            if s["state"] == "moved-away" && s["reason"] == "congestion" {
+                Ok(Some(b))
+            } else {
+                Err(format!("{s}"))
+            }
+        },
+    )
+    .unwrap();
+    eprintln!(
+        "moved away {:?} after the exporter reported congestion (scrape interval 250 ms): {}",
+        t.elapsed(),
+        moved["steering"]
+    );
+    assert_eq!(moved["effective_weight"], 0, "{moved}");
+
+    // 90 new sessions: b0 gets far fewer than its share (none, while moved away).
+    let results = lab.greet_many(vip(), 90, 6);
+    let errors: Vec<String> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(|e| format!("{e:#}")))
+        .collect();
+    assert!(errors.is_empty(), "new sessions failed: {errors:?}");
+    let new = tally(results.iter().filter_map(|r| r.as_ref().ok()));
+    let fair = 90 / BACKENDS;
+    let got = new.get(&hot.name).copied().unwrap_or(0);
+    eprintln!("90 sessions while b0 is congested: {new:?}");
+    assert!(
+        got * 3 < fair,
+        "the congested backend got {got} of 90 new sessions (fair share {fair}): {new:?}"
+    );
+
+    // Its established streams stay and complete on it.
+    let done = finish_all(streams, "streams open before the congestion");
+    assert_eq!(done.get(&hot.name).copied().unwrap_or(0), on_hot);
+
+    let events = lab.events();
+    let reroute = event(&events, "reroute", Some(&addr))
+        .unwrap_or_else(|| panic!("no reroute event for {addr}: {events:?}"));
+    assert!(
+        reroute["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("ecn_rate")),
+        "{reroute}"
+    );
+    assert!(
+        event(&events, "cooldown-start", Some(&addr)).is_some(),
+        "no cooldown-start event for {addr}: {events:?}"
+    );
+
+    // Calm again: back after the cooldown (2 s), through slow start.
+    let t = Instant::now();
+    lab.set_telemetry(0, &FakeTelemetry::default()).unwrap();
+    wait_for(
+        "the backend to come back after its cooldown",
+        Duration::from_secs(10),
+        || {
+            let e = lab.events();
+            match event(&e, "recover", Some(&addr)) {
+                Some(_) => Ok(Some(())),
+                None => Err(format!("{:?}", steering(&lab.backends(VIP)))),
+            }
+        },
+    )
+    .unwrap();
+    eprintln!("recovered {:?} after the congestion cleared", t.elapsed());
+    let b = lab.backend(VIP, hot.v4.into()).unwrap();
+    assert!(
+        ["slow-start", "active"].contains(&b["steering"]["state"].as_str().unwrap_or("")),
+        "{b}"
+    );
+}
+
+#[test]
+fn dead_backend_is_marked_down_within_the_health_bound_and_new_sessions_avoid_it() {
+    let mut lab = start_settled(telemetry_options());
+    let dead = lab.topo.backends[1].clone();
+    let addr = dead.v4.to_string();
+    // The token server is also the health-check target; the exporter stays up, so only
+    // the health checks can tell.
+    let killed_at = now_ms();
+    let server = lab.servers[1];
+    lab.topo.signal(server, libc::SIGKILL).unwrap();
+    let down = wait_for(
+        "a down event for the killed backend",
+        Duration::from_secs(10),
+        || {
+            let e = lab.events();
+            match event(&e, "down", Some(&addr)) {
+                Some(d) => Ok(Some(d.clone())),
+                None => Err(format!("{:?}", steering(&lab.backends(VIP)))),
+            }
+        },
+    )
+    .unwrap();
+    let latency = down["time_ms"].as_u64().unwrap().saturating_sub(killed_at);
+    // interval 200 ms × (fall 2 + 1), plus a margin for a loaded machine.
+    let bound = 200 * 3 + 1500;
+    eprintln!("down {latency} ms after the kill (bound {bound} ms): {down}");
+    assert!(
+        latency <= bound,
+        "marked down {latency} ms after the kill, over {bound} ms"
+    );
+
+    let results = lab.greet_many(vip(), 30, 6);
+    let errors: Vec<String> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(|e| format!("{e:#}")))
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "new sessions failed after the backend died: {errors:?}"
+    );
+    let new = tally(results.iter().filter_map(|r| r.as_ref().ok()));
+    eprintln!("30 sessions after the kill: {new:?}");
+    assert_eq!(new.get(&dead.name), None, "{new:?}");
+    // The data plane took it out at once; the policy's view follows at its next step.
+    let b = wait_for(
+        "the listing to show the backend down",
+        Duration::from_secs(3),
+        || {
+            let b = lab.backend(VIP, dead.v4.into()).unwrap();
+            if b["healthy"] == false && b["state"] == "down" && b["steering"]["state"] == "down" {
+                Ok(Some(b))
+            } else {
+                Err(format!("{b}"))
+            }
+        },
+    )
+    .unwrap();
+    assert_eq!(b["effective_weight"], 0, "{b}");
+}
+
+/// A VIP of class `priority` whose backends take at most 2 sessions each, shed per `mode`.
+fn capped_options(mode: &str, priority: u8) -> DaemonLabOptions {
+    let mut v = VipDef::tcp(VIP, vip(), BACKENDS);
+    v.max_sessions = 2;
+    v.priority = priority;
+    let mut o = DaemonLabOptions::new(SERVER, BACKENDS, vec![v]);
+    o.set("policy", "shed", &format!("{mode:?}"));
+    o
+}
+
+fn all_full(lab: &DaemonLab) -> bool {
+    lab.backends(VIP)
+        .iter()
+        .all(|b| b["steering"]["full"] == true)
+}
+
+/// Opens 5 s streams one at a time until the policy marks every backend full.
+fn fill(lab: &DaemonLab) -> Vec<Running> {
+    let mut streams = Vec::new();
+    for _ in 0..15 {
+        if all_full(lab) {
+            break;
+        }
+        match lab.stream(vip(), 50, 100) {
+            Ok(s) => streams.push(s),
+            // Full between the check and the SYN: refused, which is what comes next.
+            Err(e) => eprintln!("a filling stream was refused: {e:#}"),
+        }
+        // A policy step (250 ms) sees the new session.
+        thread::sleep(Duration::from_millis(300));
+    }
+    wait_for("every backend full", Duration::from_secs(5), || {
+        if all_full(lab) {
+            Ok(Some(()))
+        } else {
+            Err(format!("{:?}", steering(&lab.backends(VIP))))
+        }
+    })
+    .unwrap();
+    eprintln!(
+        "{} streams fill the pool: {:?}",
+        streams.len(),
+        tally(streams.iter().map(|s| &s.backend))
+    );
+    streams
+}
+
+/// `n` connection attempts at once, each bounded by `timeout`: how each ended, and how long
+/// the slowest took.
+fn attempts(lab: &DaemonLab, n: usize, timeout: Duration) -> (Vec<std::io::Result<()>>, Duration) {
+    let t = Instant::now();
+    let ns = lab.topo.client.ns.clone();
+    let hs: Vec<_> = (0..n)
+        .map(|_| {
+            let ns = ns.clone();
+            thread::spawn(move || {
+                ns.run(|| std::net::TcpStream::connect_timeout(&vip(), timeout).map(drop))
+                    .map_err(std::io::Error::other)?
+            })
+        })
+        .collect();
+    let r = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    (r, t.elapsed())
+}
+
+fn shed_counters(lab: &DaemonLab) -> (u64, u64, u64) {
+    let c = lab.counters();
+    (c["shed_full"], c["shed_priority"], c["shed_rst_sent"])
+}
+
+/// After the streams end and their flows idle out, new sessions are admitted again.
+fn admitted_again(lab: &DaemonLab) {
+    let t = Instant::now();
+    wait_for(
+        "new sessions admitted once the pool has room",
+        Duration::from_secs(30),
+        || match lab.greet(vip(), Duration::from_millis(800)) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) => Err(format!("{e:#}")),
+        },
+    )
+    .unwrap();
+    eprintln!("admitted again {:?} after the streams ended", t.elapsed());
+}
+
+#[test]
+fn saturated_pool_drops_new_syns_of_a_low_priority_vip_while_established_streams_finish() {
+    let lab = start_settled(capped_options("drop", 7));
+    let streams = fill(&lab);
+    let before = shed_counters(&lab);
+    let (results, took) = attempts(&lab, 6, Duration::from_secs(1));
+    eprintln!("6 new connections while full, in {took:?}: {results:?}");
+    for r in &results {
+        let e = r
+            .as_ref()
+            .expect_err("a new connection was admitted to a full pool");
+        assert!(
+            matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::WouldBlock),
+            "a dropped SYN should time out, not fail with {e}"
+        );
+    }
+    let after = shed_counters(&lab);
+    eprintln!("shed_full, shed_priority, shed_rst_sent: {before:?} -> {after:?}");
+    assert!(
+        after.1 >= before.1 + 6,
+        "a class-7 VIP of a full pool is shed by priority: shed_priority {} -> {}",
+        before.1,
+        after.1
+    );
+    assert_eq!(after.2, before.2, "drop mode sent RSTs");
+    let events = lab.events();
+    let start = event(&events, "shed-start", None)
+        .unwrap_or_else(|| panic!("no shed-start event: {events:?}"));
+    eprintln!("{start}");
+
+    finish_all(streams, "streams admitted before the pool filled");
+    admitted_again(&lab);
+}
+
+#[test]
+fn saturated_pool_answers_new_syns_with_rst_in_rst_mode_while_established_streams_finish() {
+    // Class 0: never shed by priority; its SYNs find only full backends.
+    let lab = start_settled(capped_options("rst", 0));
+    let streams = fill(&lab);
+    let before = shed_counters(&lab);
+    let (results, took) = attempts(&lab, 6, Duration::from_secs(2));
+    eprintln!("6 new connections while full, in {took:?}: {results:?}");
+    for r in &results {
+        let e = r
+            .as_ref()
+            .expect_err("a new connection was admitted to a full pool");
+        assert_eq!(
+            e.kind(),
+            ErrorKind::ConnectionRefused,
+            "shed = \"rst\": a shed SYN must be refused at once, not {e}"
+        );
+    }
+    assert!(took < Duration::from_secs(1), "refusals took {took:?}");
+    let after = shed_counters(&lab);
+    eprintln!("shed_full, shed_priority, shed_rst_sent: {before:?} -> {after:?}");
+    assert!(after.0 >= before.0 + 6, "shed_full {before:?} -> {after:?}");
+    assert!(
+        after.2 >= before.2 + 6,
+        "shed_rst_sent {before:?} -> {after:?}"
+    );
+
+    finish_all(streams, "streams admitted before the pool filled");
+    admitted_again(&lab);
+}
