@@ -148,6 +148,23 @@ mod tests {
         extract(&parse(FIXTURE).unwrap(), &strings(gpus), &strings(uuids))
     }
 
+    /// Pages of a real H200 read through NVML (tests/gpu/run.sh), idle and under a bf16
+    /// matrix-multiply load: what the policy sees from a real accelerator.
+    #[test]
+    fn a_real_h200_idle_and_under_load() {
+        fn page(name: &str) -> Sample {
+            let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/telemetry/");
+            let text = std::fs::read_to_string(format!("{dir}{name}")).unwrap();
+            extract(&parse(&text).unwrap(), &[], &[]).unwrap()
+        }
+        let (idle, load) = (page("h200-nvml-idle.prom"), page("h200-nvml-load.prom"));
+        assert_eq!((idle.gpu_util, load.gpu_util), (Some(0.0), Some(1.0)));
+        assert_eq!((idle.gpu_temp_c, load.gpu_temp_c), (Some(36.0), Some(52.0)));
+        assert!(load.power_w.unwrap() > 3.0 * idle.power_w.unwrap());
+        assert!(load.fb_used.unwrap() > idle.fb_used.unwrap());
+        assert_eq!(load.throttle, Some(0));
+    }
+
     #[test]
     fn all_gpus_on_the_page() {
         // Four H100s: util 87/92/45/0 %, FB used/free per GPU, GPU 3's memory temperature
