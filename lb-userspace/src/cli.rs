@@ -783,12 +783,35 @@ fn print_backends(out: &mut dyn Write, v: &Value) -> Result<()> {
                 })
                 .filter(|s| !s.is_empty())
                 .unwrap_or_else(|| "-".into());
+            // The adaptive policy's view, when it has one for this backend.
+            let s = &b["steering"];
+            let steer = match (s["state"].as_str(), s["reason"].as_str()) {
+                (None, _) => "-".to_string(),
+                (Some(st), None) => st.to_string(),
+                (Some(st), Some(r)) => format!("{st} ({r})"),
+            };
+            let secs = |v: &Value| {
+                v.as_f64()
+                    .map_or_else(|| "-".to_string(), |x| format!("{x:.1}s"))
+            };
+            let score = s["score"]
+                .as_f64()
+                .map_or_else(|| "-".to_string(), |x| format!("{x:.2}"));
+            let cooldown = match s["cooldown_left_s"].as_f64() {
+                Some(x) if x > 0.0 => format!("{x:.0}s"),
+                Some(_) => "-".to_string(),
+                None => "-".to_string(),
+            };
             vec![
                 cell(&b["address"]),
                 cell(&b["id"]),
                 cell(&b["weight"]),
                 cell(&b["effective_weight"]),
                 cell(&b["state"]),
+                steer,
+                score,
+                cooldown,
+                secs(&s["telemetry_age_s"]),
                 if b["healthy"].as_bool() == Some(false) {
                     "no"
                 } else {
@@ -811,6 +834,10 @@ fn print_backends(out: &mut dyn Write, v: &Value) -> Result<()> {
             "WEIGHT",
             "EFFECTIVE",
             "STATE",
+            "STEERING",
+            "SCORE",
+            "COOLDOWN",
+            "TELEMETRY",
             "HEALTHY",
             "FLOWS",
             "PACKETS",
@@ -1002,14 +1029,14 @@ mod tests {
         assert_eq!(lines.len(), 3, "{out}");
         assert!(
             lines[0].starts_with(
-                "ADDRESS   ID  WEIGHT  EFFECTIVE  STATE     HEALTHY  FLOWS  PACKETS  BYTES  DRAIN"
+                "ADDRESS   ID  WEIGHT  EFFECTIVE  STATE     STEERING  SCORE  COOLDOWN  TELEMETRY  HEALTHY  FLOWS  PACKETS  BYTES  DRAIN"
             ),
             "{out}"
         );
-        assert!(lines[1].starts_with("10.1.0.1  1   100     100        draining  yes      0      0        0      since 0s ago, deadline in 9m 59s"), "{out}");
+        assert!(lines[1].starts_with("10.1.0.1  1   100     100        draining  -         -      -         -          yes      0      0        0      since 0s ago, deadline in 9m 59s"), "{out}");
         assert!(
             lines[2].starts_with(
-                "10.1.0.2  2   5       5          active    yes      0      0        0      -"
+                "10.1.0.2  2   5       5          active    -         -      -         -          yes      0      0        0      -"
             ),
             "{out}"
         );
