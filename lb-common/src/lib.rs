@@ -237,7 +237,8 @@ pub mod stat {
     pub const SHED_FULL: u32 = 31;
     pub const SHED_RST_SENT: u32 = 32;
     pub const DROP_FRAG_NEEDED: u32 = 33;
-    pub const COUNT: u32 = 34;
+    pub const ICMP_TOO_BIG_SENT: u32 = 34;
+    pub const COUNT: u32 = 35;
 
     /// Names as exported (Prometheus label values, CLI); index = counter.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -275,6 +276,7 @@ pub mod stat {
         "shed_full",
         "shed_rst_sent",
         "drop_frag_needed",
+        "icmp_too_big_sent",
     ];
 }
 

@@ -11,6 +11,8 @@ use aya_ebpf::{
 use lb_common::{stat, LbConfig, NextHop, FAMILY_V4, NEXTHOP_TTL_NS, PROTO_IPIP, PROTO_IPV6};
 
 use crate::{
+    csum::{add_all, fold},
+    icmp,
     maps::{NEXTHOPS, TX_PORTS},
     parse::{at, Parsed, ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
     stats::count,
@@ -78,7 +80,21 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
         v4: src_v4,
         v6: src_v6,
     };
-    let nh = next_hop(ctx, d, &src, p.l3_len + outer_len, cfg)?;
+    let nh = match next_hop(ctx, d, &src, p.l3_len + outer_len, cfg) {
+        Ok(nh) => nh,
+        Err(NoHop::Drop(reason)) => return Err(reason),
+        Err(NoHop::TooBig(mtu)) => {
+            // Tell the client the largest packet that fits once encapsulated.
+            let fits = mtu.saturating_sub(outer_len as u32);
+            return match icmp::too_big(ctx, p, fits) {
+                Some(action) => {
+                    count(stat::ICMP_TOO_BIG_SENT);
+                    Ok(action)
+                }
+                None => Err(stat::DROP_FRAG_NEEDED),
+            };
+        }
+    };
 
     let delta = (ETH_HLEN + outer_len) as i32 - p.l3_off as i32;
     if unsafe { bpf_xdp_adjust_head(ctx.as_ptr() as *mut _, -delta) } != 0 {
@@ -138,6 +154,19 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
     }
 }
 
+/// Why there is no next hop to send the packet to.
+enum NoHop {
+    Drop(u32),
+    /// The encapsulated packet exceeds this egress MTU.
+    TooBig(u32),
+}
+
+impl From<u32> for NoHop {
+    fn from(counter: u32) -> Self {
+        NoHop::Drop(counter)
+    }
+}
+
 struct OuterSource {
     v4: u32,
     v6: [u32; 4],
@@ -153,7 +182,7 @@ fn next_hop(
     src: &OuterSource,
     tot_len: usize,
     cfg: &LbConfig,
-) -> Result<NextHop, u32> {
+) -> Result<NextHop, NoHop> {
     let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
     let cache = NEXTHOPS.get_ptr_mut(d.backend_id);
     if let Some(c) = cache {
@@ -198,20 +227,21 @@ fn next_hop(
         return Ok(e);
     }
     if rc == BPF_FIB_LKUP_RET_FRAG_NEEDED as i64 {
-        // Encapsulated, the packet exceeds the path to the backend: sending it to the
-        // fallback router would not fit either. Size the backend-facing MTU for the outer
-        // header (or clamp the clients' MSS).
-        return Err(stat::DROP_FRAG_NEEDED);
+        // Encapsulated, the packet exceeds the path to the backend (the fallback router
+        // would not take it either).
+        return Err(NoHop::TooBig(
+            unsafe { f.__bindgen_anon_1.mtu_result } as u32
+        ));
     }
     if cfg.fallback_mac == [0; 6] {
-        return Err(stat::DROP_NO_NEXTHOP);
+        return Err(stat::DROP_NO_NEXTHOP.into());
     }
     count(stat::FIB_FALLBACK_MAC);
     // The fallback router sits on the ingress segment, and the frame's destination MAC is
     // this host's address there.
     let smac = match at(ctx, 0, 6) {
         Some(m) => unsafe { core::ptr::read_unaligned(m as *const [u8; 6]) },
-        None => return Err(stat::DROP_ADJUST_HEAD),
+        None => return Err(stat::DROP_ADJUST_HEAD.into()),
     };
     Ok(NextHop {
         smac,
@@ -221,16 +251,10 @@ fn next_hop(
     })
 }
 
-/// IPv4 header checksum. The one's-complement sum is byte-order independent, so the words
-/// are summed as they lie in memory.
+/// IPv4 header checksum.
 #[inline(always)]
 fn csum20(ip: &Ipv4Hdr) -> u16 {
-    let w = unsafe { &*(ip as *const Ipv4Hdr as *const [u16; 10]) };
-    let mut s: u32 = 0;
-    for x in w {
-        s += *x as u32;
-    }
-    s = (s & 0xffff) + (s >> 16);
-    s = (s & 0xffff) + (s >> 16);
-    !(s as u16)
+    fold(add_all(0, unsafe {
+        &*(ip as *const Ipv4Hdr as *const [u32; 5])
+    }))
 }

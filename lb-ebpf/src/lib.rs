@@ -2,8 +2,10 @@
 //! backends, `sluice_pass` is the XDP_PASS baseline the benchmarks compare against.
 #![no_std]
 
+mod csum;
 mod decap;
 mod encap;
+mod icmp;
 mod maps;
 mod parse;
 mod rst;

@@ -10,23 +10,14 @@ use aya_ebpf::{
 };
 use lb_common::{FAMILY_V4, PROTO_TCP};
 
-use crate::parse::{at, raw32_at, Parsed, TCP_ACK, TCP_RST};
+use crate::{
+    csum::{add32, add_all, fold},
+    parse::{at, raw32_at, Parsed, TCP_ACK, TCP_RST},
+};
 
 const IPV4_HLEN: usize = 20;
 const IPV6_HLEN: usize = 40;
 const TCP_HLEN: usize = 20;
-
-#[inline(always)]
-fn add_words(sum: u32, w: u32) -> u32 {
-    sum + (w & 0xffff) + (w >> 16)
-}
-
-#[inline(always)]
-fn fold(mut s: u32) -> u16 {
-    s = (s & 0xffff) + (s >> 16);
-    s = (s & 0xffff) + (s >> 16);
-    !(s as u16)
-}
 
 /// Rewrites the SYN in `p` into a RST|ACK back to its sender; returns XDP_TX, or `None`
 /// when the headers are not plain enough to answer.
@@ -70,12 +61,8 @@ pub fn reply(ctx: &XdpContext, p: &Parsed) -> Option<u32> {
             core::ptr::write_unaligned((ip + 12) as *mut u32, dst);
             core::ptr::write_unaligned((ip + 16) as *mut u32, src);
             let hw = core::ptr::read_unaligned(ip as *const [u32; 5]);
-            let mut c = 0;
-            for x in hw {
-                c = add_words(c, x);
-            }
-            core::ptr::write_unaligned(w.add(5), fold(c));
-            sum = add_words(add_words(sum, src), dst);
+            core::ptr::write_unaligned(w.add(5), fold(add_all(0, &hw)));
+            sum = add32(add32(sum, src), dst);
         }
     } else {
         let ip = at(ctx, l3, IPV6_HLEN)?;
@@ -87,7 +74,7 @@ pub fn reply(ctx: &XdpContext, p: &Parsed) -> Option<u32> {
             core::ptr::write_unaligned((ip + 8) as *mut [u32; 4], dst);
             core::ptr::write_unaligned((ip + 24) as *mut [u32; 4], src);
             for i in 0..4 {
-                sum = add_words(add_words(sum, src[i]), dst[i]);
+                sum = add32(add32(sum, src[i]), dst[i]);
             }
         }
     }

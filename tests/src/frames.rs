@@ -161,6 +161,23 @@ pub fn icmp_error(ty: u8, code: u8, mtu: u32, quoted: &[u8]) -> Vec<u8> {
     m
 }
 
+/// Fills the checksum of an ICMP message (bytes 2..4), over the message alone (ICMPv4) or
+/// with the IPv6 pseudo-header (ICMPv6, when `v6` gives the source and destination).
+pub fn icmp_checksummed(mut msg: Vec<u8>, v6: Option<(&str, &str)>) -> Vec<u8> {
+    msg[2..4].copy_from_slice(&[0, 0]);
+    let mut data = vec![];
+    if let Some((src, dst)) = v6 {
+        data.extend_from_slice(&src.parse::<Ipv6Addr>().unwrap().octets());
+        data.extend_from_slice(&dst.parse::<Ipv6Addr>().unwrap().octets());
+        data.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+        data.extend_from_slice(&[0, 0, 0, 58]);
+    }
+    data.extend_from_slice(&msg);
+    let c = csum(&data);
+    msg[2..4].copy_from_slice(&c.to_be_bytes());
+    msg
+}
+
 pub fn ip(s: &str) -> IpAddr {
     s.parse().unwrap()
 }

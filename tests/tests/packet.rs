@@ -449,6 +449,8 @@ fn fib_segment(mtu: u32) -> u32 {
         assert!(ok, "{c}");
     };
     sh(&format!("ip link add fibA mtu {mtu} type veth peer name fibB && ip link set fibA address 02:00:00:00:0a:0a && ip link set fibA up && ip link set fibB up && ip link set lo up"));
+    sh("ip -6 addr add fd00:1::fe/64 dev fibA nodad && ip -6 neigh replace fd00:1::1 lladdr 02:00:00:00:0b:11 nud permanent dev fibA && ip -6 neigh replace fd00:1::2 lladdr 02:00:00:00:0b:12 nud permanent dev fibA && ip -6 neigh replace fd00:1::3 lladdr 02:00:00:00:0b:13 nud permanent dev fibA");
+    sh("sysctl -qw net.ipv6.conf.all.forwarding=1");
     sh("ip addr add 10.1.0.254/24 dev fibA && ip neigh replace 10.1.0.1 lladdr 02:00:00:00:0b:01 nud permanent dev fibA && ip neigh replace 10.1.0.2 lladdr 02:00:00:00:0b:02 nud permanent dev fibA && ip neigh replace 10.1.0.3 lladdr 02:00:00:00:0b:03 nud permanent dev fibA");
     sh("sysctl -qw net.ipv4.conf.all.forwarding=1 net.ipv4.conf.lo.forwarding=1");
     // /sys shows the namespace it was mounted in, so ask the kernel by name from this thread.
@@ -459,18 +461,53 @@ fn fib_segment(mtu: u32) -> u32 {
 }
 
 #[test]
-fn packet_too_big_for_the_backend_path_is_dropped_and_counted() {
+fn packet_too_big_for_the_backend_path_gets_an_exact_icmp_too_big_from_the_vip() {
     let (mut lab, _vip) = lab_v4();
-    let ifindex = fib_segment(1280);
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip6, &BACKENDS6);
+    let ifindex = fib_segment(1400);
     lab.dp.add_tx_port(ifindex).unwrap();
-    // Fits: 1200 + 20 <= 1280. Then a 1270-byte packet, which the outer header pushes over.
-    for (len, action) in [(1200usize, XDP_REDIRECT), (1270, XDP_DROP)] {
+    let l3 = |len: usize, df: bool| {
         let mut h = V4::new(CLIENT4, VIP4, PROTO_TCP);
-        h.frag = 0x4000;
-        let l3 = h.build(&tcp(40600, 443, ACK, &vec![0u8; len - 40]));
-        assert_eq!(lab.run(&on_wire(&l3)).0, action, "{len}-byte packet");
-    }
+        h.frag = if df { 0x4000 } else { 0 };
+        h.build(&tcp(40600, 443, ACK, &vec![0u8; len - 40]))
+    };
+    // Fits: 1380 + 20 <= 1400.
+    assert_eq!(lab.run(&on_wire(&l3(1380, true))).0, XDP_REDIRECT);
+    // 1381 + 20 does not: "fragmentation needed", next-hop MTU 1380, quoting 28 bytes.
+    let big = l3(1381, true);
+    let (a, out) = lab.run(&on_wire(&big));
+    assert_eq!(a, XDP_TX);
+    let mut ip4 = V4::new(VIP4, CLIENT4, PROTO_ICMP);
+    ip4.frag = 0;
+    let msg = icmp_checksummed(icmp_error(3, 4, 1380, &big[..28]), None);
+    assert_eq!(out, eth(CLIENT_MAC, LB_MAC, ETH_IP, &ip4.build(&msg)));
+    // Without DF the client cannot act on it: dropped and counted.
+    assert_eq!(lab.run(&on_wire(&l3(1381, false))).0, XDP_DROP);
+    assert_eq!(lab.stat(stat::ICMP_TOO_BIG_SENT), 1);
     assert_eq!(lab.stat(stat::DROP_FRAG_NEEDED), 1);
+
+    // IPv6 over IPv6: 1361 + 40 > 1400: "packet too big", MTU 1360, quoting 48 bytes.
+    let big6 = ipv6(
+        CLIENT6,
+        VIP6,
+        PROTO_TCP,
+        0,
+        0,
+        &tcp(40601, 443, ACK, &vec![0u8; 1361 - 60]),
+    );
+    let (a, out) = lab.run(&on_wire(&big6));
+    assert_eq!(a, XDP_TX);
+    let msg6 = icmp_checksummed(icmp_error(2, 0, 1360, &big6[..48]), Some((VIP6, CLIENT6)));
+    let mut expect = eth(
+        CLIENT_MAC,
+        LB_MAC,
+        ETH_IPV6,
+        &ipv6(VIP6, CLIENT6, PROTO_ICMPV6, 0, 0, &msg6),
+    );
+    expect[14 + 7] = 64;
+    assert_eq!(out, expect);
+    assert_eq!(lab.stat(stat::ICMP_TOO_BIG_SENT), 2);
 }
 
 #[test]
