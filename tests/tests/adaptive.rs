@@ -193,6 +193,14 @@ fn congested_backend_gets_no_new_sessions_while_its_streams_finish_and_returns_a
         moved["steering"]
     );
     assert_eq!(moved["effective_weight"], 0, "{moved}");
+    let page = lab.metrics_page().unwrap();
+    let series = format!(
+        "sluice_backend_moved_away{{vip=\"{VIP}\",backend=\"{addr}\",reason=\"congestion\"}} 1"
+    );
+    assert!(
+        page.lines().any(|l| l == series),
+        "the metrics do not show {series}:\n{page}"
+    );
 
     // 90 new sessions: b0 gets far fewer than its share (none, while moved away).
     let results = lab.greet_many(vip(), 90, 6);

@@ -409,6 +409,13 @@ fn readme_worked_example_runs_against_the_daemon() {
         .greet(addr, Duration::from_secs(5))
         .unwrap_or_else(|e| panic!("a session to the example's VIP {addr}: {e:#}"));
     eprintln!("a session to {addr} was served by {b}");
+    let page = lab.metrics_page().unwrap();
+    let name = vip["name"].as_str().unwrap();
+    assert!(
+        page.starts_with("HTTP/1.1 200")
+            && page.contains(&format!("sluice_vip_packets_total{{vip=\"{name}\"}}")),
+        "the metrics endpoint does not show the example's VIP:\n{page}"
+    );
 }
 
 #[test]
