@@ -59,6 +59,8 @@ pub struct DaemonInfo {
     /// (interface, XDP mode) as attached.
     pub interfaces: Vec<(String, String)>,
     pub pin_dir: String,
+    /// The data plane was re-adopted from pinned maps (a restart or upgrade), not created.
+    pub reused: bool,
     /// Where pushed telemetry samples go (the same hub the scrapers feed).
     pub telemetry: Arc<std::sync::Mutex<Hub>>,
 }
@@ -647,6 +649,7 @@ async fn status<P: Plane>(api: &Api<P>) -> Value {
         "uptime_s": info.started.elapsed().as_secs(),
         "interfaces": interfaces,
         "pin_dir": info.pin_dir,
+        "dataplane_reused": info.reused,
         "vips": vips,
         "backends": backends,
     })
@@ -692,6 +695,7 @@ pub(crate) mod testing {
             started: Instant::now(),
             interfaces: vec![("eth0".into(), "native".into())],
             pin_dir: "/sys/fs/bpf/sluice".into(),
+            reused: false,
             telemetry: Arc::new(std::sync::Mutex::new(Hub::new(Duration::from_secs(3)))),
         }
     }
@@ -801,6 +805,7 @@ mod tests {
         assert_eq!(v["vips"], 0);
         assert_eq!(v["interfaces"], json!([{"name": "eth0", "mode": "native"}]));
         assert_eq!(v["pin_dir"], "/sys/fs/bpf/sluice");
+        assert_eq!(v["dataplane_reused"], false);
 
         let (st, v) = c.request("POST", "/v1/vips", Some(&chat())).unwrap();
         assert_eq!(st, 201, "{v}");
@@ -923,7 +928,17 @@ mod tests {
         });
         let (st, v) = c.request("GET", "/v1/events", None).unwrap();
         assert_eq!(st, 200);
-        assert_eq!(v["events"][0]["kind"], "drain-complete");
+        let kinds: Vec<&str> = v["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["kind"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            kinds,
+            ["backend-removed", "drain-complete"],
+            "the removal above, then the recorded one"
+        );
         assert_eq!(v["counts"]["drain-complete"], 1);
 
         let sample = json!({"kv_cache": 0.9, "queue_depth": 7});

@@ -51,10 +51,8 @@ fn vip_flags(vip: &Vip, overlay: &Overlay) -> u32 {
     if vip.spec.hash == HashMode::Source {
         f |= VIP_F_SRC_HASH;
     }
-    match overlay.shed.get(&vip.spec.name) {
-        Some(true) => f |= VIP_F_SHED | VIP_F_SHED_RST,
-        Some(false) => f |= VIP_F_SHED,
-        None => {}
+    if overlay.shed.contains(&vip.spec.name) {
+        f |= VIP_F_SHED;
     }
     if overlay.rst {
         f |= VIP_F_SHED_RST;
@@ -239,10 +237,9 @@ mod tests {
         // Not shed by priority, but its SYNs refused by full backends get a RST.
         o.rst = true;
         assert_eq!(vip_flags(&vip, &o), VIP_F_SHED_RST);
-        o.shed.insert("chat".into(), true);
+        o.shed.insert("chat".into());
         assert_eq!(vip_flags(&vip, &o), VIP_F_SHED | VIP_F_SHED_RST);
-        o = Overlay::default();
-        o.shed.insert("chat".into(), false);
+        o.rst = false;
         assert_eq!(vip_flags(&vip, &o), VIP_F_SHED);
     }
 }

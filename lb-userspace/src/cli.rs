@@ -718,6 +718,14 @@ fn print_status(out: &mut dyn Write, v: &Value) -> Result<()> {
         ("uptime", uptime.to_string()),
         ("interfaces", interfaces.join(", ")),
         ("pin dir", cell(&v["pin_dir"])),
+        (
+            "data plane",
+            if v["dataplane_reused"].as_bool() == Some(true) {
+                "re-adopted from pinned maps".to_string()
+            } else {
+                "created at start".to_string()
+            },
+        ),
         ("vips", cell(&v["vips"])),
         ("backends", cell(&v["backends"])),
     ];

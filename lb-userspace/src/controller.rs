@@ -28,8 +28,9 @@ pub struct Overlay {
     pub weights: BTreeMap<u32, u32>,
     /// Backends at their session cap or saturated: new sessions probe past them.
     pub full: std::collections::BTreeSet<u32>,
-    /// VIPs whose new sessions are shed, and whether TCP ones get a RST.
-    pub shed: BTreeMap<String, bool>,
+    /// VIPs whose new sessions are shed (their priority class is below what the
+    /// overloaded pool admits).
+    pub shed: std::collections::BTreeSet<String>,
     /// `policy.shed = "rst"`: every VIP answers the TCP sessions it refuses with a RST, also
     /// those refused because all of its backends are full (not only shed VIPs).
     pub rst: bool,
@@ -267,6 +268,26 @@ impl<P: Plane> Controller<P> {
             "before": before,
             "after": after,
         }));
+        if result.is_ok() {
+            // Removals re-steer live flows: they are events, not only audit lines.
+            let removed = match &op {
+                Op::RemoveBackend { vip, address } => {
+                    Some(("backend-removed", vip, Some(*address)))
+                }
+                Op::RemoveVip { vip } => Some(("vip-removed", vip, None)),
+                _ => None,
+            };
+            if let Some((kind, vip, backend)) = removed {
+                let reason = format!("requested by uid {} (pid {})", peer.uid, peer.pid);
+                self.record(Event {
+                    time_ms: now_ms,
+                    kind: kind.into(),
+                    vip: vip.clone(),
+                    backend,
+                    reason,
+                });
+            }
+        }
         result
     }
 
@@ -597,5 +618,20 @@ mod tests {
         assert!(ev[0].reason.contains("2 active flows"));
         assert!(c.state().vip("chat").unwrap().backends.is_empty());
         assert_eq!(c.event_counts()["drain-complete"], 1);
+        c.submit(
+            Op::RemoveVip { vip: "chat".into() },
+            Peer {
+                uid: 7,
+                gid: 7,
+                pid: 9,
+            },
+            2000,
+        )
+        .unwrap();
+        let last = c.events().last().unwrap();
+        assert_eq!(
+            (last.kind.as_str(), last.reason.as_str()),
+            ("vip-removed", "requested by uid 7 (pid 9)")
+        );
     }
 }

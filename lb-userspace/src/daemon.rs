@@ -199,7 +199,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
     };
     dp.set_config(&cfg.dataplane.lb_config())?;
     let interfaces = attach(&mut dp, &cfg, &pin_dir)?;
-    tracing::info!(reused = dp.reused(), pin_dir = %pin_dir.display(), "data plane ready");
+    let reused = dp.reused();
+    tracing::info!(reused, pin_dir = %pin_dir.display(), "data plane ready");
 
     let settings = Settings {
         limits,
@@ -226,6 +227,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         started: Instant::now(),
         interfaces,
         pin_dir: pin_dir.display().to_string(),
+        reused,
         telemetry: hub.clone(),
     });
     let cfg = Arc::new(cfg);

@@ -157,7 +157,7 @@ pub async fn step<P: Plane + 'static>(
                     .get(&v.spec.name)
                     .is_some_and(|s| s.sheds(v.spec.priority as u8))
             })
-            .map(|v| (v.spec.name.clone(), shed_rst))
+            .map(|v| v.spec.name.clone())
             .collect(),
         rst: shed_rst,
     };
