@@ -14,7 +14,7 @@
 //!
 //! Wiring in the daemon:
 //!
-//! ```ignore
+//! ```text
 //! let targets = telemetry::targets(&config)?; // rejects https endpoints
 //! let mut hub = Hub::new(config.telemetry.stale_after);
 //! for (key, sources) in telemetry::sources(&config) {
@@ -23,7 +23,7 @@
 //! let hub = Arc::new(Mutex::new(hub));
 //! tokio::spawn(telemetry::run(targets, hub.clone(), config.telemetry.clone(), shutdown));
 //! // policy: hub.lock().unwrap().view(&(vip, addr), Instant::now())
-//! // admin POST .../telemetry: sample.validate()?; hub.update(&key, Source::Push, sample, now)
+//! // admin POST .../telemetry: sample.validate()?; hub.push(&key, sample, now)
 //! ```
 //!
 //! On a configuration reload, stop `run` (its shutdown future), call [`Hub::configure`] for
