@@ -214,22 +214,12 @@ impl crate::controller::Plane for MapPlane {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::{Protocol, VipSpec};
 
     #[test]
     fn rst_mode_marks_every_vip_so_full_pools_answer_with_rst_too() {
         let vip = Vip {
             id: 0,
-            spec: VipSpec {
-                name: "chat".into(),
-                address: "10.0.0.1".parse().unwrap(),
-                port: 443,
-                protocol: Protocol::Tcp,
-                hash: HashMode::FiveTuple,
-                affinity_secs: 0,
-                priority: 0,
-                ring_size: 65537,
-            },
+            spec: crate::state::testing::vip("chat", "10.0.0.1"),
             backends: Default::default(),
         };
         let mut o = Overlay::default();

@@ -464,7 +464,7 @@ pub mod fake {
 #[cfg(test)]
 mod tests {
     use super::{fake::FakePlane, *};
-    use crate::state::{HashMode, Protocol};
+    use crate::state::testing::{be, vip};
 
     fn settings(dir: &std::path::Path) -> Settings {
         Settings {
@@ -490,25 +490,8 @@ mod tests {
 
     fn add_chat() -> Op {
         Op::AddVip {
-            vip: VipSpec {
-                name: "chat".into(),
-                address: "10.0.0.1".parse().unwrap(),
-                port: 443,
-                protocol: Protocol::Tcp,
-                hash: HashMode::FiveTuple,
-                affinity_secs: 0,
-                priority: 0,
-                ring_size: 65537,
-            },
-            backends: ["10.1.0.1", "10.1.0.2"]
-                .iter()
-                .map(|a| BackendSpec {
-                    address: a.parse().unwrap(),
-                    weight: 100,
-                    labels: Default::default(),
-                    max_sessions: 0,
-                })
-                .collect(),
+            vip: vip("chat", "10.0.0.1"),
+            backends: vec![be("10.1.0.1"), be("10.1.0.2")],
         }
     }
 

@@ -378,30 +378,17 @@ mod tests {
     use crate::{
         admin::testing::{controller, info},
         controller::{Event, Peer, Traffic},
-        state::{BackendSpec, HashMode, Op, Protocol, VipSpec},
+        state::{
+            testing::{be, vip},
+            Op,
+        },
     };
 
     async fn snapshot() -> Snapshot {
         let mut c = controller();
-        let backend = |a: &str| BackendSpec {
-            address: a.parse().unwrap(),
-            weight: 100,
-            labels: Default::default(),
-            max_sessions: 0,
-        };
-        let vip = VipSpec {
-            name: "chat".into(),
-            address: "10.0.0.1".parse().unwrap(),
-            port: 443,
-            protocol: Protocol::Tcp,
-            hash: HashMode::FiveTuple,
-            affinity_secs: 0,
-            priority: 0,
-            ring_size: 65537,
-        };
         let op = Op::AddVip {
-            vip,
-            backends: vec![backend("10.1.0.1"), backend("fd00::1")],
+            vip: vip("chat", "10.0.0.1"),
+            backends: vec![be("10.1.0.1"), be("fd00::1")],
         };
         c.submit(op, Peer::default(), 1).unwrap();
         let drain = Op::Drain {

@@ -557,11 +557,13 @@ impl State {
     }
 }
 
+/// Specs for the library's tests.
 #[cfg(test)]
-mod tests {
+pub(crate) mod testing {
     use super::*;
 
-    fn vip(name: &str, addr: &str) -> VipSpec {
+    /// A TCP/443 five-tuple VIP.
+    pub(crate) fn vip(name: &str, addr: &str) -> VipSpec {
         VipSpec {
             name: name.into(),
             address: addr.parse().unwrap(),
@@ -570,11 +572,12 @@ mod tests {
             hash: HashMode::FiveTuple,
             affinity_secs: 0,
             priority: 0,
-            ring_size: 65537,
+            ring_size: RING_SIZE_MAX,
         }
     }
 
-    fn be(addr: &str) -> BackendSpec {
+    /// A backend of weight 100 without labels or session cap.
+    pub(crate) fn be(addr: &str) -> BackendSpec {
         BackendSpec {
             address: addr.parse().unwrap(),
             weight: 100,
@@ -582,6 +585,14 @@ mod tests {
             max_sessions: 0,
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{
+        testing::{be, vip},
+        *,
+    };
 
     const L: Limits = Limits { max_vips: 4 };
 
