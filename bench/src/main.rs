@@ -4,7 +4,11 @@
 //! Benchmarks:
 //! - `xdp`: per-packet cost of `sluice_xdp` through BPF_PROG_TEST_RUN against the
 //!   `sluice_pass` baseline (see `xdp.rs`; `sluice-bench xdp --help`).
+//! - `maglev`: table build time for 10 to 1000 backends and the cost of publishing a change.
+//! - `failover`: time from a backend's death to the data plane steering around it.
 
+mod failover;
+mod maglev;
 mod report;
 mod sys;
 mod xdp;
@@ -14,14 +18,16 @@ use std::process::ExitCode;
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let Some(name) = args.next() else {
-        eprintln!("usage: sluice-bench <name> [args...]\nbenchmarks: xdp");
+        eprintln!("usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover");
         return ExitCode::from(2);
     };
     let args: Vec<String> = args.collect();
     let result = match name.as_str() {
         "xdp" => xdp::main(&args),
+        "maglev" => maglev::main(&args),
+        "failover" => failover::main(&args),
         _ => {
-            eprintln!("unknown benchmark: {name} (known: xdp)");
+            eprintln!("unknown benchmark: {name} (known: xdp, maglev, failover)");
             return ExitCode::from(2);
         }
     };

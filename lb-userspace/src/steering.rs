@@ -68,22 +68,23 @@ pub async fn run_health<P: Plane + 'static>(
         };
         let keys: BTreeSet<BackendKey> = probes.iter().map(|(k, ..)| k.clone()).collect();
         trackers.retain(|k, _| keys.contains(k));
-        // All probes run at once, each bounded by the timeout.
+        // All probes run at once, each bounded by the timeout; each reports when it ended.
         let tasks: Vec<_> = probes
             .iter()
             .map(|((_, addr), _, check)| {
                 let (addr, check, timeout) = (*addr, check.clone(), hc.timeout);
-                tokio::spawn(async move { health::check(addr, &check, timeout).await })
+                tokio::spawn(
+                    async move { (health::check(addr, &check, timeout).await, Instant::now()) },
+                )
             })
             .collect();
         let mut results = Vec::with_capacity(tasks.len());
         for t in tasks {
-            results.push(
-                t.await
-                    .unwrap_or(Err(health::CheckError::Timeout(hc.timeout))),
-            );
+            results.push(t.await.unwrap_or_else(|_| {
+                (Err(health::CheckError::Timeout(hc.timeout)), Instant::now())
+            }));
         }
-        for (((vip, addr), healthy, _), result) in probes.into_iter().zip(results) {
+        for (((vip, addr), healthy, _), (result, ended)) in probes.into_iter().zip(results) {
             let now = epoch.elapsed();
             let t = trackers
                 .entry((vip.clone(), addr))
@@ -97,10 +98,19 @@ pub async fn run_health<P: Plane + 'static>(
                 address: addr,
                 healthy: t.up,
             };
-            if let Err(e) = c.submit(op, Peer::default(), now_ms()) {
-                tracing::error!(%vip, backend = %addr, error = %e, "cannot apply a health change");
+            let mut ev = ev.to_controller(now_ms());
+            match c.submit(op, Peer::default(), now_ms()) {
+                // The failover latency the operator cares about, measured where it happens
+                // (the failover bench reads it from the event).
+                Ok(()) => ev.reason.push_str(&format!(
+                    "; data plane updated {} us after the deciding check",
+                    ended.elapsed().as_micros()
+                )),
+                Err(e) => {
+                    tracing::error!(%vip, backend = %addr, error = %e, "cannot apply a health change")
+                }
             }
-            c.record(ev.to_controller(now_ms()));
+            c.record(ev);
         }
     }
 }
