@@ -488,6 +488,19 @@ mod tests {
         d
     }
 
+    /// A controller over an empty fake plane, persisting into a fresh directory.
+    fn fresh() -> (PathBuf, Controller<FakePlane>) {
+        let d = tmp();
+        let c = Controller::new(
+            State::default(),
+            &State::default(),
+            FakePlane::default(),
+            settings(&d),
+        )
+        .unwrap();
+        (d, c)
+    }
+
     fn add_chat() -> Op {
         Op::AddVip {
             vip: vip("chat", "10.0.0.1"),
@@ -497,14 +510,7 @@ mod tests {
 
     #[test]
     fn accepted_requests_are_applied_persisted_and_audited_with_peer() {
-        let d = tmp();
-        let mut c = Controller::new(
-            State::default(),
-            &State::default(),
-            FakePlane::default(),
-            settings(&d),
-        )
-        .unwrap();
+        let (d, mut c) = fresh();
         let peer = Peer {
             uid: 1000,
             gid: 1000,
@@ -526,14 +532,7 @@ mod tests {
 
     #[test]
     fn a_plane_failure_rolls_back_and_changes_nothing() {
-        let d = tmp();
-        let mut c = Controller::new(
-            State::default(),
-            &State::default(),
-            FakePlane::default(),
-            settings(&d),
-        )
-        .unwrap();
+        let (d, mut c) = fresh();
         c.plane().fail_next = true;
         let e = c.submit(add_chat(), Peer::default(), 5).unwrap_err();
         assert_eq!(e.http_status(), 500);
@@ -546,14 +545,7 @@ mod tests {
 
     #[test]
     fn drains_complete_at_zero_flows_or_at_the_deadline() {
-        let d = tmp();
-        let mut c = Controller::new(
-            State::default(),
-            &State::default(),
-            FakePlane::default(),
-            settings(&d),
-        )
-        .unwrap();
+        let (_, mut c) = fresh();
         c.submit(add_chat(), Peer::default(), 0).unwrap();
         let a: IpAddr = "10.1.0.1".parse().unwrap();
         let b: IpAddr = "10.1.0.2".parse().unwrap();

@@ -165,36 +165,43 @@ pub(super) fn vip_detail(v: &Vip, backends: Vec<BackendView>, live: Option<Live>
     json!({ "vip": VipView::new(v, live), "backends": backends })
 }
 
-pub(super) fn flows(snap: &Snapshot) -> Value {
-    let vips: Vec<_> = snap
-        .state
+/// Every VIP with one figure (`key`) for itself and for each of its backends.
+fn per_vip(
+    snap: &Snapshot,
+    key: &str,
+    vip: impl Fn(&Vip) -> Value,
+    backend: impl Fn(&Backend) -> Value,
+) -> Vec<Value> {
+    snap.state
         .vips
         .values()
         .map(|v| {
             let backends: Vec<_> = v
                 .backends
                 .values()
-                .map(|b| json!({ "address": b.spec.address, "id": b.id, "active_flows": snap.backend_flows(b) }))
+                .map(|b| json!({ "address": b.spec.address, "id": b.id, key: backend(b) }))
                 .collect();
-            json!({ "vip": v.spec.name, "active_flows": snap.vip_live(v).active_flows, "backends": backends })
+            json!({ "vip": v.spec.name, key: vip(v), "backends": backends })
         })
-        .collect();
+        .collect()
+}
+
+pub(super) fn flows(snap: &Snapshot) -> Value {
+    let vips = per_vip(
+        snap,
+        "active_flows",
+        |v| json!(snap.vip_live(v).active_flows),
+        |b| json!(snap.backend_flows(b)),
+    );
     json!({ "vips": vips })
 }
 
 pub(super) fn stats(snap: &Snapshot) -> Value {
-    let vips: Vec<_> = snap
-        .state
-        .vips
-        .values()
-        .map(|v| {
-            let backends: Vec<_> = v
-                .backends
-                .values()
-                .map(|b| json!({ "address": b.spec.address, "id": b.id, "traffic": snap.backend_traffic(b) }))
-                .collect();
-            json!({ "vip": v.spec.name, "traffic": snap.vip_traffic(v), "backends": backends })
-        })
-        .collect();
+    let vips = per_vip(
+        snap,
+        "traffic",
+        |v| json!(snap.vip_traffic(v)),
+        |b| json!(snap.backend_traffic(b)),
+    );
     json!({ "global": snap.counters.global, "vips": vips })
 }
