@@ -4,8 +4,9 @@
 //! telemetry shows the queue or KV cache at its threshold; the data plane probes past full
 //! backends. Stale telemetry does not make a backend full, so a telemetry outage never sheds.
 //!
-//! Shedding, per VIP, over its healthy backends of positive weight: while all of them are
-//! full, classes `admit_max + 1 ..= 7` are shed. The first all-full step sheds class 7
+//! Shedding, per pool (the VIPs that share backend hosts), over the pool's healthy backends
+//! of positive weight: while all of them are full, VIPs of classes `admit_max + 1 ..= 7` shed
+//! their new sessions, so the capacity that frees up goes to the higher classes. The first all-full step sheds class 7
 //! (`admit_max` 6); every further `period` it stays all full sheds one more class, down to
 //! admitting class 0 only (class 0 is never shed). Once some backend has room for `period`,
 //! one class is readmitted per `period` until none is shed. Changes are at most one class per

@@ -220,7 +220,8 @@ impl Policy {
         let ids: BTreeSet<u32> = inputs.iter().map(|i| i.id).collect();
         self.backends.retain(|id, _| ids.contains(id));
         let vips: BTreeSet<&str> = inputs.iter().map(|i| i.vip).collect();
-        self.shedders.retain(|v, _| vips.contains(v.as_str()));
+        let pools = pools(inputs);
+        self.shedders.retain(|p, _| pools.values().any(|q| q == p));
 
         let work: Vec<Work> = inputs.iter().map(|i| self.observe(now, i)).collect();
         let kept = self.guard(&work);
@@ -234,8 +235,12 @@ impl Policy {
             let d = self.decide(now, w, kept.contains(&i), &mut out.events);
             out.backends.push(d);
         }
+        let mut done = BTreeSet::new();
         for vip in vips {
-            self.shed(now, vip, &work, &mut out);
+            let pool = &pools[vip];
+            if done.insert(pool.clone()) {
+                self.shed(now, pool, &work, &mut out);
+            }
         }
         self.started = true;
         out
@@ -389,17 +394,21 @@ impl Policy {
         }
     }
 
-    fn shed(&mut self, now: Duration, vip: &str, work: &[Work], out: &mut Decisions) {
+    /// Admission for one pool: the VIPs that share backend hosts. While all of the pool's
+    /// backends are full its shedder tightens, and each VIP of a class below what it admits
+    /// sheds its new sessions: capacity that frees up goes to the higher classes.
+    fn shed(&mut self, now: Duration, pool: &str, work: &[Work], out: &mut Decisions) {
+        let members: BTreeSet<&str> = pool.split(POOL_SEP).collect();
         let (mut full, mut backends) = (0, 0);
         for (w, d) in work.iter().zip(&out.backends) {
-            if w.input.vip == vip && w.eligible {
+            if members.contains(w.input.vip) && w.eligible {
                 backends += 1;
                 full += u32::from(d.full);
             }
         }
         let shedder = self
             .shedders
-            .entry(vip.to_owned())
+            .entry(pool.to_owned())
             .or_insert_with(|| Shedder::new(now));
         let all_full = backends > 0 && full == backends;
         if let Some(change) = shedder.update(now, all_full, self.cfg.cooldown_base) {
@@ -417,20 +426,71 @@ impl Policy {
             out.events.push(Event {
                 at: now,
                 kind,
-                vip: vip.to_owned(),
+                vip: pool.to_owned(),
                 backend: None,
                 reason: format!("{why}: admitting classes 0..={admit}"),
                 telemetry: None,
             });
         }
-        out.shed.insert(
-            vip.to_owned(),
-            Shed {
-                admit_max: shedder.admit_max(),
-                mode: self.cfg.shed,
-                full,
-                backends,
-            },
-        );
+        for vip in members {
+            out.shed.insert(
+                vip.to_owned(),
+                Shed {
+                    admit_max: shedder.admit_max(),
+                    mode: self.cfg.shed,
+                    full,
+                    backends,
+                },
+            );
+        }
     }
+}
+
+/// Joins the names of a pool's VIPs (VIP names cannot contain it).
+const POOL_SEP: char = '+';
+
+/// Each VIP's pool: the VIPs connected by sharing a backend address (the same accelerator
+/// host serves them all), named by their sorted names.
+fn pools(inputs: &[BackendInput]) -> BTreeMap<String, String> {
+    let mut pool_of: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for i in inputs {
+        pool_of
+            .entry(i.vip)
+            .or_insert_with(|| BTreeSet::from([i.vip]));
+    }
+    // Merge until stable: VIP counts are small (at most MAX_VIPS).
+    let mut hosts: BTreeMap<IpAddr, BTreeSet<&str>> = BTreeMap::new();
+    for i in inputs {
+        hosts.entry(i.address).or_default().insert(i.vip);
+    }
+    loop {
+        let mut changed = false;
+        for shared in hosts.values() {
+            let union: BTreeSet<&str> = shared
+                .iter()
+                .flat_map(|v| pool_of[v].iter().copied())
+                .collect();
+            for v in &union {
+                let p = pool_of.get_mut(v).expect("every VIP has a pool");
+                if p.len() != union.len() {
+                    *p = union.clone();
+                    changed = true;
+                }
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    pool_of
+        .into_iter()
+        .map(|(v, p)| {
+            (
+                v.to_owned(),
+                p.into_iter()
+                    .collect::<Vec<_>>()
+                    .join(&POOL_SEP.to_string()),
+            )
+        })
+        .collect()
 }

@@ -23,6 +23,8 @@ pub(crate) fn telemetry(sample: Sample) -> BackendTelemetry {
 struct Backend {
     vip: &'static str,
     id: u32,
+    /// The accelerator host (its address); VIPs sharing hosts form one admission pool.
+    host: u32,
     healthy: bool,
     sessions: u64,
     max_sessions: u32,
@@ -42,6 +44,7 @@ impl Sim {
             .map(|id| Backend {
                 vip: "v",
                 id,
+                host: id,
                 healthy: true,
                 sessions: 0,
                 max_sessions: 0,
@@ -65,7 +68,7 @@ impl Sim {
             .iter()
             .map(|b| BackendInput {
                 vip: b.vip,
-                address: addr(b.id),
+                address: addr(b.host),
                 id: b.id,
                 weight: 100,
                 healthy: b.healthy,
@@ -385,4 +388,47 @@ fn admission_marks_full_backends_and_sheds_the_lowest_priority_first() {
         .flat_map(|d| &d.events)
         .filter(|e| e.kind == EventKind::ShedStop);
     assert_eq!(stops.count(), 7);
+}
+
+#[test]
+fn vips_sharing_hosts_are_one_pool_and_its_lower_classes_are_shed_first() {
+    let cfg = PolicyConfig::default();
+    let period = cfg.cooldown_base;
+    let mut sim = Sim::new(cfg, 5);
+    // "premium" (class 0) and "free" (class 5) on hosts 1 and 2; "other" alone on host 5.
+    for (b, (vip, host)) in sim.backends.iter_mut().zip([
+        ("premium", 1),
+        ("premium", 2),
+        ("free", 1),
+        ("free", 2),
+        ("other", 5),
+    ]) {
+        b.vip = vip;
+        b.host = host;
+        b.max_sessions = 4;
+        b.sessions = if vip == "other" { 0 } else { 4 };
+    }
+    let out = sim.run_until(sim.now + 4 * period);
+    let last = out.last().unwrap();
+    // One shedder for the pool: both VIPs see the same level; the free tier (class 5) is
+    // shed once the level drops below 5, the premium tier (class 0) never.
+    assert_eq!(last.shed["premium"].admit_max, last.shed["free"].admit_max);
+    assert_eq!(
+        last.shed["free"].backends, 4,
+        "the pool counts both VIPs' backends"
+    );
+    let first_free_shed = out.iter().position(|d| d.shed["free"].sheds(5)).unwrap();
+    assert!(out.iter().all(|d| !d.shed["premium"].sheds(0)));
+    assert!(first_free_shed > 0, "class 7 goes first, class 5 later");
+    assert!(
+        out.iter().all(|d| !d.shed["other"].shedding()),
+        "another pool is not affected"
+    );
+    let starts: Vec<&str> = out
+        .iter()
+        .flat_map(|d| &d.events)
+        .filter(|e| e.kind == EventKind::ShedStart)
+        .map(|e| e.vip.as_str())
+        .collect();
+    assert!(starts.iter().all(|v| *v == "free+premium"), "{starts:?}");
 }
