@@ -735,7 +735,8 @@ impl DaemonLab {
         (out.status.code().unwrap_or(-1), out.stdout, out.stderr)
     }
 
-    fn cli_output(&self, args: &[&str]) -> Result<CmdOutput> {
+    /// `sluice --socket <lab socket> <args>` without panicking: its exit status and output.
+    pub fn cli_output(&self, args: &[&str]) -> Result<CmdOutput> {
         let mut cmd = Command::new(&self.sluice);
         cmd.arg("--socket").arg(&self.socket).args(args);
         run_output(&mut cmd, CLI_TIMEOUT)

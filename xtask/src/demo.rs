@@ -1,11 +1,12 @@
-//! `cargo xtask demo`: setup, build (release), then the namespace-lab demo: a client
-//! namespace streams tokens through Sluice (native XDP in an LB namespace) from three
-//! accelerator backends, with a live view; the lab is removed at the end, also on Ctrl-C.
+//! `cargo xtask demo`: setup, build (release), then the daemon-lab demo: a client namespace
+//! streams tokens (IPv4 and IPv6) through the real `sluice run` daemon (native XDP in an LB
+//! namespace) from three accelerator backends; mid-run gpu0 is drained through the CLI and
+//! gpu1's fake exporter reports RoCE congestion; a live view shows the streams, the daemon's
+//! view of each backend and its events; the lab is removed at the end, also on Ctrl-C.
 //!
 //! The demo itself is `sluice-demo` from the sluice-tests crate (tests/src/bin/sluice-demo.rs,
-//! built on `sluice_tests::netns`). It runs about 20 s; `SLUICE_DEMO_SECONDS=N` changes that
-//! (or run `target/release/sluice-demo --seconds N` directly).
-
+//! built on `sluice_tests::daemon_lab`). It runs about 20 s; `SLUICE_DEMO_SECONDS=N` changes
+//! that (or run `target/release/sluice-demo --seconds N` directly).
 use std::{os::unix::process::CommandExt, process::Command};
 
 use anyhow::{bail, Result};

@@ -1,19 +1,24 @@
-//! The namespace-lab demo (`cargo xtask demo`): a client namespace opens LLM-style token
-//! streams to the VIPs; Sluice (native XDP in the LB namespace) spreads them over three
-//! accelerator backends; the tokens come straight back from the backends (DSR). A live view
-//! shows each stream's backend and progress and the data plane's counters; everything is
-//! removed at the end, also on Ctrl-C or failure.
+//! The namespace-lab demo (`cargo xtask demo`), run as an operator would run Sluice: the
+//! load balancer in the LB namespace is the real daemon (`sluice run --config`, see
+//! `sluice_tests::daemon_lab`), driven through the `sluice` CLI. A client namespace opens
+//! LLM-style token streams to the VIPs (IPv4 and IPv6); the daemon spreads them over three
+//! accelerator backends (gpu0..gpu2, each with a fake dcgm/vLLM/RoCE exporter the daemon
+//! scrapes); the tokens come straight back from the backends (DSR). At a third of the run
+//! gpu0 is drained (`sluice backend drain`), at two thirds gpu1's exporter reports RoCE
+//! congestion and the policy moves it away for new sessions. A live view shows each stream,
+//! each backend as the client and as the daemon see it, and the daemon's events; everything
+//! is removed at the end, also on Ctrl-C or failure.
 //!
 //! `sluice-demo [--seconds N] [--streams N] [--server PATH]` (as root).
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashSet},
     io::Write,
     net::SocketAddr,
     path::PathBuf,
     process::ExitCode,
     sync::{
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc, Mutex,
     },
     thread,
@@ -21,19 +26,38 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use lb_common::{stat, PROTO_TCP};
+use serde_json::Value;
 use sluice_tests::{
+    daemon_lab::{DaemonLab, DaemonLabOptions, FakeTelemetry, VipDef, PREFIX},
     netns::{
-        lab_namespaces, Counters, LabOptions, NetLab, Netns, TopologySpec, BRIDGE, DEV, GATEWAY_V4,
-        GATEWAY_V6, NS_PREFIX, TCP_PORT, VIP4, VIP6, VIP_NET_V4, VIP_NET_V6,
+        lab_namespaces, Netns, TopologySpec, BRIDGE, DEV, GATEWAY_V4, GATEWAY_V6, NS_PREFIX,
+        TCP_PORT, VIP4, VIP6, VIP_NET_V4, VIP_NET_V6,
     },
     stream::{Event, TokenStream},
 };
 
 static STOP: AtomicBool = AtomicBool::new(false);
+/// 0: before the drain, 1: after draining gpu0, 2: after gpu1's congestion.
+static PHASE: AtomicUsize = AtomicUsize::new(0);
+const PHASES: [&str; 3] = [
+    "before any action",
+    "after draining gpu0",
+    "after gpu1's congestion",
+];
+/// The daemon's VIPs: (name, address).
+const VIPS: [(&str, bool); 2] = [("chat", false), ("chat6", true)];
+const BACKENDS: [&str; 3] = ["gpu0", "gpu1", "gpu2"];
 
 extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
+}
+
+fn vip_addr(v6: bool) -> SocketAddr {
+    if v6 {
+        SocketAddr::new(VIP6.into(), TCP_PORT)
+    } else {
+        SocketAddr::new(VIP4.into(), TCP_PORT)
+    }
 }
 
 struct Opts {
@@ -96,6 +120,8 @@ struct Shared {
     slots: Vec<Slot>,
     /// Per backend: (streams opened, tokens received by the client).
     by_backend: BTreeMap<String, (u64, u64)>,
+    /// New sessions per backend in each phase.
+    by_phase: [BTreeMap<String, u64>; 3],
 }
 
 fn main() -> ExitCode {
@@ -112,14 +138,25 @@ fn main() -> ExitCode {
     let result = run(&opts);
     // The lab was dropped inside run(), on success, error or panic alike.
     let ours = format!("{NS_PREFIX}{}-", std::process::id());
-    let left: Vec<String> = lab_namespaces()
+    let mut left: Vec<String> = lab_namespaces()
         .into_iter()
         .filter(|n| n.starts_with(&ours))
         .collect();
+    let pins = format!("{PREFIX}{}-", std::process::id());
+    for root in [PathBuf::from("/sys/fs/bpf"), std::env::temp_dir()] {
+        for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            if e.file_name().to_string_lossy().starts_with(&pins) {
+                left.push(e.path().display().to_string());
+            }
+        }
+    }
     if left.is_empty() {
-        println!("cleaned up: every namespace, veth, bridge and server of the demo is gone");
+        println!(
+            "cleaned up: the daemon, every namespace, veth, bridge, server, pin and temporary \
+             directory of the demo is gone"
+        );
     } else {
-        println!("WARNING: namespaces left behind: {}", left.join(" "));
+        println!("WARNING: left behind: {}", left.join(" "));
     }
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -131,6 +168,102 @@ fn main() -> ExitCode {
     }
 }
 
+/// `sluice --json <args>` on the lab's daemon; an error (never a panic) when it fails.
+fn cli_json(lab: &DaemonLab, args: &[&str]) -> Result<Value> {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    let out = lab.cli_output(&all)?;
+    if !out.status.success() {
+        bail!(
+            "`sluice {}` failed: {}{}",
+            all.join(" "),
+            out.stderr,
+            out.stdout
+        );
+    }
+    serde_json::from_str(&out.stdout).with_context(|| format!("`sluice {}`", all.join(" ")))
+}
+
+/// The daemon's view: per VIP, per backend name, its `sluice backend list --json` entry.
+type DaemonView = BTreeMap<&'static str, BTreeMap<String, Value>>;
+
+fn daemon_view(lab: &DaemonLab) -> DaemonView {
+    let mut out = DaemonView::new();
+    for (vip, _) in VIPS {
+        let Ok(v) = cli_json(lab, &["backend", "list", vip]) else {
+            continue;
+        };
+        let m = out.entry(vip).or_default();
+        for b in v["backends"].as_array().into_iter().flatten() {
+            let name = b["address"]
+                .as_str()
+                .and_then(|a| a.parse().ok())
+                .and_then(|a| lab.backend_name(a))
+                .unwrap_or_else(|| b["address"].to_string());
+            m.insert(name, b.clone());
+        }
+    }
+    out
+}
+
+/// Prints (unless `quiet`) and logs the daemon's events not seen yet.
+fn poll_events(
+    lab: &DaemonLab,
+    seen: &mut HashSet<String>,
+    log: &mut Vec<String>,
+    t: Duration,
+    quiet: bool,
+) {
+    let Ok(v) = cli_json(lab, &["events"]) else {
+        return;
+    };
+    for e in v["events"].as_array().into_iter().flatten() {
+        if !seen.insert(e.to_string()) {
+            continue;
+        }
+        let backend = e["backend"]
+            .as_str()
+            .and_then(|a| a.parse().ok())
+            .and_then(|a| lab.backend_name(a))
+            .unwrap_or_else(|| e["backend"].as_str().unwrap_or("-").to_string());
+        let line = format!(
+            "t={:>5.1} s  event {:<15} vip {:<6} backend {:<5} {}",
+            t.as_secs_f64(),
+            e["kind"].as_str().unwrap_or("?"),
+            e["vip"].as_str().unwrap_or("-"),
+            backend,
+            e["reason"].as_str().unwrap_or("")
+        );
+        if !quiet {
+            println!("{line}");
+        }
+        log.push(line);
+    }
+}
+
+/// Waits (10 s at most) until the daemon has every backend of every VIP in rotation with
+/// fresh telemetry.
+fn wait_settled(lab: &DaemonLab) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline && !STOP.load(Ordering::SeqCst) {
+        let view = daemon_view(lab);
+        let ok = VIPS.iter().all(|(vip, _)| {
+            view.get(vip).is_some_and(|m| {
+                m.len() == BACKENDS.len()
+                    && m.values().all(|b| {
+                        b["steering"]["state"] == "active"
+                            && b["steering"]["telemetry_age_s"].is_f64()
+                    })
+            })
+        });
+        if ok {
+            return true;
+        }
+        thread::sleep(Duration::from_millis(200));
+    }
+    false
+}
+
 /// Runs the demo; Ok(false) when some stream failed.
 fn run(opts: &Opts) -> Result<bool> {
     if !opts.server.is_file() {
@@ -140,25 +273,41 @@ fn run(opts: &Opts) -> Result<bool> {
         );
     }
     println!(
-        "Sluice namespace-lab demo: {} token streams for {} s through an XDP load balancer \
-         to 3 accelerator backends\n",
-        opts.streams, opts.seconds
+        "Sluice daemon demo: {} token streams for {} s through `sluice run` (XDP) to 3 \
+         accelerator backends; gpu0 is drained at {:.0} s, gpu1 congested at {:.0} s\n",
+        opts.streams,
+        opts.seconds,
+        opts.seconds as f64 / 3.0,
+        opts.seconds as f64 * 2.0 / 3.0
     );
     let t0 = Instant::now();
-    let mut lab = NetLab::start(&LabOptions {
-        topology: TopologySpec {
-            backends: vec!["gpu0".into(), "gpu1".into(), "gpu2".into()],
-        },
-        server: Some(opts.server.clone()),
-        server_lifetime: Duration::from_secs(opts.seconds + 60),
-        ..Default::default()
-    })
-    .context("building the lab")?;
+    let vips = VIPS
+        .iter()
+        .map(|&(name, v6)| {
+            let mut v = VipDef::tcp(name, vip_addr(v6), BACKENDS.len());
+            v.telemetry = true;
+            v
+        })
+        .collect();
+    let mut lo = DaemonLabOptions::new(&opts.server, BACKENDS.len(), vips);
+    lo.topology = TopologySpec {
+        backends: BACKENDS.iter().map(|b| b.to_string()).collect(),
+    };
+    lo.exporters = true;
+    lo.server_lifetime = Duration::from_secs(opts.seconds + 90);
+    let lab = DaemonLab::start(lo).context("starting the daemon lab")?;
     print_topology(&lab, t0.elapsed());
     if STOP.load(Ordering::SeqCst) {
         println!("interrupted");
         return Ok(true);
     }
+    if !wait_settled(&lab) {
+        println!("(the daemon had not seen every backend's telemetry within 10 s)");
+    }
+    let tty = unsafe { libc::isatty(1) } == 1;
+    let mut seen = HashSet::new();
+    let mut events = Vec::new();
+    poll_events(&lab, &mut seen, &mut events, Duration::ZERO, tty);
 
     let start = Instant::now();
     let deadline = start + Duration::from_secs(opts.seconds);
@@ -166,7 +315,6 @@ fn run(opts: &Opts) -> Result<bool> {
         slots: vec![Slot::default(); opts.streams],
         ..Default::default()
     }));
-    let before = lab.counters()?;
     let handles: Vec<_> = (0..opts.streams)
         .map(|k| {
             let client = lab.topo.client.ns.clone();
@@ -175,30 +323,84 @@ fn run(opts: &Opts) -> Result<bool> {
         })
         .collect();
 
-    let tty = unsafe { libc::isatty(1) } == 1;
     let frame_every = if tty {
         Duration::from_secs(1)
     } else {
         Duration::from_secs(4)
     };
+    let drain_at = start + Duration::from_secs(opts.seconds) / 3;
+    let congest_at = start + Duration::from_secs(opts.seconds) * 2 / 3;
     let hard_end = deadline + Duration::from_secs(10);
     let mut next_frame = start;
+    let mut next_events = start;
+    let mut actions: Vec<String> = Vec::new();
     loop {
+        let now = Instant::now();
+        let t = start.elapsed();
+        if PHASE.load(Ordering::SeqCst) == 0 && now >= drain_at {
+            let gpu0 = &lab.topo.backends[0];
+            for (vip, v6) in VIPS {
+                let addr = gpu0.addr(v6).to_string();
+                let line = match lab.cli_output(&["backend", "drain", vip, &addr]) {
+                    Ok(o) if o.status.success() => o.stdout.trim().to_string(),
+                    Ok(o) => format!("failed: {}{}", o.stderr.trim(), o.stdout.trim()),
+                    Err(e) => format!("failed: {e:#}"),
+                };
+                actions.push(format!(
+                    "t={:>5.1} s  $ sluice backend drain {vip} {addr}  ->  {line}",
+                    t.as_secs_f64()
+                ));
+                if !tty {
+                    println!("{}", actions.last().unwrap());
+                }
+            }
+            PHASE.store(1, Ordering::SeqCst);
+        }
+        if PHASE.load(Ordering::SeqCst) == 1 && now >= congest_at {
+            let hot = FakeTelemetry {
+                ecn_per_s: 5000.0,
+                ..FakeTelemetry::default()
+            };
+            let line = match lab.set_telemetry(1, &hot) {
+                Ok(()) => "gpu1's exporter now reports 5000 ECN-marked RoCE packets/s \
+                           (threshold 1000/s)"
+                    .to_string(),
+                Err(e) => format!("could not set gpu1's telemetry: {e:#}"),
+            };
+            actions.push(format!("t={:>5.1} s  {line}", t.as_secs_f64()));
+            if !tty {
+                println!("{}", actions.last().unwrap());
+            }
+            PHASE.store(2, Ordering::SeqCst);
+        }
+        if now >= next_events {
+            poll_events(&lab, &mut seen, &mut events, t, tty);
+            next_events = now + Duration::from_millis(500);
+        }
         let done = handles.iter().all(|h| h.is_finished());
-        if done || Instant::now() >= next_frame {
-            let now = lab.counters()?.since(&before);
-            let view = render(&mut lab, &shared, &now, start.elapsed(), opts.seconds)?;
+        if done || now >= next_frame {
+            let view = daemon_view(&lab);
+            let text = render(
+                &lab,
+                &shared,
+                &view,
+                &actions,
+                &events,
+                t,
+                opts.seconds,
+                tty,
+            )?;
             if tty {
                 print!("\x1b[2J\x1b[H");
             }
-            println!("{view}");
+            println!("{text}");
             let _ = std::io::stdout().flush();
             next_frame += frame_every;
         }
         if done {
             break;
         }
-        if Instant::now() >= hard_end {
+        if now >= hard_end {
             // Streams are sized to end by the deadline: this is a stuck one.
             STOP.store(true, Ordering::SeqCst);
         }
@@ -207,6 +409,7 @@ fn run(opts: &Opts) -> Result<bool> {
     for h in handles {
         let _ = h.join();
     }
+    poll_events(&lab, &mut seen, &mut events, start.elapsed(), tty);
 
     let s = shared.lock().unwrap();
     let completed: u32 = s.slots.iter().map(|x| x.completed).sum();
@@ -220,6 +423,23 @@ fn run(opts: &Opts) -> Result<bool> {
     for (b, (streams, toks)) in &s.by_backend {
         println!("  {b}: {streams} streams, {toks} tokens");
     }
+    println!("where new sessions went:");
+    for (i, what) in PHASES.iter().enumerate() {
+        let m = &s.by_phase[i];
+        let list: Vec<String> = BACKENDS
+            .iter()
+            .map(|b| format!("{b} {}", m.get(*b).copied().unwrap_or(0)))
+            .collect();
+        println!("  {what:<24} {}", list.join(", "));
+    }
+    println!("actions:");
+    for a in &actions {
+        println!("  {a}");
+    }
+    println!("the daemon's events during the run:");
+    for e in &events {
+        println!("  {e}");
+    }
     for (i, x) in s.slots.iter().enumerate() {
         if let Some(e) = &x.last_error {
             println!("  stream slot {}: last error: {e}", i + 1);
@@ -227,14 +447,19 @@ fn run(opts: &Opts) -> Result<bool> {
     }
     let ok = errors == 0;
     drop(s);
-    println!("\ntearing the lab down...");
+    println!("\nstopping the daemon and tearing the lab down...");
     drop(lab);
     Ok(ok)
 }
 
-fn print_topology(lab: &NetLab, took: Duration) {
+fn print_topology(lab: &DaemonLab, took: Duration) {
     let t = &lab.topo;
-    println!("lab {} built in {:.1} s:", t.id, took.as_secs_f64());
+    println!(
+        "lab {} ({}) built in {:.1} s:",
+        t.id,
+        lab.id,
+        took.as_secs_f64()
+    );
     println!(
         "  {:<7} {:<18} {:<13} {:<15} role",
         "host", "namespace", "IPv4", "IPv6"
@@ -247,15 +472,19 @@ fn print_topology(lab: &NetLab, took: Duration) {
         t.client.v6
     );
     println!(
-        "  {:<7} {:<18} {:<13} {:<15} sluice_xdp, native XDP on {DEV} (XDP_TX back out)",
+        "  {:<7} {:<18} {:<13} {:<15} `sluice run` (pid {}): native XDP on {DEV}, admin \
+         socket {}",
         "lb",
         t.lb.ns.name(),
         t.lb.v4,
-        t.lb.v6
+        t.lb.v6,
+        lab.daemon_pid().unwrap_or(0),
+        lab.socket.display()
     );
     for b in &t.backends {
         println!(
-            "  {:<7} {:<18} {:<13} {:<15} sluice_decap on {DEV}, VIPs on lo, token server",
+            "  {:<7} {:<18} {:<13} {:<15} sluice_decap on {DEV}, VIPs on lo, token server, \
+             fake exporter :9400",
             b.name,
             b.ns.name(),
             b.v4,
@@ -272,8 +501,9 @@ fn print_topology(lab: &NetLab, took: Duration) {
         t.lb.port
     );
     println!(
-        "  VIPs: {VIP4}:{TCP_PORT}/tcp and [{VIP6}]:{TCP_PORT}/tcp, Maglev over the 3 \
-         backends; replies return directly (DSR)\n"
+        "  VIPs: chat {VIP4}:{TCP_PORT}/tcp and chat6 [{VIP6}]:{TCP_PORT}/tcp over the 3 \
+         backends, dcgm/vLLM/RoCE telemetry scraped every 250 ms; replies return directly \
+         (DSR)\n"
     );
 }
 
@@ -355,6 +585,8 @@ fn run_stream(
         s.slots[k].backend = st.backend.clone();
         s.slots[k].state = "streaming";
         s.by_backend.entry(st.backend.clone()).or_default().0 += 1;
+        let phase = PHASE.load(Ordering::SeqCst).min(2);
+        *s.by_phase[phase].entry(st.backend.clone()).or_default() += 1;
     }
     let hard = deadline + Duration::from_secs(5);
     loop {
@@ -387,21 +619,45 @@ fn run_stream(
     Ok(())
 }
 
+/// One VIP's entry for a backend in the daemon's view: state, steering state (reason),
+/// effective weight, active flows.
+fn daemon_cell(b: Option<&Value>) -> String {
+    let Some(b) = b else {
+        return "(removed)".into();
+    };
+    let st = &b["steering"];
+    let reason = st["reason"].as_str().filter(|r| !r.is_empty());
+    format!(
+        "{}, {}{} w={} flows={}",
+        b["state"].as_str().unwrap_or("?"),
+        st["state"].as_str().unwrap_or("?"),
+        reason.map(|r| format!(" ({r})")).unwrap_or_default(),
+        b["effective_weight"],
+        b["active_flows"]
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
 fn render(
-    lab: &mut NetLab,
+    lab: &DaemonLab,
     shared: &Mutex<Shared>,
-    d: &Counters,
+    view: &DaemonView,
+    actions: &[String],
+    events: &[String],
     elapsed: Duration,
     total: u64,
+    tty: bool,
 ) -> Result<String> {
     use std::fmt::Write as _;
     let mut o = String::new();
     let s = shared.lock().unwrap();
     writeln!(
         o,
-        "── Sluice lab {} ── t = {:>4.1} s of {total} s ── Ctrl-C stops and cleans up ──",
+        "── Sluice daemon lab {} ── t = {:>4.1} s of {total} s ── {} ── Ctrl-C stops and \
+         cleans up ──",
         lab.topo.id,
-        elapsed.as_secs_f64()
+        elapsed.as_secs_f64(),
+        PHASES[PHASE.load(Ordering::SeqCst).min(2)]
     )?;
     writeln!(
         o,
@@ -437,61 +693,35 @@ fn render(
     writeln!(o)?;
     writeln!(
         o,
-        "{:<8} {:>8} {:>10}   {:>13} {:>10} {:>12}",
-        "backend", "streams", "tokens", "LB new flows", "LB packets", "LB bytes"
+        "{:<7} {:>7} {:>7}  {:<46} daemon: chat6 (v6)",
+        "backend", "streams", "tokens", "daemon: chat (v4)"
     )?;
-    let tcp: Vec<_> = lab
-        .services
-        .iter()
-        .filter(|v| v.proto == PROTO_TCP)
-        .cloned()
-        .collect();
-    let names: Vec<String> = lab.topo.backends.iter().map(|b| b.name.clone()).collect();
-    for (i, name) in names.iter().enumerate() {
-        let (mut flows, mut pkts, mut bytes) = (0, 0, 0);
-        for v in &tcp {
-            let st = lab.lb_dp.backend_stats(v.backend_ids[i])?;
-            flows += st.new_flows;
-            pkts += st.packets;
-            bytes += st.bytes;
-        }
+    for name in BACKENDS {
         let (streams, toks) = s.by_backend.get(name).copied().unwrap_or_default();
+        let cells: Vec<String> = VIPS
+            .iter()
+            .map(|(vip, _)| daemon_cell(view.get(vip).and_then(|m| m.get(name))))
+            .collect();
         writeln!(
             o,
-            "{:<8} {:>8} {:>10}   {:>13} {:>10} {:>12}",
-            name, streams, toks, flows, pkts, bytes
+            "{:<7} {:>7} {:>7}  {:<46} {}",
+            name, streams, toks, cells[0], cells[1]
         )?;
     }
     writeln!(
         o,
-        "(streams and tokens as the client saw them; LB columns: sluice_xdp's per-backend \
-         counters, client->VIP direction)"
+        "(streams and tokens as the client saw them; daemon: `sluice backend list --json`: \
+         state, steering state (reason), effective weight, active flows)"
     )?;
-    writeln!(o)?;
-    let c = |i: u32| d.lb[i as usize];
-    writeln!(
-        o,
-        "LB sluice_xdp: rx {}  encapsulated (XDP_TX) {}  conn hits {}  new flows {}  \
-         fallback MAC {}  drops {}",
-        c(stat::RX),
-        c(stat::TX),
-        c(stat::CONN_HIT),
-        c(stat::CONN_MISS),
-        c(stat::FIB_FALLBACK_MAC),
-        c(stat::DROP_NO_BACKEND) + c(stat::DROP_NO_NEXTHOP) + c(stat::DROP_ADJUST_HEAD)
-    )?;
-    let decap: u64 = d.decap.iter().map(|x| x[stat::DECAP_OK as usize]).sum();
-    writeln!(
-        o,
-        "DSR: {} client->VIP packets went through the LB, encapsulated to the backends ({} \
-         decapsulated there); {} packets ({} kB) came from the backends straight to the \
-         client: the LB's port saw only {} other frames and sent {} besides its encapsulations",
-        d.vip_packets,
-        decap,
-        d.client_link.rx_packets,
-        d.client_link.rx_bytes / 1000,
-        c(stat::RX).saturating_sub(d.vip_packets),
-        d.edge[stat::RX as usize].saturating_sub(c(stat::TX)),
-    )?;
+    if tty {
+        writeln!(o)?;
+        for a in actions {
+            writeln!(o, "{a}")?;
+        }
+        writeln!(o, "the daemon's latest events:")?;
+        for e in &events[events.len().saturating_sub(8)..] {
+            writeln!(o, "  {e}")?;
+        }
+    }
     Ok(o)
 }
