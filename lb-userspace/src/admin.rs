@@ -936,8 +936,14 @@ mod tests {
             .collect();
         assert_eq!(
             kinds,
-            ["backend-removed", "drain-complete"],
-            "the removal above, then the recorded one"
+            [
+                "drain-start",
+                "undrain",
+                "drain-start",
+                "backend-removed",
+                "drain-complete"
+            ],
+            "the requests above, then the recorded event"
         );
         assert_eq!(v["counts"]["drain-complete"], 1);
 

@@ -269,15 +269,17 @@ impl<P: Plane> Controller<P> {
             "after": after,
         }));
         if result.is_ok() {
-            // Removals re-steer live flows: they are events, not only audit lines.
-            let removed = match &op {
+            // Changes that move live or future flows are events, not only audit lines.
+            let ev = match &op {
                 Op::RemoveBackend { vip, address } => {
                     Some(("backend-removed", vip, Some(*address)))
                 }
                 Op::RemoveVip { vip } => Some(("vip-removed", vip, None)),
+                Op::Drain { vip, address, .. } => Some(("drain-start", vip, Some(*address))),
+                Op::Undrain { vip, address } => Some(("undrain", vip, Some(*address))),
                 _ => None,
             };
-            if let Some((kind, vip, backend)) = removed {
+            if let Some((kind, vip, backend)) = ev {
                 let reason = format!("requested by uid {} (pid {})", peer.uid, peer.pid);
                 self.record(Event {
                     time_ms: now_ms,
