@@ -20,10 +20,16 @@ use crate::cmd::{self, step};
 
 /// Debian packages the packet/namespace tests and the demo use.
 pub const DEB_PACKAGES: &[&str] = &[
-    // `ip`: network namespaces, veth pairs, XDP attach; `tc`: clsact for the decap program.
+    // `ip`: network namespaces, veth pairs, bridges, addresses, routes, neighbours.
     "iproute2",
     // `ethtool -K <dev> tx off`: veth tx checksum offload breaks packets rewritten in XDP.
-    "ethtool", // HTTP clients for the demo's token streams.
+    "ethtool",
+    // `sysctl`: forwarding and rp_filter in the test namespaces.
+    "procps",
+    // `nsenter`: the daemon tests run `sluice run` in the LB namespace without remounting
+    // /sys (which `ip netns exec` does, hiding /sys/fs/bpf).
+    "util-linux",
+    // The README's admin-API examples (`curl --unix-socket`).
     "curl",
 ];
 
