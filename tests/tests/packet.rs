@@ -87,6 +87,13 @@ fn lab_v4() -> (Lab, lb_common::VipKey) {
     (lab, vip)
 }
 
+/// The first client port from `from` whose TCP flow to VIP4:443 the ring gives backend `id`.
+fn port_on(lab: &mut Lab, vip: &lb_common::VipKey, id: u32, from: u16) -> u16 {
+    (from..60000)
+        .find(|&p| lab.ring_choice(vip, &flow(CLIENT4, p, VIP4, 443, PROTO_TCP), false) == id)
+        .expect("some port maps to every backend")
+}
+
 /// Sends `l3` from the client and asserts it left encapsulated to the ring's backend.
 fn assert_steered(lab: &mut Lab, l3: &[u8], expected_backend: u32, h: u32) {
     let (action, out) = lab.run(&on_wire(l3));
@@ -285,12 +292,7 @@ fn affinity_window_keeps_a_reconnecting_client_on_its_backend_after_a_table_chan
 #[test]
 fn draining_backend_takes_no_new_flow_but_keeps_its_established_one() {
     let (mut lab, vip) = lab_v4();
-    let port_on = |lab: &mut Lab, id: u32, from: u16| {
-        (from..60000)
-            .find(|&p| lab.ring_choice(&vip, &flow(CLIENT4, p, VIP4, 443, PROTO_TCP), false) == id)
-            .unwrap()
-    };
-    let old = port_on(&mut lab, 2, 1000);
+    let old = port_on(&mut lab, &vip, 2, 1000);
     lab.run(&on_wire(&v4_tcp(CLIENT4, old, VIP4, 443, SYN, 0)));
     lab.set_state(2, BACKEND_DRAINING);
     // The established flow stays.
@@ -298,7 +300,7 @@ fn draining_backend_takes_no_new_flow_but_keeps_its_established_one() {
     let h = lab.flow_hash(&key, false);
     assert_steered(&mut lab, &v4_tcp(CLIENT4, old, VIP4, 443, ACK, 0), 2, h);
     // A new flow whose ring slot is the draining backend goes to its next probe.
-    let new = port_on(&mut lab, 2, old + 1);
+    let new = port_on(&mut lab, &vip, 2, old + 1);
     let nkey = flow(CLIENT4, new, VIP4, 443, PROTO_TCP);
     let next = *lab.probes(&vip, &nkey).iter().find(|&&id| id != 2).unwrap();
     let h = lab.flow_hash(&nkey, false);
@@ -309,9 +311,7 @@ fn draining_backend_takes_no_new_flow_but_keeps_its_established_one() {
 #[test]
 fn down_backend_flow_is_resteered_to_the_current_table_choice() {
     let (mut lab, vip) = lab_v4();
-    let p = (1000..60000)
-        .find(|&p| lab.ring_choice(&vip, &flow(CLIENT4, p, VIP4, 443, PROTO_TCP), false) == 3)
-        .unwrap();
+    let p = port_on(&mut lab, &vip, 3, 1000);
     lab.run(&on_wire(&v4_tcp(CLIENT4, p, VIP4, 443, SYN, 0)));
     lab.set_state(3, BACKEND_DOWN);
     lab.backends(&vip, &BACKENDS4[..2]);
@@ -785,18 +785,13 @@ fn decap_strips_each_outer_header_and_passes_the_client_packet() {
 #[test]
 fn full_backend_is_probed_past_by_new_sessions_but_keeps_its_streams() {
     let (mut lab, vip) = lab_v4();
-    let on = |lab: &mut Lab, id: u32, from: u16| {
-        (from..60000)
-            .find(|&p| lab.ring_choice(&vip, &flow(CLIENT4, p, VIP4, 443, PROTO_TCP), false) == id)
-            .unwrap()
-    };
-    let old = on(&mut lab, 1, 1000);
+    let old = port_on(&mut lab, &vip, 1, 1000);
     lab.run(&on_wire(&v4_tcp(CLIENT4, old, VIP4, 443, SYN, 0)));
     lab.set_flags(1, BACKEND_F_FULL);
     let key = flow(CLIENT4, old, VIP4, 443, PROTO_TCP);
     let h = lab.flow_hash(&key, false);
     assert_steered(&mut lab, &v4_tcp(CLIENT4, old, VIP4, 443, ACK, 0), 1, h);
-    let new = on(&mut lab, 1, old + 1);
+    let new = port_on(&mut lab, &vip, 1, old + 1);
     let nkey = flow(CLIENT4, new, VIP4, 443, PROTO_TCP);
     let next = *lab.probes(&vip, &nkey).iter().find(|&&id| id != 1).unwrap();
     let h = lab.flow_hash(&nkey, false);
