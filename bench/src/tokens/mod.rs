@@ -545,7 +545,8 @@ pub fn main(args: &[String]) -> Result<()> {
             print!("{e}");
             return Ok(());
         }
-        Err(e) => bail!("{e}"),
+        // The caller adds its own `error: `.
+        Err(e) => bail!("{}", e.to_string().trim_start_matches("error: ").trim_end()),
     };
     let cfg = config(&cli)?;
     let rt = tokio::runtime::Builder::new_current_thread()
