@@ -354,12 +354,14 @@ async fn completion(req: Request<Incoming>, sh: &Arc<Shared>, api: Api) -> Resp 
         .map_or(0, |d| d.as_secs());
     let model = job.model.as_deref().unwrap_or(&sh.cfg.model);
     let writer = Writer::new(api, &sh.cfg.name, id, model, created, sh.cfg.seed);
+    let guard = CancelOnDrop { sh: sh.clone(), id };
     if job.stream {
         let mut r = Response::new(
             SseBody {
                 rx,
                 writer,
                 done: false,
+                _guard: guard,
             }
             .boxed(),
         );
@@ -375,7 +377,25 @@ async fn completion(req: Request<Incoming>, sh: &Arc<Shared>, api: Api) -> Resp 
             Out::Done => break,
         }
     }
+    drop(guard);
     json_resp(StatusCode::OK, &writer.whole(job.prompt_tokens, tokens))
+}
+
+/// Takes a request out of the engine when its answer is dropped before the end (the client
+/// went away), so an abandoned request neither waits in the queue nor holds KV cache. After
+/// the end it finds nothing to do.
+struct CancelOnDrop {
+    sh: Arc<Shared>,
+    id: SeqId,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        let mut st = self.sh.lock();
+        if st.waiters.remove(&self.id).is_some() {
+            st.engine.cancel(self.id);
+        }
+    }
 }
 
 /// A streaming answer: each token the engine hands over becomes an SSE chunk; tokens that
@@ -384,6 +404,7 @@ struct SseBody {
     rx: mpsc::UnboundedReceiver<Out>,
     writer: Writer,
     done: bool,
+    _guard: CancelOnDrop,
 }
 
 impl Body for SseBody {

@@ -208,3 +208,38 @@ fn slow_and_faults_change_the_speed() {
     fault(&a, r#"{"kind":"clear"}"#);
     assert_eq!(state(&a)["speed"], 0.5, "--slow stays after clear");
 }
+
+#[test]
+fn a_client_that_goes_away_frees_its_place() {
+    let a = start(&[]);
+    let mut s = send(
+        a.serve,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt":"abcd","max_tokens":2000,"stream":true}"#,
+    );
+    let mut buf = [0u8; 4096];
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let n = s.read(&mut buf).expect("reading the stream");
+        assert!(n > 0, "stream ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert!(exchange(a.control, "GET", "/state", "").contains("\"running\":1"));
+    drop(s);
+    // Bounded: the server notices the closed connection at its next write.
+    for _ in 0..100 {
+        if exchange(a.control, "GET", "/state", "").contains("\"running\":0") {
+            let m = exchange(a.serve, "GET", "/metrics", "");
+            assert!(
+                m.contains(
+                    "finished_reason=\"abort\",model_name=\"sluice-sim/llama-3.3-70b-fp8\"} 1.0"
+                ),
+                "{m}"
+            );
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("the abandoned request still runs after 5 s");
+}

@@ -50,6 +50,9 @@ pub struct Record {
     pub conversation: u64,
     /// 0 for a conversation's first turn.
     pub turn: u32,
+    /// What was asked: prompt tokens (with the conversation so far) and answer tokens.
+    pub prompt_tokens: u32,
+    pub max_tokens: u32,
     /// The x-sluice-backend header of the answer; null when there was none.
     pub backend: Option<String>,
     pub ttft_ms: Option<f64>,
@@ -259,7 +262,11 @@ async fn conversation(run: Arc<Run>, id: u64, turns: Vec<Turn>) {
         };
         let out = client::stream(ask, &run.clock).await;
         let broken = out.broken.is_some();
-        let record = record(start_ms, source, id, k as u32, &out);
+        let record = Record {
+            prompt_tokens: turn.prompt_tokens,
+            max_tokens: turn.max_tokens,
+            ..record(start_ms, source, id, k as u32, &out)
+        };
         run.done.fetch_add(1, Ordering::Relaxed);
         run.broken.fetch_add(broken as u64, Ordering::Relaxed);
         let _ = run.tx.send((record, out.gaps_ms));
@@ -286,6 +293,7 @@ fn record(start_ms: f64, source: Option<IpAddr>, conv: u64, turn: u32, out: &Out
         e2e_ms: out.e2e_ms.map(r3),
         tokens: out.tokens,
         broken: out.broken.map(str::to_owned),
+        ..Record::default()
     }
 }
 
@@ -593,4 +601,110 @@ pub fn main(args: &[String]) -> Result<()> {
     }
     println!("wrote {}", cli.json.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_accel::{model::Params, server};
+
+    /// Starts a simulated accelerator in this runtime; returns its serving and control
+    /// addresses. A fast model (1 ms steps) keeps the test short.
+    async fn accel(name: &str) -> (SocketAddr, SocketAddr) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let cfg = server::Config {
+            name: name.into(),
+            listen: vec!["127.0.0.1:0".parse().unwrap()],
+            control: "127.0.0.1:0".parse().unwrap(),
+            base_speed: 1.0,
+            seed: 0,
+            model: "m".into(),
+            params: Params {
+                step_base_ms: 1.0,
+                step_per_seq_ms: 0.0,
+                step_per_ktoken_ms: 0.0,
+                prefill_tokens_per_s: 1e6,
+                ..Params::default()
+            },
+        };
+        tokio::spawn(async move {
+            server::run(cfg, move |serve, control| {
+                let _ = tx.send((serve[0], control));
+            })
+            .await
+            .unwrap();
+        });
+        rx.await.unwrap()
+    }
+
+    /// Closed loop against two accelerators on loopback: every request completes with the
+    /// tokens it asked for, conversations stay on their accelerator and come from their
+    /// source address, and the bounds stop the run. Asserts counts, never speed.
+    #[test]
+    fn closed_loop_against_two_accelerators() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (s0, c0) = accel("gpu0").await;
+            let (s1, c1) = accel("gpu1").await;
+            let cfg = Config {
+                targets: vec![s0, s1],
+                load: Load::Users(4),
+                duration: Duration::from_secs(30),
+                max_requests: 40,
+                seed: 5,
+                sources: vec!["127.0.0.2".parse().unwrap(), "127.0.0.3".parse().unwrap()],
+                shape: Shape {
+                    output_median: 20.0,
+                    max_output: 60,
+                    prompt_median: 30.0,
+                    think_ms: 5.0,
+                    turns_mean: 3.0,
+                    ..Shape::default()
+                },
+                timeout: Duration::from_secs(20),
+                path: "/v1/chat/completions".into(),
+                state_urls: [c0, c1]
+                    .iter()
+                    .map(|c| HttpUrl::parse(&format!("http://{c}/state")).unwrap())
+                    .collect(),
+                progress: false,
+            };
+            let report = run(cfg).await.unwrap();
+            let s = &report.summary;
+            assert_eq!(s.requests, 40, "{s:#?}");
+            assert_eq!((s.completed, s.broken), (40, 0), "{s:#?}");
+            for r in &report.records {
+                assert_eq!(r.tokens, r.max_tokens, "{r:?}");
+                assert!(r.ttft_ms.is_some() && r.e2e_ms.is_some(), "{r:?}");
+                assert_eq!(r.itl_ms_p50.is_some(), r.tokens > 1, "{r:?}");
+                // Conversation k of user u is k * 4 + u: sources and targets are dealt by it.
+                let want_src = if r.conversation % 2 == 0 {
+                    "127.0.0.2"
+                } else {
+                    "127.0.0.3"
+                };
+                let want_backend = if r.conversation % 2 == 0 {
+                    "gpu0"
+                } else {
+                    "gpu1"
+                };
+                assert_eq!(
+                    (r.client.as_str(), r.backend.as_deref()),
+                    (want_src, Some(want_backend))
+                );
+            }
+            assert!(s.affinity.later_turns > 0);
+            assert_eq!(s.affinity.fraction, Some(1.0));
+            assert_eq!(s.backends.len(), 2);
+            assert_eq!(s.backends.values().map(|b| b.sessions).sum::<u64>(), 40);
+            assert_eq!(
+                s.tokens,
+                report.records.iter().map(|r| r.tokens as u64).sum::<u64>()
+            );
+            assert_eq!(s.ttft_ms.count, 40);
+        });
+    }
 }

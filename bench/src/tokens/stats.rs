@@ -212,6 +212,7 @@ mod tests {
             e2e_ms: Some(1000.0),
             tokens: 10,
             broken: broken.map(str::to_owned),
+            ..Record::default()
         }
     }
 
