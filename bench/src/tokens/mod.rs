@@ -577,26 +577,32 @@ pub fn main(args: &[String]) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     let s = &report.summary;
+    let f = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.1}"));
     println!(
-        "{} requests in {:.1} s: {} completed, {} broken {:?}; TTFT p50 {:?} p99 {:?} ms; \
-         inter-token p50 {:?} p99 {:?} ms; goodput {} tokens/s; affinity {:?}; imbalance {:?}",
+        "{} requests in {:.1} s: {} completed, {} broken {:?}; TTFT p50 {} p99 {} ms; \
+         inter-token p50 {} p99 {} ms; goodput {:.0} tokens/s; affinity kept {}; imbalance {}",
         s.requests,
         report.elapsed_s,
         s.completed,
         s.broken,
         s.broken_by_reason,
-        s.ttft_ms.p50,
-        s.ttft_ms.p99,
-        s.itl_ms.p50,
-        s.itl_ms.p99,
+        f(s.ttft_ms.p50),
+        f(s.ttft_ms.p99),
+        f(s.itl_ms.p50),
+        f(s.itl_ms.p99),
         s.goodput_tokens_per_s,
-        s.affinity.fraction,
-        report.imbalance,
+        f(s.affinity.fraction),
+        report
+            .imbalance
+            .map_or("-".to_string(), |x| format!("{x:.3}")),
     );
     for (name, b) in &s.backends {
         println!(
-            "  {name}: {} sessions, {} broken, {} tokens/s, TTFT p99 {:?} ms",
-            b.sessions, b.broken, b.tokens_per_s, b.ttft_ms.p99
+            "  {name}: {} sessions, {} broken, {:.0} tokens/s, TTFT p99 {} ms",
+            b.sessions,
+            b.broken,
+            b.tokens_per_s,
+            f(b.ttft_ms.p99)
         );
     }
     println!("wrote {}", cli.json.display());
