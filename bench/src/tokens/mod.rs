@@ -136,6 +136,7 @@ pub async fn run(cfg: Config) -> Result<Report> {
     if cfg.targets.is_empty() {
         bail!("no --target given: name at least one ADDR:PORT to send requests to");
     }
+    check_sources(&cfg.sources)?;
     let mut gen = Generator::new(cfg.shape.clone(), cfg.seed).map_err(anyhow::Error::msg)?;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let clock = quanta::Clock::new();
@@ -227,6 +228,24 @@ pub async fn run(cfg: Config) -> Result<Report> {
         imbalance: stats::imbalance(&samples),
         kv_samples,
     })
+}
+
+/// Every source address must be one of this host's (or namespace's): otherwise each request
+/// from it would fail to connect and the run would measure nothing.
+fn check_sources(sources: &[IpAddr]) -> Result<()> {
+    let missing: Vec<String> = sources
+        .iter()
+        .filter(|a| std::net::UdpSocket::bind(SocketAddr::new(**a, 0)).is_err())
+        .map(|a| a.to_string())
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "source addresses not on any interface here: {}; add them to the client's \
+             interface (ip addr add ADDR/32 dev DEV) or leave them out",
+            missing.join(", ")
+        );
+    }
+    Ok(())
 }
 
 async fn conversation(run: Arc<Run>, id: u64, turns: Vec<Turn>) {
@@ -641,6 +660,18 @@ mod tests {
             .unwrap();
         });
         rx.await.unwrap()
+    }
+
+    #[test]
+    fn sources_that_are_not_local_are_refused_up_front() {
+        assert!(check_sources(&["127.0.0.9".parse().unwrap()]).is_ok());
+        let e = check_sources(&["127.0.0.2".parse().unwrap(), "192.0.2.77".parse().unwrap()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("source addresses not on any interface here: 192.0.2.77;"),
+            "{e}"
+        );
     }
 
     /// Closed loop against two accelerators on loopback: every request completes with the
