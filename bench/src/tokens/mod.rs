@@ -2,7 +2,8 @@
 //! servers (sluice-accel, or a VIP in front of them).
 //!
 //! Open loop (`--rate`): conversations arrive as a Poisson process at `rate / mean turns`
-//! per second, so requests arrive at about `rate` per second. Closed loop (`--users N`): N
+//! per second, so requests arrive at about `rate` per second once conversations are under
+//! way (a later turn waits for the previous answer and the think time). Closed loop (`--users N`): N
 //! users each run one conversation after another. Every turn of a conversation is a new TCP
 //! connection from the conversation's source address (sources are dealt round robin), so a
 //! source-affinity VIP keeps a conversation on one accelerator. The run starts no request
