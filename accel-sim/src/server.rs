@@ -87,7 +87,7 @@ struct Shared {
     /// Wakes hung handlers when the hang is cleared.
     unhang: Notify,
     start: Instant,
-    gpu_uuid: String,
+    gpu_uuids: Vec<String>,
 }
 
 impl Shared {
@@ -103,7 +103,7 @@ impl Shared {
         Snapshot {
             name: self.cfg.name.clone(),
             model: self.cfg.model.clone(),
-            gpu_uuid: self.gpu_uuid.clone(),
+            gpu_uuids: self.gpu_uuids.clone(),
             running: st.engine.running(),
             waiting: st.engine.waiting(),
             kv_fraction: st.engine.kv_used_fraction(),
@@ -161,11 +161,16 @@ pub async fn run(cfg: Config, ready: impl FnOnce(&[SocketAddr], SocketAddr)) -> 
         .iter()
         .map(|l| l.local_addr())
         .collect::<Result<_, _>>()?;
-    let gpu_uuid = format!(
-        "GPU-{:08x}-0000-4000-8000-{:012x}",
-        cfg.seed as u32,
-        fnv(&cfg.name) & 0xffff_ffff_ffff
-    );
+    // Stable per name and seed, distinct per GPU.
+    let gpu_uuids = (0..telemetry::GPUS)
+        .map(|i| {
+            format!(
+                "GPU-{:08x}-{i:04x}-4000-8000-{:012x}",
+                cfg.seed as u32,
+                fnv(&cfg.name) & 0xffff_ffff_ffff
+            )
+        })
+        .collect();
     let shared = Arc::new(Shared {
         state: Mutex::new(State {
             engine,
@@ -181,7 +186,7 @@ pub async fn run(cfg: Config, ready: impl FnOnce(&[SocketAddr], SocketAddr)) -> 
         wake: Notify::new(),
         unhang: Notify::new(),
         start: Instant::now(),
-        gpu_uuid,
+        gpu_uuids,
     });
     for l in serving {
         tokio::spawn(accept_loop(l, shared.clone(), false));

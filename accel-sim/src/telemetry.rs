@@ -2,11 +2,13 @@
 //! formats Sluice reads (lb-userspace/src/telemetry/): vLLM's `/metrics`, dcgm-exporter's
 //! page and node_exporter's `infiniband` collector for the RoCE port.
 //!
-//! What the GPU figures derive from (an H100 SXM 80GB, one per simulated accelerator):
+//! What the GPU figures derive from: [`GPUS`] H100 SXM 80GB per simulated accelerator (the
+//! model's tensor-parallel pair), which share the work evenly and so read the same:
 //! - utilisation: the fraction of the last second the engine spent in steps;
 //! - framebuffer: constant at 90 % of 81559 MiB, because vLLM preallocates its KV cache
 //!   (`gpu_memory_utilization` 0.9) whatever the load; KV use is on the vLLM page;
-//! - power 75 W idle to 700 W (the H100 SXM's TDP) with utilisation, times the throttle factor;
+//! - power 75 W idle to 700 W (the H100 SXM's TDP) per GPU with utilisation, times the
+//!   throttle factor;
 //! - temperature 32 to 72 degrees C with utilisation; 91 while throttled;
 //! - SM clock 1980 MHz busy, 345 idle, 1980 x factor when throttled;
 //! - clock event reasons: 0x1 (idle) when idle, 0 busy, 0x48 (hardware slowdown + hardware
@@ -28,6 +30,8 @@ pub const ROCE_PACKETS_PER_TOKEN: f64 = 320.0;
 /// CNPs per ECN-marked packet (assumption).
 pub const CNP_PER_ECN: f64 = 0.1;
 pub const FB_TOTAL_MIB: f64 = 81_559.0;
+/// GPUs per simulated accelerator (tensor parallel 2, as the model's parameters assume).
+pub const GPUS: usize = 2;
 pub const FB_USED_FRACTION: f64 = 0.9;
 const SM_CLOCK_MAX_MHZ: f64 = 1980.0;
 const SM_CLOCK_IDLE_MHZ: f64 = 345.0;
@@ -82,11 +86,12 @@ impl Recent {
     /// 0..=1: the share of `[now - 1 s, now]` spent in steps.
     pub fn utilisation(&self, now_s: f64) -> f64 {
         let from = now_s - WINDOW_S;
-        let busy: f64 = self
+        // A fold from +0.0: an empty sum of f64 is -0.0, which a page would show as "-0".
+        let busy = self
             .steps
             .iter()
             .map(|&(s, e, _)| (e.min(now_s) - s.max(from)).max(0.0))
-            .sum();
+            .fold(0.0, |a, b| a + b);
         (busy / WINDOW_S).clamp(0.0, 1.0)
     }
 
@@ -107,7 +112,8 @@ impl Recent {
 pub struct Snapshot {
     pub name: String,
     pub model: String,
-    pub gpu_uuid: String,
+    /// One per GPU ([`GPUS`]).
+    pub gpu_uuids: Vec<String>,
     pub running: usize,
     pub waiting: usize,
     pub kv_fraction: f64,
@@ -200,7 +206,8 @@ pub fn vllm_page(s: &Snapshot) -> String {
     out
 }
 
-/// `GET /dcgm`: dcgm-exporter's page for the accelerator's one GPU.
+/// `GET /dcgm`: dcgm-exporter's page for the accelerator's GPUs: each field's HELP and TYPE,
+/// then one series per GPU.
 pub fn dcgm_page(s: &Snapshot) -> String {
     let u = s.utilisation;
     let busy = u > 0.0;
@@ -215,11 +222,19 @@ pub fn dcgm_page(s: &Snapshot) -> String {
         None => (SM_CLOCK_IDLE_MHZ, 32.0, REASON_IDLE, 75.0),
     };
     let fb_used = (FB_TOTAL_MIB * FB_USED_FRACTION).round();
-    let labels = format!(
-        "gpu=\"0\",UUID=\"{}\",pci_bus_id=\"00000000:18:00.0\",device=\"nvidia0\",\
-         modelName=\"NVIDIA H100 80GB HBM3\",Hostname=\"{}\",DCGM_FI_DRIVER_VERSION=\"550.90.07\"",
-        s.gpu_uuid, s.name
-    );
+    let labels: Vec<String> = s
+        .gpu_uuids
+        .iter()
+        .enumerate()
+        .map(|(i, uuid)| {
+            format!(
+                "gpu=\"{i}\",UUID=\"{uuid}\",pci_bus_id=\"00000000:{:02X}:00.0\",device=\"nvidia{i}\",\
+                 modelName=\"NVIDIA H100 80GB HBM3\",Hostname=\"{}\",DCGM_FI_DRIVER_VERSION=\"550.90.07\"",
+                0x18 + 0x12 * i,
+                s.name
+            )
+        })
+        .collect();
     let fields: [(&str, &str, String); 7] = [
         (
             "DCGM_FI_DEV_SM_CLOCK",
@@ -259,10 +274,10 @@ pub fn dcgm_page(s: &Snapshot) -> String {
     ];
     let mut out = String::new();
     for (name, help, value) in fields {
-        let _ = write!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{labels}}} {value}\n"
-        );
+        let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n");
+        for l in &labels {
+            let _ = writeln!(out, "{name}{{{l}}} {value}");
+        }
     }
     out
 }
@@ -335,7 +350,9 @@ mod tests {
         Snapshot {
             name: "gpu0".into(),
             model: "sluice-sim/llama-70b".into(),
-            gpu_uuid: "GPU-00000000-0000-4000-8000-000000000000".into(),
+            gpu_uuids: (0..GPUS)
+                .map(|i| format!("GPU-00000000-0000-4000-8000-00000000000{i}"))
+                .collect(),
             running: e.running(),
             waiting: e.waiting(),
             kv_fraction: e.kv_used_fraction(),
@@ -371,12 +388,14 @@ mod tests {
         let healthy = busy_snapshot(None, None);
         let text = dcgm_page(&healthy);
         let page = prom::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
-        let got = dcgm::extract(&page, &["0".into()], &[]).unwrap();
+        let got = dcgm::extract(&page, &["0".into(), "1".into()], &[]).unwrap();
         assert_eq!(got.gpu_util, Some(1.0));
         assert_eq!(got.throttle, Some(0));
         assert_eq!(got.fb_used, Some(73_403.0 / FB_TOTAL_MIB));
         assert_eq!(got.gpu_temp_c, Some(72.0));
-        assert_eq!(got.power_w, Some(700.0));
+        assert_eq!(got.power_w, Some(1400.0), "two GPUs at 700 W");
+        let one = dcgm::extract(&page, &["1".into()], &[]).unwrap();
+        assert_eq!(one.power_w, Some(700.0));
 
         let throttled = busy_snapshot(Some(0.4), None);
         let page_text = dcgm_page(&throttled);
@@ -442,6 +461,7 @@ mod tests {
         assert!((r.utilisation(1.5) - 0.5).abs() < 1e-12);
         assert_eq!(r.tokens_per_s(1.5), 20.0);
         assert_eq!(r.utilisation(3.0), 0.0);
+        assert!(Recent::default().utilisation(1.0).is_sign_positive());
         r.push(3.0, 3.1, 1);
         assert_eq!(r.tokens_per_s(3.1), 1.0);
     }
