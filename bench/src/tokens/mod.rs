@@ -213,9 +213,10 @@ pub async fn run(cfg: Config) -> Result<Report> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    drop(run);
+    // Every request has ended or been aborted: what they sent is all there is. (Not
+    // `recv`, which would wait for the progress task to drop its sender.)
     let (mut records, mut gaps) = (Vec::new(), Vec::new());
-    while let Some((r, g)) = rx.recv().await {
+    while let Ok((r, g)) = rx.try_recv() {
         records.push(r);
         gaps.extend(g);
     }
