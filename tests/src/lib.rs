@@ -3,6 +3,7 @@
 
 pub mod daemon_lab;
 pub mod frames;
+pub mod fuzz;
 pub mod netns;
 pub mod stream;
 
@@ -42,6 +43,11 @@ impl Lab {
     // Not `Default`: it moves the calling thread into a new namespace and loads BPF.
     #[allow(clippy::new_without_default)]
     pub fn new() -> Lab {
+        Lab::with_max_vips(4)
+    }
+
+    /// [`Lab::new`] with room for `max_vips` VIPs.
+    pub fn with_max_vips(max_vips: u32) -> Lab {
         require_root();
         if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
             panic!(
@@ -52,7 +58,7 @@ impl Lab {
         let opts = LoadOptions {
             conn_table_size: 1 << 16,
             affinity_table_size: 1 << 12,
-            max_vips: 4,
+            max_vips,
             pin_dir: None,
         };
         let mut dp = Dataplane::load(BPF_OBJECT, &opts).expect("load the data plane");
