@@ -122,11 +122,14 @@ fn toggle_backend(lab: &mut Lab, vips: &mut [Vip], rng: &mut Rng) {
     v.backends[0].1 = active;
 }
 
+/// (VIP id, address, port, protocol, backends as (id, address)).
+type VipSpec = (u32, &'static str, u16, u8, &'static [(u32, &'static str)]);
+
 /// The lab: IPv4 and IPv6 VIPs over TCP and UDP, an all-ports VIP, IPv4 carried over IPv6
 /// backends, a VIP without backends (drops), and one backend down in each table (probed
 /// past, its flows re-steered).
 fn setup(lab: &mut Lab) -> Vec<Vip> {
-    let specs: [(u32, &str, u16, u8, &[(u32, &str)]); 6] = [
+    let specs: [VipSpec; 6] = [
         (
             0,
             "10.200.0.1",
