@@ -273,7 +273,7 @@ pub mod stat {
         DECAP_OK = "decap_ok", Event;
         DECAP_PASS_NOT_ENCAP = "decap_pass_not_encap", Pass;
         DECAP_DROP_ADJUST = "decap_drop_adjust", Drop;
-        /// A new session shed by priority; followed by `SHED_RST_SENT` or a drop.
+        /// A new session shed by priority; followed by `SHED_RST_SENT` or `DROP_SHED`.
         SHED_PRIORITY = "shed_priority", Event;
         /// A new session shed because every backend it may use is full.
         SHED_FULL = "shed_full", Event;
@@ -292,6 +292,9 @@ pub mod stat {
         DECAP_PASS_BAD_LEN = "decap_pass_bad_len", Pass;
         /// Cutting the padding off a frame failed.
         DROP_ADJUST_TAIL = "drop_adjust_tail", Drop;
+        /// A shed session dropped (not answered with a RST): with `SHED_RST_SENT`, every
+        /// shed frame ends in exactly one outcome.
+        DROP_SHED = "drop_shed", Drop;
     }
 }
 

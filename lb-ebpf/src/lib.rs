@@ -58,6 +58,7 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
                     return action;
                 }
             }
+            count(stat::DROP_SHED);
             return xdp_action::XDP_DROP;
         }
     };

@@ -23,7 +23,7 @@ use anyhow::{bail, ensure, Context, Result};
 use lb_common::{
     stat::{self, Kind},
     BACKEND_ACTIVE, BACKEND_DOWN, PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP,
-    PROTO_UDP,
+    PROTO_UDP, VIP_F_SHED, VIP_F_SHED_RST,
 };
 use sluice::dataplane::PROG_XDP;
 
@@ -111,6 +111,8 @@ struct Vip {
     backends: Vec<(IpAddr, bool)>,
     /// Backend ids, in the order of `backends`.
     ids: Vec<u32>,
+    /// New sessions are shed, TCP ones answered with a RST.
+    shed_rst: bool,
 }
 
 /// Flips the first backend of a VIP with several between active and down.
@@ -122,19 +124,27 @@ fn toggle_backend(lab: &mut Lab, vips: &mut [Vip], rng: &mut Rng) {
     v.backends[0].1 = active;
 }
 
-/// (VIP id, address, port, protocol, backends as (id, address)).
-type VipSpec = (u32, &'static str, u16, u8, &'static [(u32, &'static str)]);
+/// (VIP id, address, port, protocol, flags, backends as (id, address)).
+type VipSpec = (
+    u32,
+    &'static str,
+    u16,
+    u8,
+    u32,
+    &'static [(u32, &'static str)],
+);
 
 /// The lab: IPv4 and IPv6 VIPs over TCP and UDP, an all-ports VIP, IPv4 carried over IPv6
-/// backends, a VIP without backends (drops), and one backend down in each table (probed
-/// past, its flows re-steered).
+/// backends, a VIP without backends (drops), VIPs shedding new sessions (by RST, by drop),
+/// and one backend down in each table (probed past, its flows re-steered).
 fn setup(lab: &mut Lab) -> Vec<Vip> {
-    let specs: [VipSpec; 6] = [
+    let specs: [VipSpec; 8] = [
         (
             0,
             "10.200.0.1",
             443,
             PROTO_TCP,
+            0,
             &[(1, "10.1.0.1"), (2, "10.1.0.2"), (3, "10.1.0.3")],
         ),
         (
@@ -142,6 +152,7 @@ fn setup(lab: &mut Lab) -> Vec<Vip> {
             "10.200.0.1",
             443,
             PROTO_UDP,
+            0,
             &[(4, "fd00:1::4"), (5, "fd00:1::5")],
         ),
         (
@@ -149,21 +160,39 @@ fn setup(lab: &mut Lab) -> Vec<Vip> {
             "fd00:200::1",
             443,
             PROTO_TCP,
+            0,
             &[(6, "fd00:1::6"), (7, "fd00:1::7"), (8, "fd00:1::8")],
         ),
-        (3, "fd00:200::1", 4433, PROTO_UDP, &[(9, "fd00:1::9")]),
+        (3, "fd00:200::1", 4433, PROTO_UDP, 0, &[(9, "fd00:1::9")]),
         (
             4,
             "10.200.0.2",
             0,
             PROTO_TCP,
+            0,
             &[(10, "10.1.0.10"), (11, "10.1.0.11")],
         ),
-        (5, "10.200.0.3", 80, PROTO_TCP, &[]),
+        (5, "10.200.0.3", 80, PROTO_TCP, 0, &[]),
+        (
+            6,
+            "10.200.0.5",
+            443,
+            PROTO_TCP,
+            VIP_F_SHED | VIP_F_SHED_RST,
+            &[(12, "10.1.0.12"), (13, "10.1.0.13")],
+        ),
+        (
+            7,
+            "fd00:200::5",
+            0,
+            PROTO_TCP,
+            VIP_F_SHED | VIP_F_SHED_RST,
+            &[(14, "fd00:1::14")],
+        ),
     ];
     let mut vips = vec![];
-    for (id, addr, port, proto, backends) in specs {
-        let key = lab.vip(id, addr, port, proto, 0, 0);
+    for (id, addr, port, proto, flags, backends) in specs {
+        let key = lab.vip(id, addr, port, proto, flags, 0);
         let list: Vec<(u32, &str, u32)> = backends.iter().map(|(b, a)| (*b, *a, 1)).collect();
         if !list.is_empty() {
             lab.backends(&key, &list);
@@ -183,6 +212,7 @@ fn setup(lab: &mut Lab) -> Vec<Vip> {
             proto,
             backends: bs,
             ids: backends.iter().map(|(b, _)| *b).collect(),
+            shed_rst: flags & VIP_F_SHED_RST != 0,
         });
     }
     vips
@@ -316,15 +346,25 @@ fn check(
             ensure!(to_vip_addr, "a frame not addressed to a VIP was dropped");
         }
         XDP_TX | XDP_REDIRECT => {
-            ensure!(
-                counter == stat::TX as usize && action == XDP_TX,
-                "the lab has no route: only XDP_TX through the fallback MAC, counted tx; got action {action}, {names:?}"
-            );
             let Some(ip) = ip else {
                 bail!("a frame without an IP packet was sent")
             };
             ensure!(to_vip_addr, "a frame not addressed to a VIP was sent");
-            encapsulation(lab, vips, frame, &ip, out)?;
+            ensure!(
+                action == XDP_TX,
+                "the lab has no route: only XDP_TX through the fallback MAC; got action {action}"
+            );
+            if counter == stat::SHED_RST_SENT as usize {
+                ensure!(
+                    vips.iter().any(|v| v.addr == ip.dst && v.shed_rst),
+                    "a RST from {}, which sheds nothing",
+                    ip.dst
+                );
+                rst_reply(frame, &ip, out)?;
+            } else {
+                ensure!(counter == stat::TX as usize, "XDP_TX counted as {names:?}");
+                encapsulation(lab, vips, frame, &ip, out)?;
+            }
         }
         a => bail!("unexpected XDP action {a}"),
     }
@@ -473,6 +513,70 @@ fn encapsulation(lab: &Lab, vips: &[Vip], frame: &[u8], ip: &IpPacket, out: &[u8
         "{backend} is not an active backend of a VIP at {}",
         ip.dst
     );
+    Ok(())
+}
+
+/// `out` must be the exact RST|ACK answering the TCP segment in `ip`: same L2 header with the
+/// MACs swapped, addresses and ports swapped, acknowledging the segment, checksums valid.
+fn rst_reply(frame: &[u8], ip: &IpPacket, out: &[u8]) -> Result<()> {
+    let hlen = if ip.v4 { 20 } else { 40 };
+    let (l3, t) = (ip.off, ip.off + hlen);
+    ensure!(
+        out.len() == t + 20,
+        "RST frame of {} bytes, expected {}",
+        out.len(),
+        t + 20
+    );
+    ensure!(
+        out[0..6] == frame[6..12] && out[6..12] == frame[0..6] && out[12..l3] == frame[12..l3],
+        "RST L2 header: MACs not swapped or tags changed"
+    );
+    let (o, i) = (&out[l3..], &frame[l3..]);
+    let mut pseudo = vec![];
+    if ip.v4 {
+        ensure!(o[0] == 0x45 && o[1] == i[1], "RST version/IHL/TOS");
+        ensure!(
+            o[2..10] == [0, 40, 0, 0, 0x40, 0, 64, PROTO_TCP],
+            "RST IPv4 fields"
+        );
+        ensure!(
+            o[12..16] == i[16..20] && o[16..20] == i[12..16],
+            "RST addresses not swapped"
+        );
+        ensure!(csum(&o[..20]) == 0, "RST IPv4 header checksum");
+        pseudo.extend_from_slice(&o[12..20]);
+        pseudo.extend_from_slice(&[0, PROTO_TCP, 0, 20]);
+    } else {
+        ensure!(o[0..4] == i[0..4], "RST version/class/flow label");
+        ensure!(o[4..8] == [0, 20, PROTO_TCP, 64], "RST IPv6 fields");
+        ensure!(
+            o[8..24] == i[24..40] && o[24..40] == i[8..24],
+            "RST addresses not swapped"
+        );
+        pseudo.extend_from_slice(&o[8..40]);
+        pseudo.extend_from_slice(&[0, 0, 0, 20, 0, 0, 0, PROTO_TCP]);
+    }
+    let (ot, it) = (&out[t..], &frame[t..]);
+    ensure!(
+        ot[0..2] == it[2..4] && ot[2..4] == it[0..2],
+        "RST ports not swapped"
+    );
+    let seq = u32::from_be_bytes(it[4..8].try_into().unwrap());
+    let doff = (it[12] >> 4) as usize * 4;
+    let data = (ip.len - hlen).saturating_sub(doff) as u32;
+    let ack = seq.wrapping_add(data).wrapping_add(1);
+    ensure!(ot[4..8] == [0; 4], "RST sequence number");
+    ensure!(
+        ot[8..12] == ack.to_be_bytes(),
+        "RST acknowledges {:?}, not {ack}",
+        &ot[8..12]
+    );
+    ensure!(
+        ot[12..14] == [0x50, 0x14] && ot[14..16] == [0, 0] && ot[18..20] == [0, 0],
+        "RST flags, window, urgent"
+    );
+    pseudo.extend_from_slice(ot);
+    ensure!(csum(&pseudo) == 0, "RST TCP checksum");
     Ok(())
 }
 

@@ -39,6 +39,9 @@ fn fuzzed_frames_meet_the_oracle_and_every_frame_has_one_outcome() {
             "conn_resteer_down",
             "probe_skip",
             "drop_no_backend",
+            "shed_priority",
+            "shed_rst_sent",
+            "drop_shed",
             "tx",
         ] {
             assert!(

@@ -814,6 +814,7 @@ fn syn_is_shed_by_drop_when_every_backend_is_full_while_established_flows_contin
     let syn = on_wire(&v4_tcp(CLIENT4, 3001, VIP4, 443, SYN, 0));
     assert_eq!(lab.run(&syn).0, XDP_DROP);
     assert_eq!(lab.stat(stat::SHED_FULL), 1);
+    assert_eq!(lab.stat(stat::DROP_SHED), 1);
     // The established flow, and a mid-stream packet whose entry was lost, still flow.
     assert_eq!(
         lab.run(&on_wire(&v4_tcp(CLIENT4, 3000, VIP4, 443, ACK, 0)))
@@ -878,6 +879,11 @@ fn shed_vip_answers_syn_with_an_exact_rst_and_drops_udp() {
     let quic = on_wire(&V4::new(CLIENT4, VIP4, PROTO_UDP).build(&udp(5000, 443, b"initial")));
     assert_eq!(lab.run(&quic).0, XDP_DROP);
     assert_eq!(lab.stat(stat::SHED_PRIORITY), 3);
+    assert_eq!(
+        (lab.stat(stat::SHED_RST_SENT), lab.stat(stat::DROP_SHED)),
+        (2, 1),
+        "every shed frame ends in one outcome: a RST sent or a drop"
+    );
 }
 
 /// Ethernet pads short frames to 60 bytes, and a frame may carry bytes after its IP packet:
