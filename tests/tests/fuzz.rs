@@ -1,5 +1,5 @@
-//! `sluice_xdp` under fuzzed frames, through BPF_PROG_TEST_RUN, checked frame by frame against
-//! the oracle in `sluice_tests::fuzz`. The seed is printed; `SLUICE_FUZZ_SEED` replays a run
+//! `sluice_xdp` and `sluice_decap` under fuzzed frames, through BPF_PROG_TEST_RUN, checked
+//! frame by frame against the oracles in `sluice_tests::fuzz`. The seed is printed; `SLUICE_FUZZ_SEED` replays a run
 //! and `SLUICE_FUZZ_FRAMES` changes its length (`cargo xtask fuzz --frames N` runs long ones).
 
 use lb_common::stat::Kind;
@@ -53,5 +53,22 @@ fn fuzzed_frames_meet_the_oracle_and_every_frame_has_one_outcome() {
     if let Ok(path) = std::env::var("SLUICE_FUZZ_RECORD") {
         fuzz::record(&s, std::path::Path::new(&path)).unwrap();
         eprintln!("fuzz: result written to {path}");
+    }
+}
+
+#[test]
+fn fuzzed_tunnel_frames_are_decapsulated_exactly_when_their_lengths_agree() {
+    let seed = fuzz::seed_from_env().unwrap();
+    let frames = fuzz::frames_from_env(fuzz::SUITE_FRAMES).unwrap() / 4;
+    eprintln!("decap fuzz: {frames} frames, seed {seed:#x} (replay: SLUICE_FUZZ_SEED={seed:#x})");
+    let counters = fuzz::run_decap(frames, seed).unwrap_or_else(|e| panic!("{e:#}"));
+    eprintln!("decap fuzz: counters {counters:?}");
+    if frames >= fuzz::SUITE_FRAMES / 4 {
+        for c in ["decap_ok", "decap_pass_not_encap", "decap_pass_bad_len"] {
+            assert!(
+                counters.get(c).copied().unwrap_or(0) > 0,
+                "no fuzzed tunnel frame reached {c}"
+            );
+        }
     }
 }

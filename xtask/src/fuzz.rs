@@ -1,6 +1,7 @@
 //! `cargo xtask fuzz --frames N [--seed S] [--record]`: a long run of the data-plane fuzzer
-//! (sluice-tests' `fuzz` test: fuzzed frames through `sluice_xdp` with BPF_PROG_TEST_RUN,
-//! each checked by an oracle). `--record` writes the result to `bench/results/fuzz.json`.
+//! (sluice-tests' `fuzz` tests: N fuzzed frames through `sluice_xdp`, N/4 tunnel frames through
+//! `sluice_decap`, with BPF_PROG_TEST_RUN, each checked by an oracle). `--record` writes the
+//! `sluice_xdp` result to `bench/results/fuzz.json`.
 
 use anyhow::{bail, Result};
 
