@@ -8,7 +8,9 @@
 //! - a passed frame is byte-identical; traffic not addressed to a VIP address always passes;
 //! - a sent frame is the input's IP packet, byte-identical and without what followed it,
 //!   behind an outer header whose lengths, checksum, protocol, TTL, traffic class and source
-//!   prefix are exact, addressed to an active backend of a VIP at the packet's destination;
+//!   prefix are exact, addressed to an active backend of a VIP at the packet's destination
+//!   (through the fallback MAC for the first half of a run, through the FIB, a 1500-byte
+//!   segment, for the second), or the exact "too big" reply, or the exact RST of a shed VIP;
 //! - at the end the outcome counters add up to the frames run.
 //!
 //! A run is replayed from its seed (`SLUICE_FUZZ_SEED`).
@@ -27,7 +29,9 @@ use lb_common::{
 };
 use sluice::dataplane::PROG_XDP;
 
-use crate::{frames::*, run_prog, Lab, FALLBACK_MAC};
+use crate::{
+    fib_neighbour_mac, fib_segment, frames::*, run_prog, Lab, FALLBACK_MAC, FIB_LOCAL_MAC,
+};
 
 /// Frames a run in the test suite sends.
 pub const SUITE_FRAMES: u64 = 100_000;
@@ -252,6 +256,16 @@ pub fn run(frames: u64, seed: u64) -> Result<Summary> {
     let start = Instant::now();
     let mut before = lab.dp.stats()?;
     for i in 0..frames {
+        // Halfway, the backends become reachable through the FIB on a 1500-byte segment: next
+        // hops come from it (XDP_REDIRECT), and larger packets get "too big" replies.
+        if i == frames / 2 {
+            let all: Vec<IpAddr> = vips
+                .iter()
+                .flat_map(|v| v.backends.iter().map(|b| b.0))
+                .collect();
+            let ifindex = fib_segment(1500, &all);
+            lab.dp.add_tx_port(ifindex)?;
+        }
         // Now and then a backend goes down or comes back: its flows are re-steered.
         if i % 997 == 996 {
             toggle_backend(&mut lab, &mut vips, &mut rng);
@@ -350,11 +364,18 @@ fn check(
                 bail!("a frame without an IP packet was sent")
             };
             ensure!(to_vip_addr, "a frame not addressed to a VIP was sent");
-            ensure!(
-                action == XDP_TX,
-                "the lab has no route: only XDP_TX through the fallback MAC; got action {action}"
-            );
-            if counter == stat::SHED_RST_SENT as usize {
+            if counter == stat::REDIRECT as usize {
+                ensure!(
+                    action == XDP_REDIRECT,
+                    "redirect counted for action {action}"
+                );
+                encapsulation(lab, vips, frame, &ip, out, true)?;
+                return Ok(());
+            }
+            ensure!(action == XDP_TX, "action {action} counted as {names:?}");
+            if counter == stat::ICMP_TOO_BIG_SENT as usize {
+                too_big_reply(vips, frame, &ip, out)?;
+            } else if counter == stat::SHED_RST_SENT as usize {
                 ensure!(
                     vips.iter().any(|v| v.addr == ip.dst && v.shed_rst),
                     "a RST from {}, which sheds nothing",
@@ -363,7 +384,7 @@ fn check(
                 rst_reply(frame, &ip, out)?;
             } else {
                 ensure!(counter == stat::TX as usize, "XDP_TX counted as {names:?}");
-                encapsulation(lab, vips, frame, &ip, out)?;
+                encapsulation(lab, vips, frame, &ip, out, false)?;
             }
         }
         a => bail!("unexpected XDP action {a}"),
@@ -426,17 +447,17 @@ fn ip_packet(frame: &[u8]) -> Option<IpPacket> {
 }
 
 /// `out` must be `ip`, byte-identical and alone, in an exact outer header to an active
-/// backend of a VIP at the packet's destination.
-fn encapsulation(lab: &Lab, vips: &[Vip], frame: &[u8], ip: &IpPacket, out: &[u8]) -> Result<()> {
+/// backend of a VIP at the packet's destination; through the FIB's next hop when `fib`, else
+/// through the fallback MAC.
+fn encapsulation(
+    lab: &Lab,
+    vips: &[Vip],
+    frame: &[u8],
+    ip: &IpPacket,
+    out: &[u8],
+    fib: bool,
+) -> Result<()> {
     ensure!(out.len() >= 14, "output shorter than Ethernet");
-    ensure!(
-        out[0..6] == FALLBACK_MAC,
-        "outer destination MAC is not the fallback next hop"
-    );
-    ensure!(
-        out[6..12] == frame[0..6],
-        "outer source MAC is not the LB's own"
-    );
     let inner_proto = if ip.v4 { PROTO_IPIP } else { PROTO_IPV6 };
     let ety = u16::from_be_bytes([out[12], out[13]]);
     let (hlen, backend) = match ety {
@@ -512,6 +533,69 @@ fn encapsulation(lab: &Lab, vips: &[Vip], frame: &[u8], ip: &IpPacket, out: &[u8
             .any(|v| v.backends.contains(&(backend, true))),
         "{backend} is not an active backend of a VIP at {}",
         ip.dst
+    );
+    let (dmac, smac) = if fib {
+        (fib_neighbour_mac(backend), FIB_LOCAL_MAC)
+    } else {
+        (FALLBACK_MAC, frame[0..6].try_into().unwrap())
+    };
+    ensure!(
+        out[0..6] == dmac && out[6..12] == smac,
+        "outer MACs {:02x?} -> {:02x?}, expected {smac:02x?} -> {dmac:02x?} (fib {fib})",
+        &out[6..12],
+        &out[0..6]
+    );
+    Ok(())
+}
+
+/// `out` must be the exact ICMP "fragmentation needed" / ICMPv6 "packet too big" from the VIP
+/// to the client for `ip`, announcing what fits the 1500-byte backend segment once
+/// encapsulated for the VIP's backends.
+fn too_big_reply(vips: &[Vip], frame: &[u8], ip: &IpPacket, out: &[u8]) -> Result<()> {
+    ensure!(ip.off == 14, "a tagged frame was answered");
+    let p = &frame[ip.off..ip.off + ip.len];
+    let proto = if ip.v4 { p[9] } else { p[6] };
+    let vip = vips
+        .iter()
+        .find(|v| v.addr == ip.dst && v.proto == proto)
+        .context("no VIP for the answered packet")?;
+    let outer = if vip.backends[0].0.is_ipv4() { 20 } else { 40 };
+    let mtu = 1500 - outer;
+    let (client, macs) = (
+        frame[6..12].try_into().unwrap(),
+        frame[0..6].try_into().unwrap(),
+    );
+    let want = if ip.v4 {
+        ensure!(p[6] & 0x40 != 0, "answered a packet without DF");
+        let h = V4 {
+            src: <[u8; 4]>::try_from(&p[16..20]).unwrap().into(),
+            dst: <[u8; 4]>::try_from(&p[12..16]).unwrap().into(),
+            proto: PROTO_ICMP,
+            tos: 0,
+            ttl: 64,
+            frag: 0,
+            options: vec![],
+        };
+        let msg = icmp_checksummed(icmp_error(3, 4, mtu, &p[..28]), None);
+        eth(client, macs, ETH_IP, &h.build(&msg))
+    } else {
+        let src = IpAddr::from(<[u8; 16]>::try_from(&p[24..40]).unwrap()).to_string();
+        let dst = IpAddr::from(<[u8; 16]>::try_from(&p[8..24]).unwrap()).to_string();
+        let msg = icmp_checksummed(
+            icmp_error(2, 0, mtu.max(1280), &p[..48]),
+            Some((&src, &dst)),
+        );
+        eth(
+            client,
+            macs,
+            ETH_IPV6,
+            &ipv6(&src, &dst, PROTO_ICMPV6, 0, 0, &msg),
+        )
+    };
+    ensure!(
+        out == want,
+        "the too-big reply differs from\n  want: {}",
+        hex(&want)
     );
     Ok(())
 }

@@ -43,6 +43,9 @@ fn fuzzed_frames_meet_the_oracle_and_every_frame_has_one_outcome() {
             "shed_rst_sent",
             "drop_shed",
             "tx",
+            "redirect",
+            "icmp_too_big_sent",
+            "drop_frag_needed",
         ] {
             assert!(
                 s.counters.get(c).copied().unwrap_or(0) > 0,

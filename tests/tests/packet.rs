@@ -442,28 +442,14 @@ fn flood_guard_stops_inserting_new_flows_above_the_rate() {
     assert_eq!(lab.dp.conns().unwrap().len(), 3);
 }
 
-/// In this test's namespace: a veth (MTU `mtu`) whose neighbour table knows the backends;
-/// returns its ifindex.
+/// The FIB segment of these fixtures: the three IPv4 and three IPv6 backends.
 fn fib_segment(mtu: u32) -> u32 {
-    let sh = |c: &str| {
-        let ok = std::process::Command::new("sh")
-            .arg("-c")
-            .arg(c)
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "{c}");
-    };
-    sh(&format!("ip link add fibA mtu {mtu} type veth peer name fibB && ip link set fibA address 02:00:00:00:0a:0a && ip link set fibA up && ip link set fibB up && ip link set lo up"));
-    sh("ip -6 addr add fd00:1::fe/64 dev fibA nodad && ip -6 neigh replace fd00:1::1 lladdr 02:00:00:00:0b:11 nud permanent dev fibA && ip -6 neigh replace fd00:1::2 lladdr 02:00:00:00:0b:12 nud permanent dev fibA && ip -6 neigh replace fd00:1::3 lladdr 02:00:00:00:0b:13 nud permanent dev fibA");
-    sh("sysctl -qw net.ipv6.conf.all.forwarding=1");
-    sh("ip addr add 10.1.0.254/24 dev fibA && ip neigh replace 10.1.0.1 lladdr 02:00:00:00:0b:01 nud permanent dev fibA && ip neigh replace 10.1.0.2 lladdr 02:00:00:00:0b:02 nud permanent dev fibA && ip neigh replace 10.1.0.3 lladdr 02:00:00:00:0b:03 nud permanent dev fibA");
-    sh("sysctl -qw net.ipv4.conf.all.forwarding=1 net.ipv4.conf.lo.forwarding=1");
-    // /sys shows the namespace it was mounted in, so ask the kernel by name from this thread.
-    let name = std::ffi::CString::new("fibA").unwrap();
-    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    assert_ne!(ifindex, 0);
-    ifindex
+    let backends: Vec<IpAddr> = ["10.1.0.1", "10.1.0.2", "10.1.0.3"]
+        .into_iter()
+        .chain(["fd00:1::1", "fd00:1::2", "fd00:1::3"])
+        .map(ip)
+        .collect();
+    sluice_tests::fib_segment(mtu, &backends)
 }
 
 #[test]
