@@ -202,82 +202,100 @@ pub struct FloodWindow {
 }
 
 /// Indexes of the global per-CPU counter array: every pass, drop and fallback has one.
+///
+/// Each counter is declared once, with its index, exported name and [`stat::Kind`]: the kind
+/// says which exported family it belongs to and lets a test check that every frame ends in
+/// exactly one outcome.
 pub mod stat {
-    pub const RX: u32 = 0;
-    pub const PASS_NOT_IP: u32 = 1;
-    pub const PASS_NOT_VIP: u32 = 2;
-    pub const PASS_TRUNCATED_L2: u32 = 3;
-    pub const PASS_TRUNCATED_L3: u32 = 4;
-    pub const PASS_TRUNCATED_L4: u32 = 5;
-    pub const PASS_BAD_IP_LEN: u32 = 6;
-    pub const PASS_FRAGMENT: u32 = 7;
-    pub const PASS_UNSUPPORTED_L4: u32 = 8;
-    pub const PASS_EXT_HDR_LIMIT: u32 = 9;
-    pub const PASS_ICMP_NOT_VIP: u32 = 10;
-    pub const ICMP_TOO_BIG_STEERED: u32 = 11;
-    pub const CONN_HIT: u32 = 12;
-    pub const CONN_MISS: u32 = 13;
-    pub const CONN_RESTEER_DOWN: u32 = 14;
-    pub const CONN_INSERT_FAILED: u32 = 15;
-    pub const FLOOD_BYPASS: u32 = 16;
-    pub const AFFINITY_HIT: u32 = 17;
-    pub const PROBE_SKIP: u32 = 18;
-    pub const DROP_NO_BACKEND: u32 = 19;
-    pub const DROP_BAD_BACKEND: u32 = 20;
-    pub const DROP_ADJUST_HEAD: u32 = 21;
-    pub const FIB_FALLBACK_MAC: u32 = 22;
-    pub const DROP_NO_NEXTHOP: u32 = 23;
-    pub const TX: u32 = 24;
-    pub const REDIRECT: u32 = 25;
-    pub const DROP_NO_CONFIG: u32 = 26;
-    pub const DECAP_OK: u32 = 27;
-    pub const DECAP_PASS_NOT_ENCAP: u32 = 28;
-    pub const DECAP_DROP_ADJUST: u32 = 29;
-    pub const SHED_PRIORITY: u32 = 30;
-    pub const SHED_FULL: u32 = 31;
-    pub const SHED_RST_SENT: u32 = 32;
-    pub const DROP_FRAG_NEEDED: u32 = 33;
-    pub const ICMP_TOO_BIG_SENT: u32 = 34;
-    pub const COUNT: u32 = 35;
+    /// What a counter counts.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Kind {
+        /// Every frame the program sees.
+        Received,
+        /// An outcome: the frame goes to the kernel untouched, for this reason.
+        Pass,
+        /// An outcome: the frame is dropped, for this reason.
+        Drop,
+        /// An outcome: a frame leaves (encapsulated, or a reply built from it).
+        Sent,
+        /// Something that happened on the way to an outcome (a table hit, a fallback).
+        Event,
+    }
 
-    /// Names as exported (Prometheus label values, CLI); index = counter.
-    pub const NAMES: [&str; COUNT as usize] = [
-        "rx",
-        "pass_not_ip",
-        "pass_not_vip",
-        "pass_truncated_l2",
-        "pass_truncated_l3",
-        "pass_truncated_l4",
-        "pass_bad_ip_len",
-        "pass_fragment",
-        "pass_unsupported_l4",
-        "pass_ext_hdr_limit",
-        "pass_icmp_not_vip",
-        "icmp_too_big_steered",
-        "conn_hit",
-        "conn_miss",
-        "conn_resteer_down",
-        "conn_insert_failed",
-        "flood_bypass",
-        "affinity_hit",
-        "probe_skip",
-        "drop_no_backend",
-        "drop_bad_backend",
-        "drop_adjust_head",
-        "fib_fallback_mac",
-        "drop_no_nexthop",
-        "tx",
-        "redirect",
-        "drop_no_config",
-        "decap_ok",
-        "decap_pass_not_encap",
-        "decap_drop_adjust",
-        "shed_priority",
-        "shed_full",
-        "shed_rst_sent",
-        "drop_frag_needed",
-        "icmp_too_big_sent",
-    ];
+    /// Declares the counters in order: `NAME = "exported_name", Kind;` gives `pub const NAME`
+    /// (its index), and the `COUNT`, `NAMES` and `KINDS` tables.
+    macro_rules! counters {
+        ($($(#[$doc:meta])* $id:ident = $name:literal, $kind:ident;)*) => {
+            counters!(@index 0u32; $($(#[$doc])* $id,)*);
+            pub const COUNT: u32 = [$($name),*].len() as u32;
+            /// Names as exported (Prometheus label values, CLI); index = counter.
+            pub const NAMES: [&str; COUNT as usize] = [$($name),*];
+            /// Kind of each counter; index = counter.
+            pub const KINDS: [Kind; COUNT as usize] = [$(Kind::$kind),*];
+        };
+        (@index $n:expr; $(#[$doc:meta])* $id:ident, $($rest:tt)*) => {
+            $(#[$doc])*
+            pub const $id: u32 = $n;
+            counters!(@index $n + 1; $($rest)*);
+        };
+        (@index $n:expr;) => {};
+    }
+
+    counters! {
+        RX = "rx", Received;
+        PASS_NOT_IP = "pass_not_ip", Pass;
+        PASS_NOT_VIP = "pass_not_vip", Pass;
+        PASS_TRUNCATED_L2 = "pass_truncated_l2", Pass;
+        PASS_TRUNCATED_L3 = "pass_truncated_l3", Pass;
+        PASS_TRUNCATED_L4 = "pass_truncated_l4", Pass;
+        /// The IP length field claims more than the frame holds, or less than its own header.
+        PASS_BAD_IP_LEN = "pass_bad_ip_len", Pass;
+        PASS_FRAGMENT = "pass_fragment", Pass;
+        PASS_UNSUPPORTED_L4 = "pass_unsupported_l4", Pass;
+        PASS_EXT_HDR_LIMIT = "pass_ext_hdr_limit", Pass;
+        PASS_ICMP_NOT_VIP = "pass_icmp_not_vip", Pass;
+        ICMP_TOO_BIG_STEERED = "icmp_too_big_steered", Event;
+        CONN_HIT = "conn_hit", Event;
+        CONN_MISS = "conn_miss", Event;
+        CONN_RESTEER_DOWN = "conn_resteer_down", Event;
+        CONN_INSERT_FAILED = "conn_insert_failed", Event;
+        FLOOD_BYPASS = "flood_bypass", Event;
+        AFFINITY_HIT = "affinity_hit", Event;
+        PROBE_SKIP = "probe_skip", Event;
+        DROP_NO_BACKEND = "drop_no_backend", Drop;
+        DROP_BAD_BACKEND = "drop_bad_backend", Drop;
+        DROP_ADJUST_HEAD = "drop_adjust_head", Drop;
+        FIB_FALLBACK_MAC = "fib_fallback_mac", Event;
+        DROP_NO_NEXTHOP = "drop_no_nexthop", Drop;
+        TX = "tx", Sent;
+        REDIRECT = "redirect", Sent;
+        DROP_NO_CONFIG = "drop_no_config", Drop;
+        DECAP_OK = "decap_ok", Event;
+        DECAP_PASS_NOT_ENCAP = "decap_pass_not_encap", Pass;
+        DECAP_DROP_ADJUST = "decap_drop_adjust", Drop;
+        /// A new session shed by priority; followed by `SHED_RST_SENT` or `DROP_SHED`.
+        SHED_PRIORITY = "shed_priority", Event;
+        /// A new session shed because every backend it may use is full.
+        SHED_FULL = "shed_full", Event;
+        SHED_RST_SENT = "shed_rst_sent", Sent;
+        DROP_FRAG_NEEDED = "drop_frag_needed", Drop;
+        ICMP_TOO_BIG_SENT = "icmp_too_big_sent", Sent;
+        /// The IP length ends inside a header that the frame holds (an extension header, the
+        /// L4 header, an ICMP error's quote): the length lies, and the frame is not steered
+        /// on bytes that are not part of its packet.
+        PASS_SHORT_IP_LEN = "pass_short_ip_len", Pass;
+        /// Bytes after the IP packet (Ethernet padding) cut before encapsulation, so the
+        /// tunnel carries exactly the client's packet.
+        PADDING_TRIMMED = "padding_trimmed", Event;
+        /// A tunnel packet whose outer length disagrees with the frame or with the inner
+        /// packet's own length: not stripped.
+        DECAP_PASS_BAD_LEN = "decap_pass_bad_len", Pass;
+        /// Cutting the padding off a frame failed.
+        DROP_ADJUST_TAIL = "drop_adjust_tail", Drop;
+        /// A shed session dropped (not answered with a RST): with `SHED_RST_SENT`, every
+        /// shed frame ends in exactly one outcome.
+        DROP_SHED = "drop_shed", Drop;
+    }
 }
 
 #[cfg(feature = "user")]

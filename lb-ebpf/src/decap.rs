@@ -7,7 +7,7 @@ use aya_ebpf::{
 use lb_common::{stat, PROTO_IPIP, PROTO_IPV6};
 
 use crate::{
-    parse::{at, be16_at, l2, u8_at, ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
+    parse::{at, be16_at, frame_holds, l2, trim_to, u8_at, ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
     stats::count,
 };
 
@@ -24,7 +24,8 @@ pub fn decap(ctx: &XdpContext) -> u32 {
 #[inline(always)]
 fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
     let (proto, l3) = l2(ctx).map_err(|_| stat::DECAP_PASS_NOT_ENCAP)?;
-    let (outer_len, inner) = match proto {
+    // (outer header length, outer packet length, inner protocol)
+    let (outer_len, outer_tot, inner) = match proto {
         ETH_P_IP => {
             let p = at(ctx, l3, 20).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
             let ihl = ((unsafe { u8_at(p) } & 0x0f) as usize) * 4;
@@ -32,11 +33,15 @@ fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
             if ihl < 20 || unsafe { be16_at(p + 6) } & 0x3fff != 0 {
                 return Err(stat::DECAP_PASS_NOT_ENCAP);
             }
-            (ihl, unsafe { u8_at(p + 9) })
+            (ihl, unsafe { be16_at(p + 2) } as usize, unsafe {
+                u8_at(p + 9)
+            })
         }
         ETH_P_IPV6 => {
             let p = at(ctx, l3, 40).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
-            (40, unsafe { u8_at(p + 6) })
+            (40, unsafe { be16_at(p + 4) } as usize + 40, unsafe {
+                u8_at(p + 6)
+            })
         }
         _ => return Err(stat::DECAP_PASS_NOT_ENCAP),
     };
@@ -45,6 +50,21 @@ fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
         PROTO_IPV6 => ETH_P_IPV6,
         _ => return Err(stat::DECAP_PASS_NOT_ENCAP),
     };
+    // The inner packet's own length must fill the outer payload exactly and the frame must
+    // hold it: the stack then receives exactly the packet the LB encapsulated, and a frame
+    // whose lengths disagree is left to the kernel's checks.
+    let i = at(ctx, l3 + outer_len, 20).ok_or(stat::DECAP_PASS_BAD_LEN)?;
+    let inner_len = if inner_eth == ETH_P_IP {
+        (unsafe { be16_at(i + 2) }) as usize
+    } else {
+        (unsafe { be16_at(i + 4) }) as usize + 40
+    };
+    if outer_tot != outer_len + inner_len || !frame_holds(ctx, l3 + outer_tot) {
+        return Err(stat::DECAP_PASS_BAD_LEN);
+    }
+    if trim_to(ctx, l3 + outer_tot).is_none() {
+        return Err(stat::DECAP_DROP_ADJUST);
+    }
     let macs = at(ctx, 0, 12).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
     let macs = unsafe { core::ptr::read_unaligned(macs as *const [u8; 12]) };
     // Keep the MACs, drop VLAN tags and the outer header: the inner packet follows a fresh

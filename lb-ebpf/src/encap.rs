@@ -14,7 +14,7 @@ use crate::{
     csum::{add_all, fold},
     icmp,
     maps::{NEXTHOPS, TX_PORTS},
-    parse::{at, Parsed, ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
+    parse::{at, trim_to, Parsed, ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
     stats::count,
     steer::Decision,
 };
@@ -95,6 +95,14 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
             };
         }
     };
+
+    // What follows the IP packet (Ethernet padding) stays out of the tunnel: the outer
+    // length counts the client's packet and nothing else.
+    match trim_to(ctx, p.l3_off + p.l3_len) {
+        Some(true) => count(stat::PADDING_TRIMMED),
+        Some(false) => {}
+        None => return Err(stat::DROP_ADJUST_TAIL),
+    }
 
     let delta = (ETH_HLEN + outer_len) as i32 - p.l3_off as i32;
     if unsafe { bpf_xdp_adjust_head(ctx.as_ptr() as *mut _, -delta) } != 0 {

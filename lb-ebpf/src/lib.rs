@@ -1,5 +1,10 @@
 //! Sluice's data plane: `sluice_xdp` steers VIP traffic to backends, `sluice_decap` runs on
 //! backends, `sluice_pass` is the XDP_PASS baseline the benchmarks compare against.
+//!
+//! Every program is multi-buffer aware (`xdp.frags`): native XDP on an interface with a
+//! jumbo MTU accepts only such programs, and a frame larger than a page arrives as a linear
+//! first part plus fragments. Headers are read from the linear part; lengths are checked
+//! against the whole frame.
 #![no_std]
 
 mod csum;
@@ -17,7 +22,7 @@ use lb_common::{stat, VIP_F_SHED_RST};
 
 use crate::{maps::CONFIG, stats::count, steer::Refusal};
 
-#[xdp]
+#[xdp(frags)]
 pub fn sluice_xdp(ctx: XdpContext) -> u32 {
     count(stat::RX);
     let p = match parse::parse(&ctx) {
@@ -53,6 +58,7 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
                     return action;
                 }
             }
+            count(stat::DROP_SHED);
             return xdp_action::XDP_DROP;
         }
     };
@@ -69,13 +75,13 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
     }
 }
 
-#[xdp]
+#[xdp(frags)]
 pub fn sluice_decap(ctx: XdpContext) -> u32 {
     decap::decap(&ctx)
 }
 
 /// Baseline for benchmarks: the cheapest program that still touches a per-CPU counter.
-#[xdp]
+#[xdp(frags)]
 pub fn sluice_pass(_ctx: XdpContext) -> u32 {
     count(stat::RX);
     xdp_action::XDP_PASS

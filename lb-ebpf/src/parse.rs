@@ -4,7 +4,11 @@
 //! counter that explains why the frame passes untouched: Sluice only acts on what it fully
 //! understands and leaves everything else to the kernel.
 
-use aya_ebpf::programs::XdpContext;
+use aya_ebpf::{
+    helpers::{bpf_xdp_adjust_tail, bpf_xdp_get_buff_len},
+    programs::XdpContext,
+    EbpfContext,
+};
 use lb_common::{
     stat, FlowKey, FAMILY_V4, FAMILY_V6, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
 };
@@ -25,7 +29,8 @@ pub struct Parsed {
     /// Offset of the L3 header (the L2 header's length, VLAN tags included).
     pub l3_off: usize,
     /// Length of the L3 packet to carry (from its own length field, so Ethernet padding is
-    /// not encapsulated).
+    /// not encapsulated). The frame, fragments included, holds at least this much after
+    /// `l3_off`; every header above was read within it.
     pub l3_len: usize,
     /// Traffic class copied to the outer header so DSCP and ECN survive encapsulation.
     pub tos: u8,
@@ -60,6 +65,53 @@ pub fn at(ctx: &XdpContext, off: usize, len: usize) -> Option<usize> {
         return None;
     }
     Some(p)
+}
+
+/// Pointer to `len` bytes at `off` inside the IP packet that ends at `ip_end`: `truncated`
+/// when the frame (its linear part) ends first, `PASS_SHORT_IP_LEN` when the frame holds the
+/// bytes but the packet's own length says they are not part of it (Ethernet padding, or a
+/// lying length).
+#[inline(always)]
+fn in_packet(
+    ctx: &XdpContext,
+    off: usize,
+    len: usize,
+    ip_end: usize,
+    truncated: Pass,
+) -> Result<usize, Pass> {
+    let p = at(ctx, off, len).ok_or(truncated)?;
+    if off + len > ip_end {
+        return Err(stat::PASS_SHORT_IP_LEN);
+    }
+    Ok(p)
+}
+
+/// The frame's length, fragments included (multi-buffer XDP: a jumbo frame's linear part is
+/// only its first page).
+#[inline(always)]
+pub fn frame_len(ctx: &XdpContext) -> usize {
+    unsafe { bpf_xdp_get_buff_len(ctx.as_ptr() as *mut _) as usize }
+}
+
+/// Cuts the frame to its first `end` bytes, dropping what follows the IP packet (Ethernet
+/// padding). `Some(true)` when something was cut, `None` when the kernel refused.
+#[inline(always)]
+pub fn trim_to(ctx: &XdpContext, end: usize) -> Option<bool> {
+    let len = frame_len(ctx);
+    if len <= end {
+        return Some(false);
+    }
+    if unsafe { bpf_xdp_adjust_tail(ctx.as_ptr() as *mut _, end as i32 - len as i32) } != 0 {
+        return None;
+    }
+    Some(true)
+}
+
+/// True when the frame holds `len` bytes; the helper is only asked when the linear part is
+/// shorter.
+#[inline(always)]
+pub fn frame_holds(ctx: &XdpContext, len: usize) -> bool {
+    ctx.data() + len <= ctx.data_end() || frame_len(ctx) >= len
 }
 
 #[inline(always)]
@@ -119,9 +171,10 @@ fn ipv4(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
     }
     at(ctx, l3, ihl).ok_or(stat::PASS_TRUNCATED_L3)?;
     let tot_len = unsafe { be16_at(p + 2) } as usize;
-    if tot_len < ihl || at(ctx, l3, tot_len).is_none() {
+    if tot_len < ihl || !frame_holds(ctx, l3 + tot_len) {
         return Err(stat::PASS_BAD_IP_LEN);
     }
+    let end = l3 + tot_len;
     // More-fragments flag or a fragment offset: only the first fragment has ports, so
     // steering fragments by 5-tuple would split them. They go to the kernel.
     if unsafe { be16_at(p + 6) } & 0x3fff != 0 {
@@ -138,11 +191,11 @@ fn ipv4(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
     let mut tcp_flags = 0;
     let icmp_error = match key.proto {
         PROTO_TCP | PROTO_UDP => {
-            tcp_flags = ports(ctx, l3 + ihl, &mut key)?;
+            tcp_flags = ports(ctx, l3 + ihl, end, &mut key)?;
             false
         }
         PROTO_ICMP => {
-            icmp4_too_big(ctx, l3 + ihl, &mut key)?;
+            icmp4_too_big(ctx, l3 + ihl, end, &mut key)?;
             true
         }
         _ => return Err(stat::PASS_UNSUPPORTED_L4),
@@ -166,26 +219,27 @@ fn ipv6(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
         return Err(stat::PASS_BAD_IP_LEN);
     }
     let l3_len = unsafe { be16_at(p + 4) } as usize + IPV6_HLEN;
-    if at(ctx, l3, l3_len).is_none() {
+    if !frame_holds(ctx, l3 + l3_len) {
         return Err(stat::PASS_BAD_IP_LEN);
     }
+    let end = l3 + l3_len;
     let mut key = FlowKey {
         family: FAMILY_V6,
         ..FlowKey::default()
     };
     key.src = unsafe { addr6_at(p + 8) };
     key.dst = unsafe { addr6_at(p + 24) };
-    let (nh, l4) = ext_headers(ctx, unsafe { u8_at(p + 6) }, l3 + IPV6_HLEN)?;
+    let (nh, l4) = ext_headers(ctx, unsafe { u8_at(p + 6) }, l3 + IPV6_HLEN, end)?;
     key.proto = nh;
     let tos = (vtc >> 4) as u8;
     let mut tcp_flags = 0;
     let icmp_error = match nh {
         PROTO_TCP | PROTO_UDP => {
-            tcp_flags = ports(ctx, l4, &mut key)?;
+            tcp_flags = ports(ctx, l4, end, &mut key)?;
             false
         }
         PROTO_ICMPV6 => {
-            icmp6_too_big(ctx, l4, &mut key)?;
+            icmp6_too_big(ctx, l4, end, &mut key)?;
             true
         }
         _ => return Err(stat::PASS_UNSUPPORTED_L4),
@@ -203,11 +257,16 @@ fn ipv6(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
 
 /// Skips hop-by-hop (0), routing (43) and destination-options (60) headers.
 #[inline(always)]
-fn ext_headers(ctx: &XdpContext, mut nh: u8, mut off: usize) -> Result<(u8, usize), Pass> {
+fn ext_headers(
+    ctx: &XdpContext,
+    mut nh: u8,
+    mut off: usize,
+    end: usize,
+) -> Result<(u8, usize), Pass> {
     for _ in 0..MAX_EXT_HDRS {
         match nh {
             0 | 43 | 60 => {
-                let e = at(ctx, off, 8).ok_or(stat::PASS_TRUNCATED_L3)?;
+                let e = in_packet(ctx, off, 8, end, stat::PASS_TRUNCATED_L3)?;
                 nh = unsafe { u8_at(e) };
                 off += (unsafe { u8_at(e + 1) } as usize + 1) * 8;
             }
@@ -220,22 +279,22 @@ fn ext_headers(ctx: &XdpContext, mut nh: u8, mut off: usize) -> Result<(u8, usiz
 
 #[inline(always)]
 /// Reads the ports into `key`; returns the TCP flags (0 for UDP).
-fn ports(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<u8, Pass> {
-    let p = at(ctx, l4, 8).ok_or(stat::PASS_TRUNCATED_L4)?;
+fn ports(ctx: &XdpContext, l4: usize, end: usize, key: &mut FlowKey) -> Result<u8, Pass> {
+    let p = in_packet(ctx, l4, 8, end, stat::PASS_TRUNCATED_L4)?;
     key.sport = unsafe { core::ptr::read_unaligned(p as *const u16) };
     key.dport = unsafe { core::ptr::read_unaligned((p + 2) as *const u16) };
     if key.proto != PROTO_TCP {
         return Ok(0);
     }
-    let t = at(ctx, l4, 20).ok_or(stat::PASS_TRUNCATED_L4)?;
+    let t = in_packet(ctx, l4, 20, end, stat::PASS_TRUNCATED_L4)?;
     Ok(unsafe { u8_at(t + 13) })
 }
 
 /// Quoted ports of an ICMP error, reversed: the quoted packet went VIP -> client, so the
 /// client's flow has the quoted destination as source.
 #[inline(always)]
-fn quoted_ports(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), Pass> {
-    let p = at(ctx, l4, 4).ok_or(stat::PASS_TRUNCATED_L4)?;
+fn quoted_ports(ctx: &XdpContext, l4: usize, end: usize, key: &mut FlowKey) -> Result<(), Pass> {
+    let p = in_packet(ctx, l4, 4, end, stat::PASS_TRUNCATED_L4)?;
     key.dport = unsafe { core::ptr::read_unaligned(p as *const u16) };
     key.sport = unsafe { core::ptr::read_unaligned((p + 2) as *const u16) };
     Ok(())
@@ -244,12 +303,12 @@ fn quoted_ports(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), Pa
 /// ICMP "fragmentation needed" (type 3 code 4) about a VIP flow: steer it with that flow so
 /// the backend that sends the stream learns the path MTU.
 #[inline(always)]
-fn icmp4_too_big(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), Pass> {
-    let p = at(ctx, l4, 8).ok_or(stat::PASS_TRUNCATED_L4)?;
+fn icmp4_too_big(ctx: &XdpContext, l4: usize, end: usize, key: &mut FlowKey) -> Result<(), Pass> {
+    let p = in_packet(ctx, l4, 8, end, stat::PASS_TRUNCATED_L4)?;
     if unsafe { u8_at(p) } != 3 || unsafe { u8_at(p + 1) } != 4 {
         return Err(stat::PASS_ICMP_NOT_VIP);
     }
-    let q = at(ctx, l4 + 8, IPV4_HLEN).ok_or(stat::PASS_TRUNCATED_L4)?;
+    let q = in_packet(ctx, l4 + 8, IPV4_HLEN, end, stat::PASS_TRUNCATED_L4)?;
     let ihl = ((unsafe { u8_at(q) } & 0x0f) as usize) * 4;
     if ihl < IPV4_HLEN {
         return Err(stat::PASS_BAD_IP_LEN);
@@ -258,25 +317,34 @@ fn icmp4_too_big(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), P
     if key.proto != PROTO_TCP && key.proto != PROTO_UDP {
         return Err(stat::PASS_ICMP_NOT_VIP);
     }
+    // The error must be addressed to the quoted packet's sender (the VIP): one sent to
+    // another host is not this balancer's to steer.
+    if unsafe { raw32_at(q + 12) } != key.dst[0] {
+        return Err(stat::PASS_ICMP_NOT_VIP);
+    }
     key.src[0] = unsafe { raw32_at(q + 16) };
     key.dst[0] = unsafe { raw32_at(q + 12) };
-    quoted_ports(ctx, l4 + 8 + ihl, key)
+    quoted_ports(ctx, l4 + 8 + ihl, end, key)
 }
 
 /// ICMPv6 "packet too big" (type 2) about a VIP flow; the quoted header must be followed
 /// directly by TCP or UDP.
 #[inline(always)]
-fn icmp6_too_big(ctx: &XdpContext, l4: usize, key: &mut FlowKey) -> Result<(), Pass> {
-    let p = at(ctx, l4, 8).ok_or(stat::PASS_TRUNCATED_L4)?;
+fn icmp6_too_big(ctx: &XdpContext, l4: usize, end: usize, key: &mut FlowKey) -> Result<(), Pass> {
+    let p = in_packet(ctx, l4, 8, end, stat::PASS_TRUNCATED_L4)?;
     if unsafe { u8_at(p) } != 2 {
         return Err(stat::PASS_ICMP_NOT_VIP);
     }
-    let q = at(ctx, l4 + 8, IPV6_HLEN).ok_or(stat::PASS_TRUNCATED_L4)?;
+    let q = in_packet(ctx, l4 + 8, IPV6_HLEN, end, stat::PASS_TRUNCATED_L4)?;
     key.proto = unsafe { u8_at(q + 6) };
     if key.proto != PROTO_TCP && key.proto != PROTO_UDP {
         return Err(stat::PASS_ICMP_NOT_VIP);
     }
+    // Addressed to the quoted packet's sender (the VIP), as for IPv4.
+    if unsafe { addr6_at(q + 8) } != key.dst {
+        return Err(stat::PASS_ICMP_NOT_VIP);
+    }
     key.src = unsafe { addr6_at(q + 24) };
     key.dst = unsafe { addr6_at(q + 8) };
-    quoted_ports(ctx, l4 + 8 + IPV6_HLEN, key)
+    quoted_ports(ctx, l4 + 8 + IPV6_HLEN, end, key)
 }

@@ -8,6 +8,7 @@ use std::{convert::Infallible, future::Future, net::SocketAddr, sync::Arc};
 use anyhow::{Context, Result};
 use http_body_util::Full;
 use hyper::{body::Bytes, header, service::service_fn, Method, Request, Response, StatusCode};
+use lb_common::stat::{self, Kind};
 use prometheus_client::{
     encoding::prometheus_text,
     metrics::{counter::Counter, family::Family, gauge::Gauge, info::Info},
@@ -122,19 +123,20 @@ enum Dataplane {
     Events,
 }
 
-/// Sorts a counter name: `drop_*` and `*_drop_*` are drops, `pass_*` and `*_pass_*` passes
-/// (the label loses the word: `decap_drop_adjust` → "decap_adjust"), the rest events.
-fn dataplane_family(name: &str) -> (Dataplane, String) {
-    for (word, family) in [("drop_", Dataplane::Drops), ("pass_", Dataplane::Passes)] {
-        if let Some(reason) = name.strip_prefix(word) {
-            return (family, reason.to_string());
-        }
-        let inner = format!("_{word}");
-        if name.contains(&inner) {
-            return (family, name.replacen(&inner, "_", 1));
-        }
-    }
-    (Dataplane::Events, name.to_string())
+/// The family of a global counter comes from the kind it is declared with in
+/// `lb_common::stat`; the label drops the word the family already says
+/// (`decap_drop_adjust` → "decap_adjust").
+fn dataplane_family(name: &str, kind: Kind) -> (Dataplane, String) {
+    let (family, word) = match kind {
+        Kind::Drop => (Dataplane::Drops, "drop_"),
+        Kind::Pass => (Dataplane::Passes, "pass_"),
+        Kind::Received | Kind::Sent | Kind::Event => return (Dataplane::Events, name.to_string()),
+    };
+    let label = match name.strip_prefix(word) {
+        Some(reason) => reason.to_string(),
+        None => name.replacen(&format!("_{word}"), "_", 1),
+    };
+    (family, label)
 }
 
 /// The exposition text of `snap`.
@@ -315,9 +317,9 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
     let mut drops = vec![];
     let mut passes = vec![];
     let mut events = vec![];
-    for name in lb_common::stat::NAMES {
+    for (name, kind) in stat::NAMES.into_iter().zip(stat::KINDS) {
         let v = snap.counters.global.get(name).copied().unwrap_or(0);
-        match dataplane_family(name) {
+        match dataplane_family(name, kind) {
             (Dataplane::Drops, r) => drops.push((vec![("reason", r)], v)),
             (Dataplane::Passes, r) => passes.push((vec![("reason", r)], v)),
             (Dataplane::Events, e) => events.push((vec![("event", e)], v)),
@@ -501,7 +503,10 @@ mod tests {
 
     #[test]
     fn dataplane_counters_are_sorted_into_families() {
-        let f = |n| dataplane_family(n);
+        let f = |n: &str| {
+            let i = stat::NAMES.iter().position(|&m| m == n).unwrap();
+            dataplane_family(n, stat::KINDS[i])
+        };
         assert_eq!(
             f("drop_no_nexthop"),
             (Dataplane::Drops, "no_nexthop".into())
@@ -519,6 +524,28 @@ mod tests {
             f("flood_bypass"),
             (Dataplane::Events, "flood_bypass".into())
         );
+        assert_eq!(
+            f("pass_short_ip_len"),
+            (Dataplane::Passes, "short_ip_len".into())
+        );
+        assert_eq!(
+            f("decap_pass_bad_len"),
+            (Dataplane::Passes, "decap_bad_len".into())
+        );
+        assert_eq!(
+            f("padding_trimmed"),
+            (Dataplane::Events, "padding_trimmed".into())
+        );
+        // Every pass or drop loses its word in the label, so no label repeats the family.
+        for (name, kind) in stat::NAMES.into_iter().zip(stat::KINDS) {
+            let (_, label) = dataplane_family(name, kind);
+            if matches!(kind, Kind::Pass | Kind::Drop) {
+                assert!(
+                    !label.contains("pass_") && !label.contains("drop_"),
+                    "{name}"
+                );
+            }
+        }
     }
 
     #[tokio::test]

@@ -3,6 +3,7 @@
 
 pub mod daemon_lab;
 pub mod frames;
+pub mod fuzz;
 pub mod netns;
 pub mod stream;
 
@@ -42,6 +43,11 @@ impl Lab {
     // Not `Default`: it moves the calling thread into a new namespace and loads BPF.
     #[allow(clippy::new_without_default)]
     pub fn new() -> Lab {
+        Lab::with_max_vips(4)
+    }
+
+    /// [`Lab::new`] with room for `max_vips` VIPs.
+    pub fn with_max_vips(max_vips: u32) -> Lab {
         require_root();
         if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
             panic!(
@@ -52,7 +58,7 @@ impl Lab {
         let opts = LoadOptions {
             conn_table_size: 1 << 16,
             affinity_table_size: 1 << 12,
-            max_vips: 4,
+            max_vips,
             pin_dir: None,
         };
         let mut dp = Dataplane::load(BPF_OBJECT, &opts).expect("load the data plane");
@@ -219,6 +225,55 @@ pub fn run_prog(dp: &mut Dataplane, prog: &str, frame: &[u8]) -> Result<(u32, Ve
     }
     out.truncate(r.data_size_out as usize);
     Ok((r.return_value, out))
+}
+
+/// The MAC of the LB's side of [`fib_segment`].
+pub const FIB_LOCAL_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x0a, 0x0a];
+
+/// The neighbour MAC [`fib_segment`] gives a backend: `02:00:00:00:0b:<last byte>` for IPv4,
+/// `02:00:00:00:0b:<0x10 + last byte>` for IPv6.
+pub fn fib_neighbour_mac(addr: IpAddr) -> [u8; 6] {
+    let last = match addr {
+        IpAddr::V4(a) => a.octets()[3],
+        IpAddr::V6(a) => 0x10u8.wrapping_add(a.octets()[15]),
+    };
+    [0x02, 0, 0, 0, 0x0b, last]
+}
+
+/// In the calling thread's namespace: a veth `fibA` (MTU `mtu`, addresses in 10.1.0.0/24 and
+/// fd00:1::/64) whose neighbour table knows `backends` ([`fib_neighbour_mac`]), with
+/// forwarding on, so the FIB gives the data plane next hops. Returns its ifindex.
+pub fn fib_segment(mtu: u32, backends: &[IpAddr]) -> u32 {
+    let sh = |c: &str| {
+        let ok = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(c)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "{c}");
+    };
+    let mac = |m: [u8; 6]| {
+        m.iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<Vec<_>>()
+            .join(":")
+    };
+    sh(&format!("ip link add fibA mtu {mtu} type veth peer name fibB && ip link set fibA address {} && ip link set fibA up && ip link set fibB up && ip link set lo up", mac(FIB_LOCAL_MAC)));
+    sh("ip -6 addr add fd00:1::fe/64 dev fibA nodad && ip addr add 10.1.0.254/24 dev fibA");
+    for b in backends {
+        let family = if b.is_ipv4() { "-4" } else { "-6" };
+        sh(&format!(
+            "ip {family} neigh replace {b} lladdr {} nud permanent dev fibA",
+            mac(fib_neighbour_mac(*b))
+        ));
+    }
+    sh("sysctl -qw net.ipv6.conf.all.forwarding=1 net.ipv4.conf.all.forwarding=1 net.ipv4.conf.lo.forwarding=1");
+    // /sys shows the namespace it was mounted in, so ask the kernel by name from this thread.
+    let name = std::ffi::CString::new("fibA").unwrap();
+    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    assert_ne!(ifindex, 0);
+    ifindex
 }
 
 /// The flow key of a client packet, as the data plane builds it.

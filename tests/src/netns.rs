@@ -609,6 +609,10 @@ pub fn mac_string(m: &[u8; 6]) -> String {
 pub struct TopologySpec {
     /// Backend names: short (1 to 8 characters, ASCII letters and digits), unique.
     pub backends: Vec<String>,
+    /// MTU of every link of the segment (the bridge takes its ports' MTU).
+    pub mtu: u32,
+    /// MTU of the client's routes to the VIPs.
+    pub vip_route_mtu: u32,
 }
 
 impl Default for TopologySpec {
@@ -622,6 +626,8 @@ impl TopologySpec {
     pub fn with_backends(n: usize) -> Self {
         Self {
             backends: (0..n).map(|i| format!("b{i}")).collect(),
+            mtu: 1500,
+            vip_route_mtu: VIP_ROUTE_MTU,
         }
     }
 }
@@ -649,6 +655,9 @@ pub struct Topology {
     pub client: Host,
     pub lb: Host,
     pub backends: Vec<Host>,
+    /// Link MTU and the client's VIP-route MTU (from the spec).
+    mtu: u32,
+    vip_route_mtu: u32,
     namespaces: Vec<Netns>,
     procs: Vec<Proc>,
 }
@@ -726,6 +735,8 @@ impl Topology {
             lb: host("lb", LB_V4, LB_V6, 2),
             backends,
             id,
+            mtu: spec.mtu,
+            vip_route_mtu: spec.vip_route_mtu,
             namespaces: Vec::new(),
             procs: Vec::new(),
         };
@@ -815,7 +826,7 @@ impl Topology {
 
         // The client reaches the VIPs through the LB.
         let c = &self.client.ns;
-        let mtu = VIP_ROUTE_MTU.to_string();
+        let mtu = self.vip_route_mtu.to_string();
         for (net, via) in [
             (VIP_NET_V4, IpAddr::from(LB_V4)),
             (VIP_NET_V6, IpAddr::from(LB_V6)),
@@ -872,6 +883,9 @@ impl Topology {
             "address",
             &mac,
         ])?;
+        let mtu = self.mtu.to_string();
+        sw.ip(&["link", "set", &h.port, "mtu", &mtu])?;
+        h.ns.ip(&["link", "set", DEV, "mtu", &mtu])?;
         sw.ip(&["link", "set", &h.port, "master", BRIDGE, "up"])?;
         h.ns.ip(&[
             "addr",

@@ -333,7 +333,7 @@ pub fn udp_socket_in(ns: &Netns, vip: SocketAddr) -> Result<UdpSocket> {
 /// Returns the backend that answered.
 pub fn udp_ask(s: &UdpSocket, payload: &str, tries: u32, timeout: Duration) -> Result<String> {
     s.set_read_timeout(Some(timeout))?;
-    let mut buf = [0u8; 2048];
+    let mut buf = vec![0u8; 65536];
     for _ in 0..tries.max(1) {
         s.send(payload.as_bytes())?;
         let deadline = Instant::now() + timeout;

@@ -94,6 +94,12 @@ fn port_on(lab: &mut Lab, vip: &lb_common::VipKey, id: u32, from: u16) -> u16 {
         .expect("some port maps to every backend")
 }
 
+/// Address of the backend the ring gives this flow.
+fn ring_backend(lab: &mut Lab, vip: &lb_common::VipKey, key: &lb_common::FlowKey) -> IpAddr {
+    let id = lab.ring_choice(vip, key, false);
+    lab.backend_addr(id)
+}
+
 /// Sends `l3` from the client and asserts it left encapsulated to the ring's backend.
 fn assert_steered(lab: &mut Lab, l3: &[u8], expected_backend: u32, h: u32) {
     let (action, out) = lab.run(&on_wire(l3));
@@ -436,28 +442,14 @@ fn flood_guard_stops_inserting_new_flows_above_the_rate() {
     assert_eq!(lab.dp.conns().unwrap().len(), 3);
 }
 
-/// In this test's namespace: a veth (MTU `mtu`) whose neighbour table knows the backends;
-/// returns its ifindex.
+/// The FIB segment of these fixtures: the three IPv4 and three IPv6 backends.
 fn fib_segment(mtu: u32) -> u32 {
-    let sh = |c: &str| {
-        let ok = std::process::Command::new("sh")
-            .arg("-c")
-            .arg(c)
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "{c}");
-    };
-    sh(&format!("ip link add fibA mtu {mtu} type veth peer name fibB && ip link set fibA address 02:00:00:00:0a:0a && ip link set fibA up && ip link set fibB up && ip link set lo up"));
-    sh("ip -6 addr add fd00:1::fe/64 dev fibA nodad && ip -6 neigh replace fd00:1::1 lladdr 02:00:00:00:0b:11 nud permanent dev fibA && ip -6 neigh replace fd00:1::2 lladdr 02:00:00:00:0b:12 nud permanent dev fibA && ip -6 neigh replace fd00:1::3 lladdr 02:00:00:00:0b:13 nud permanent dev fibA");
-    sh("sysctl -qw net.ipv6.conf.all.forwarding=1");
-    sh("ip addr add 10.1.0.254/24 dev fibA && ip neigh replace 10.1.0.1 lladdr 02:00:00:00:0b:01 nud permanent dev fibA && ip neigh replace 10.1.0.2 lladdr 02:00:00:00:0b:02 nud permanent dev fibA && ip neigh replace 10.1.0.3 lladdr 02:00:00:00:0b:03 nud permanent dev fibA");
-    sh("sysctl -qw net.ipv4.conf.all.forwarding=1 net.ipv4.conf.lo.forwarding=1");
-    // /sys shows the namespace it was mounted in, so ask the kernel by name from this thread.
-    let name = std::ffi::CString::new("fibA").unwrap();
-    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    assert_ne!(ifindex, 0);
-    ifindex
+    let backends: Vec<IpAddr> = ["10.1.0.1", "10.1.0.2", "10.1.0.3"]
+        .into_iter()
+        .chain(["fd00:1::1", "fd00:1::2", "fd00:1::3"])
+        .map(ip)
+        .collect();
+    sluice_tests::fib_segment(mtu, &backends)
 }
 
 #[test]
@@ -808,6 +800,7 @@ fn syn_is_shed_by_drop_when_every_backend_is_full_while_established_flows_contin
     let syn = on_wire(&v4_tcp(CLIENT4, 3001, VIP4, 443, SYN, 0));
     assert_eq!(lab.run(&syn).0, XDP_DROP);
     assert_eq!(lab.stat(stat::SHED_FULL), 1);
+    assert_eq!(lab.stat(stat::DROP_SHED), 1);
     // The established flow, and a mid-stream packet whose entry was lost, still flow.
     assert_eq!(
         lab.run(&on_wire(&v4_tcp(CLIENT4, 3000, VIP4, 443, ACK, 0)))
@@ -872,4 +865,260 @@ fn shed_vip_answers_syn_with_an_exact_rst_and_drops_udp() {
     let quic = on_wire(&V4::new(CLIENT4, VIP4, PROTO_UDP).build(&udp(5000, 443, b"initial")));
     assert_eq!(lab.run(&quic).0, XDP_DROP);
     assert_eq!(lab.stat(stat::SHED_PRIORITY), 3);
+    assert_eq!(
+        (lab.stat(stat::SHED_RST_SENT), lab.stat(stat::DROP_SHED)),
+        (2, 1),
+        "every shed frame ends in one outcome: a RST sent or a drop"
+    );
+}
+
+/// Ethernet pads short frames to 60 bytes, and a frame may carry bytes after its IP packet:
+/// they are not the client's, and the tunnel carries exactly the IP packet.
+#[test]
+fn bytes_after_the_ip_packet_are_cut_before_encapsulation() {
+    let (mut lab, vip) = lab_v4();
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip6, &BACKENDS6);
+
+    // 14 + 40 bytes, padded to the 60-byte minimum.
+    let l3 = v4_tcp(CLIENT4, 41000, VIP4, 443, SYN, 0);
+    let mut frame = on_wire(&l3);
+    frame.extend_from_slice(&[0xee; 6]);
+    let key = flow(CLIENT4, 41000, VIP4, 443, PROTO_TCP);
+    let addr = ring_backend(&mut lab, &vip, &key);
+    let h = lab.flow_hash(&key, false);
+    let (a, out) = lab.run(&frame);
+    assert_eq!(a, XDP_TX);
+    assert_eq!(out, encapsulated(&lab, &l3, addr, h));
+    assert_eq!(lab.stat(stat::PADDING_TRIMMED), 1);
+    let vs = lab.dp.vip_stats(0).unwrap();
+    assert_eq!(vs.bytes, l3.len() as u64, "the VIP is billed the IP packet");
+
+    // VLAN-tagged, padded: leaves untagged and unpadded.
+    let l3 = v4_tcp(CLIENT4, 41001, VIP4, 443, SYN, 0);
+    let mut frame = vlan_tag(&on_wire(&l3), 0x8100, 7);
+    frame.extend_from_slice(&[0; 2]);
+    let key = flow(CLIENT4, 41001, VIP4, 443, PROTO_TCP);
+    let addr = ring_backend(&mut lab, &vip, &key);
+    let h = lab.flow_hash(&key, false);
+    let (a, out) = lab.run(&frame);
+    assert_eq!(a, XDP_TX);
+    assert_eq!(out, encapsulated(&lab, &l3, addr, h));
+
+    // IPv6 with 20 trailing bytes.
+    let l3 = ipv6(CLIENT6, VIP6, PROTO_TCP, 0, 0, &tcp(41002, 443, SYN, b"x"));
+    let mut frame = on_wire(&l3);
+    frame.extend_from_slice(&[0xaa; 20]);
+    let key = flow(CLIENT6, 41002, VIP6, 443, PROTO_TCP);
+    let addr = ring_backend(&mut lab, &vip6, &key);
+    let h = lab.flow_hash(&key, false);
+    let (a, out) = lab.run(&frame);
+    assert_eq!(a, XDP_TX);
+    assert_eq!(out, encapsulated(&lab, &l3, addr, h));
+    assert_eq!(lab.stat(stat::PADDING_TRIMMED), 3);
+}
+
+/// An IP length that ends before the headers the frame holds: the frame is not steered on
+/// bytes outside its packet (ports read from padding), it passes untouched and is counted.
+#[test]
+fn headers_past_the_ip_length_are_not_read_and_the_frame_passes_untouched() {
+    let (mut lab, _vip) = lab_v4();
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip6, &BACKENDS6);
+    let with_len = |mut l3: Vec<u8>, len: u16| {
+        if l3[0] >> 4 == 4 {
+            l3[2..4].copy_from_slice(&len.to_be_bytes());
+        } else {
+            l3[4..6].copy_from_slice(&len.to_be_bytes());
+        }
+        on_wire(&l3)
+    };
+    let syn = v4_tcp(CLIENT4, 41100, VIP4, 443, SYN, 0);
+    let syn6 = ipv6(CLIENT6, VIP6, PROTO_TCP, 0, 0, &tcp(41101, 443, SYN, b""));
+    let mut ext = vec![PROTO_TCP, 0, 0, 0, 0, 0, 0, 0];
+    ext.extend_from_slice(&tcp(41102, 443, SYN, b""));
+    let ext6 = ipv6(CLIENT6, VIP6, 60, 0, 0, &ext);
+    let quoted = v4_tcp(VIP4, 443, CLIENT4, 41103, ACK, 0);
+    let icmp =
+        V4::new("198.51.100.1", VIP4, PROTO_ICMP).build(&icmp_error(3, 4, 1400, &quoted[..28]));
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("ipv4_length_of_its_header_alone", with_len(syn.clone(), 20)),
+        ("ipv4_length_ending_inside_tcp", with_len(syn, 30)),
+        ("ipv6_payload_length_zero", with_len(syn6.clone(), 0)),
+        ("ipv6_payload_length_ending_inside_tcp", with_len(syn6, 12)),
+        (
+            "ipv6_length_ending_after_extension_header",
+            with_len(ext6.clone(), 8),
+        ),
+        (
+            "ipv6_length_ending_inside_extension_header",
+            with_len(ext6, 4),
+        ),
+        (
+            "icmp_quote_past_the_ipv4_length",
+            with_len(icmp, 20 + 8 + 10),
+        ),
+    ];
+    for (name, frame) in cases {
+        let before = lab.stat(stat::PASS_SHORT_IP_LEN);
+        let (a, out) = lab.run(&frame);
+        assert_eq!(a, XDP_PASS, "{name}: action");
+        assert_eq!(out, frame, "{name}: untouched");
+        assert_eq!(lab.stat(stat::PASS_SHORT_IP_LEN), before + 1, "{name}");
+    }
+    assert!(lab.dp.conns().unwrap().is_empty(), "no flow was created");
+}
+
+/// An ICMP error quoting a VIP flow but sent to another host is not the balancer's.
+#[test]
+fn icmp_error_addressed_to_another_host_passes_untouched() {
+    let (mut lab, _vip) = lab_v4();
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip6, &BACKENDS6);
+    let quoted = v4_tcp(VIP4, 443, CLIENT4, 41200, ACK, 0);
+    let icmp = V4::new("198.51.100.1", "10.200.0.9", PROTO_ICMP).build(&icmp_error(
+        3,
+        4,
+        1400,
+        &quoted[..28],
+    ));
+    let quoted6 = ipv6(VIP6, CLIENT6, PROTO_TCP, 0, 0, &tcp(443, 41201, ACK, b""));
+    let icmp6 = ipv6(
+        "2001:db8:ff::1",
+        "fd00:200::9",
+        PROTO_ICMPV6,
+        0,
+        0,
+        &icmp_error(2, 0, 1400, &quoted6[..48]),
+    );
+    for frame in [on_wire(&icmp), on_wire(&icmp6)] {
+        let (a, out) = lab.run(&frame);
+        assert_eq!((a, &out), (XDP_PASS, &frame));
+    }
+    assert_eq!(lab.stat(stat::PASS_ICMP_NOT_VIP), 2);
+    assert_eq!(lab.stat(stat::ICMP_TOO_BIG_STEERED), 0);
+}
+
+/// A TCP segment to VIP4:443 whose IPv4 packet is `len` bytes.
+fn jumbo(sport: u16, len: usize) -> Vec<u8> {
+    let payload: Vec<u8> = (0..len - 40).map(|i| i as u8).collect();
+    V4::new(CLIENT4, VIP4, PROTO_TCP).build(&tcp(sport, 443, ACK, &payload))
+}
+
+/// A 9000-byte frame is larger than a page: multi-buffer XDP hands it over in fragments, and
+/// it is encapsulated whole (it used to pass untouched as `pass_bad_ip_len`).
+#[test]
+fn jumbo_frame_larger_than_a_page_is_encapsulated_whole() {
+    let (mut lab, vip) = lab_v4();
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip6, &BACKENDS6);
+    let l3 = jumbo(41300, 9000);
+    let key = flow(CLIENT4, 41300, VIP4, 443, PROTO_TCP);
+    let addr = ring_backend(&mut lab, &vip, &key);
+    let h = lab.flow_hash(&key, false);
+    let (a, out) = lab.run(&on_wire(&l3));
+    assert_eq!(a, XDP_TX);
+    assert_eq!(out, encapsulated(&lab, &l3, addr, h));
+
+    // Padded jumbo frame: the bytes after the packet are cut from the last fragment.
+    let mut frame = on_wire(&l3);
+    frame.extend_from_slice(&[0xee; 100]);
+    let (a, out) = lab.run(&frame);
+    assert_eq!(a, XDP_TX);
+    assert_eq!(out, encapsulated(&lab, &l3, addr, h));
+
+    // IPv6, 9000 bytes.
+    let payload: Vec<u8> = (0..9000 - 60).map(|i| (i * 7) as u8).collect();
+    let l3 = ipv6(
+        CLIENT6,
+        VIP6,
+        PROTO_TCP,
+        0,
+        0,
+        &tcp(41301, 443, ACK, &payload),
+    );
+    let key = flow(CLIENT6, 41301, VIP6, 443, PROTO_TCP);
+    let addr = ring_backend(&mut lab, &vip6, &key);
+    let h = lab.flow_hash(&key, false);
+    let (a, out) = lab.run(&on_wire(&l3));
+    assert_eq!(a, XDP_TX);
+    assert_eq!(out, encapsulated(&lab, &l3, addr, h));
+
+    // A jumbo frame whose IP length claims more than the frame holds still passes.
+    let mut lying = on_wire(&jumbo(41302, 9000));
+    lying.truncate(14 + 8000);
+    let (a, out) = lab.run(&lying);
+    assert_eq!((a, out == lying), (XDP_PASS, true));
+    assert_eq!(lab.stat(stat::PASS_BAD_IP_LEN), 1);
+    assert_eq!(lab.stat(stat::PASS_SHORT_IP_LEN), 0);
+}
+
+/// A jumbo frame towards a backend behind a 1500-byte path: "fragmentation needed" from the
+/// VIP, cut from the fragmented frame.
+#[test]
+fn jumbo_frame_too_big_for_the_backend_path_gets_an_exact_icmp_too_big() {
+    let (mut lab, _vip) = lab_v4();
+    let ifindex = fib_segment(1500);
+    lab.dp.add_tx_port(ifindex).unwrap();
+    let big = jumbo(41400, 9000);
+    let (a, out) = lab.run(&on_wire(&big));
+    assert_eq!(a, XDP_TX);
+    let mut ip4 = V4::new(VIP4, CLIENT4, PROTO_ICMP);
+    ip4.frag = 0;
+    let msg = icmp_checksummed(icmp_error(3, 4, 1480, &big[..28]), None);
+    assert_eq!(out, eth(CLIENT_MAC, LB_MAC, ETH_IP, &ip4.build(&msg)));
+    assert_eq!(lab.stat(stat::ICMP_TOO_BIG_SENT), 1);
+}
+
+/// The backend strips a tunnel packet only when its outer length matches the inner packet
+/// exactly; padding after it is cut, so the stack sees the client's packet alone.
+#[test]
+fn decap_cuts_padding_and_leaves_tunnel_packets_whose_lengths_disagree() {
+    let mut lab = Lab::new();
+    let inner4 = v4_tcp(CLIENT4, 1, VIP4, 443, SYN, 0);
+    let bmac: Mac = [0x02, 0, 0, 0, 0x0b, 0x01];
+    let mut o4 = V4::new("172.16.1.2", "10.1.0.1", PROTO_IPIP);
+    o4.frag = 0;
+    let ipip = o4.build(&inner4);
+
+    let mut padded = eth(bmac, LB_MAC, ETH_IP, &ipip);
+    padded.extend_from_slice(&[0xee; 10]);
+    let (a, out) = run_prog(&mut lab.dp, PROG_DECAP, &padded).unwrap();
+    assert_eq!((a, out), (XDP_PASS, eth(bmac, LB_MAC, ETH_IP, &inner4)));
+    assert_eq!(lab.stat(stat::DECAP_OK), 1);
+
+    let outer_len = |mut l3: Vec<u8>, len: u16| {
+        l3[2..4].copy_from_slice(&len.to_be_bytes());
+        eth(bmac, LB_MAC, ETH_IP, &l3)
+    };
+    let mut ipip_extra = ipip.clone();
+    ipip_extra.extend_from_slice(&[0; 4]);
+    let inner6 = ipv6(CLIENT6, VIP6, PROTO_TCP, 0, 0, &tcp(1, 443, SYN, b""));
+    let mut six = ipv6("fd00:5:1::1", "fd00:1::1", PROTO_IPV6, 0, 0, &inner6);
+    six[4..6].copy_from_slice(&50u16.to_be_bytes());
+    let cases = [
+        (
+            "outer_length_beyond_the_frame",
+            outer_len(ipip.clone(), 200),
+        ),
+        (
+            "outer_length_shorter_than_inner",
+            outer_len(ipip.clone(), 50),
+        ),
+        (
+            "outer_length_longer_than_inner",
+            outer_len(ipip_extra, (ipip.len() + 4) as u16),
+        ),
+        (
+            "ipv6_payload_shorter_than_inner",
+            eth(bmac, LB_MAC, ETH_IPV6, &six),
+        ),
+    ];
+    for (name, frame) in cases {
+        let before = lab.stat(stat::DECAP_PASS_BAD_LEN);
+        let (a, out) = run_prog(&mut lab.dp, PROG_DECAP, &frame).unwrap();
+        assert_eq!((a, &out), (XDP_PASS, &frame), "{name}: untouched");
+        assert_eq!(lab.stat(stat::DECAP_PASS_BAD_LEN), before + 1, "{name}");
+    }
+    assert_eq!(lab.stat(stat::DECAP_OK), 1);
 }

@@ -6,6 +6,7 @@ mod build;
 mod cmd;
 mod demo;
 mod exports;
+mod fuzz;
 mod lint;
 mod setup;
 mod test;
@@ -51,6 +52,19 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Build, then fuzz `sluice_xdp` through BPF_PROG_TEST_RUN: every frame checked by an
+    /// oracle (the test suite runs 100,000; this runs as many as asked). Needs root.
+    Fuzz {
+        /// Frames to run.
+        #[arg(long, default_value_t = 1_000_000)]
+        frames: u64,
+        /// Replay a run (decimal or 0x-hex); a fresh seed otherwise (printed).
+        #[arg(long)]
+        seed: Option<String>,
+        /// Write the result to bench/results/fuzz.json.
+        #[arg(long)]
+        record: bool,
+    },
     /// setup, build, then the namespace-lab demo: a client streaming tokens through the LB
     /// to three accelerator backends, with a live view (about 20 s).
     Demo {
@@ -72,6 +86,11 @@ fn main() -> ExitCode {
         Cmd::Lint => lint::run(),
         Cmd::Bench { name, args } => bench::run(&name, &args),
         Cmd::Demo { seconds } => demo::run(seconds),
+        Cmd::Fuzz {
+            frames,
+            seed,
+            record,
+        } => fuzz::run(frames, seed.as_deref(), record),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -292,6 +292,7 @@ fn run(opts: &Opts) -> Result<bool> {
     let mut lo = DaemonLabOptions::new(&opts.server, BACKENDS.len(), vips);
     lo.topology = TopologySpec {
         backends: BACKENDS.iter().map(|b| b.to_string()).collect(),
+        ..TopologySpec::default()
     };
     lo.exporters = true;
     lo.server_lifetime = Duration::from_secs(opts.seconds + 90);

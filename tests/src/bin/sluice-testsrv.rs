@@ -248,8 +248,9 @@ fn stream(
 /// Answers datagrams with `<name> <datagram>` until the deadline (at most 10 million).
 fn echo(s: UdpSocket, name: &str, deadline: Instant) {
     let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
-    let mut buf = [0u8; 2048];
-    let mut out = Vec::with_capacity(4096);
+    // Room for a jumbo datagram (the MTU-9000 lab).
+    let mut buf = vec![0u8; 65536];
+    let mut out = Vec::with_capacity(65536);
     for _ in 0..10_000_000u64 {
         if Instant::now() >= deadline {
             return;
