@@ -46,6 +46,7 @@ use self::{
     views::{flows, stats, vip_detail, BackendView, VipView},
 };
 use crate::{
+    config::rules,
     controller::{Controller, Peer, Plane},
     state::{BackendSpec, Op, OpError, VipSpec},
     telemetry::{Hub, Sample},
@@ -95,10 +96,11 @@ pub struct DrainRequest {
 
 /// Wall-clock time as the controller takes it: unix milliseconds.
 pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_millis() as u64
+    rules::millis(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default(),
+    )
 }
 
 /// Runs connections from `accept` until `shutdown` completes; then stops accepting and
@@ -505,15 +507,9 @@ where
             let deadline_ms = match req.deadline {
                 None => None,
                 Some(d) => {
-                    let d = humantime::parse_duration(&d).map_err(|e| {
-                        ApiError::new(
-                            400,
-                            format!(
-                                "deadline {d:?} is not a duration like \"10m\" or \"1h30m\": {e}"
-                            ),
-                        )
-                    })?;
-                    Some(now.saturating_add(d.as_millis() as u64))
+                    let d = rules::duration(&d)
+                        .map_err(|e| ApiError::new(400, format!("deadline {e}")))?;
+                    Some(now.saturating_add(rules::millis(d)))
                 }
             };
             let op = Op::Drain {
@@ -1021,6 +1017,57 @@ mod tests {
                 400,
                 "deadline \"soon\" is not a duration",
             ),
+            // Issue 8: this once wrapped to 403 ms and reset the backend's streams at once.
+            (
+                "POST",
+                "/v1/vips/chat/backends/10.1.0.1/drain",
+                Some(b"{\"deadline\": \"18446744073709552s\"}"),
+                400,
+                "deadline \"18446744073709552s\" is longer than 365d",
+            ),
+            // The config file's rules, through the API (config::rules).
+            (
+                "POST",
+                "/v1/vips/chat/backends",
+                Some(br#"{"address": "10.1.0.9", "labels": {"rack": "r1\u001b]0;owned\u0007"}}"#),
+                400,
+                "is not a valid label value; allowed: 1 to 255 of A-Z",
+            ),
+            (
+                "POST",
+                "/v1/vips/chat/backends",
+                Some(br#"{"address": "10.1.0.9", "labels": {"rack": "r1\nchat 10.6.6.6"}}"#),
+                400,
+                "is not a valid label value",
+            ),
+            (
+                "POST",
+                "/v1/vips/chat/backends",
+                Some(br#"{"address": "255.255.255.255"}"#),
+                400,
+                "backend address \"255.255.255.255\" is the broadcast address",
+            ),
+            (
+                "POST",
+                "/v1/vips/chat/backends",
+                Some(br#"{"address": "10.0.0.1"}"#),
+                400,
+                "backend address \"10.0.0.1\" is the VIP's own address",
+            ),
+            (
+                "POST",
+                "/v1/vips/chat/backends",
+                Some(br#"{"address": "::ffff:10.1.0.9"}"#),
+                400,
+                "is an IPv4-mapped IPv6 address",
+            ),
+            (
+                "POST",
+                "/v1/vips",
+                Some(br#"{"vip": {"name": "bc", "address": "255.255.255.255", "port": 1, "protocol": "tcp"}}"#),
+                400,
+                "VIP address \"255.255.255.255\" is the broadcast address",
+            ),
             (
                 "POST",
                 "/v1/vips/chat/backends/10.1.0.2/drain",
@@ -1069,6 +1116,27 @@ mod tests {
             );
             assert_eq!(srv.state(), before, "{method} {path} changed the state");
         }
+    }
+
+    /// Issue 8: the API took labels of any size; now the config file's bound holds.
+    #[test]
+    fn oversized_labels_are_refused() {
+        let srv = TestServer::start();
+        let c = srv.client();
+        assert_eq!(c.request("POST", "/v1/vips", Some(&chat())).unwrap().0, 201);
+        let before = srv.state();
+        let long = json!({"address": "10.1.0.9", "labels": {"rack": "r".repeat(60_000)}});
+        let many: serde_json::Map<String, Value> =
+            (0..33).map(|i| (format!("k{i}"), json!("v"))).collect();
+        let many = json!({"address": "10.1.0.9", "labels": many});
+        for body in [long, many] {
+            let (st, v) = c
+                .request("POST", "/v1/vips/chat/backends", Some(&body))
+                .unwrap();
+            assert_eq!(st, 400, "{v}");
+            assert!(v["error"].as_str().unwrap().len() < 300, "{v}");
+        }
+        assert_eq!(srv.state(), before);
     }
 
     #[test]

@@ -247,7 +247,10 @@ mod tests {
         )
         .unwrap();
         let e = extract(&page, &[], &[]).unwrap_err();
-        assert!(e.starts_with("no valid value (finite, >= 0, not a DCGM blank)"), "{e}");
+        assert!(
+            e.starts_with("no valid value (finite, >= 0, not a DCGM blank)"),
+            "{e}"
+        );
         let page = parse(
             "DCGM_FI_DEV_GPU_TEMP{gpu=\"0\"} -1000\n\
              DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} -Inf\n\

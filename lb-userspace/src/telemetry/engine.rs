@@ -224,7 +224,10 @@ mod tests {
             ),
         ] {
             let e = extract(&parse(text).unwrap(), kind, None).unwrap_err();
-            assert!(e.contains("has no valid value (finite and >= 0)"), "{kind}: {e}");
+            assert!(
+                e.contains("has no valid value (finite and >= 0)"),
+                "{kind}: {e}"
+            );
         }
     }
 
