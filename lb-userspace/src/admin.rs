@@ -8,15 +8,20 @@ mod socket;
 mod views;
 
 use std::{
+    collections::HashMap,
     convert::Infallible,
     error::Error as StdError,
-    fs,
+    fmt, fs,
     future::Future,
+    hash::Hash,
     io,
     net::IpAddr,
     os::unix::fs::MetadataExt,
     pin::pin,
-    sync::Arc,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
@@ -48,6 +53,7 @@ use self::{
 use crate::{
     config::rules,
     controller::{Controller, Peer, Plane},
+    limits::{ListenerLimits, Refused},
     state::{BackendSpec, Op, OpError, VipSpec},
     telemetry::{Hub, Sample},
 };
@@ -64,6 +70,8 @@ pub struct DaemonInfo {
     pub reused: bool,
     /// Where pushed telemetry samples go (the same hub the scrapers feed).
     pub telemetry: Arc<std::sync::Mutex<Hub>>,
+    /// Connections each listener closed at its caps.
+    pub refused: Arc<Refused>,
 }
 
 /// Requests larger than this are refused with 413.
@@ -104,14 +112,37 @@ pub fn now_ms() -> u64 {
 }
 
 /// Runs connections from `accept` until `shutdown` completes; then stops accepting and
-/// drops the open connections (admin and metrics requests are short).
-pub(crate) async fn serve_connections<A, C>(
+/// drops the open connections (admin and metrics requests are short). `accept` yields each
+/// connection with its peer (a uid, an address), or nothing when it already closed it.
+/// Beyond `limits`' caps a connection is closed at once and counted in `refused`.
+pub(crate) async fn serve_connections<A, C, K>(
+    limits: ListenerLimits,
+    refused: &AtomicU64,
+    listener: &'static str,
     mut accept: impl FnMut() -> A,
     shutdown: impl Future<Output = ()>,
 ) where
-    A: Future<Output = io::Result<C>>,
+    A: Future<Output = io::Result<Option<(K, C)>>>,
     C: Future<Output = ()> + Send + 'static,
+    K: Eq + Hash + Clone + fmt::Debug + Send + 'static,
 {
+    /// One open connection of `peer`: counted while it lives.
+    struct Slot<K: Eq + Hash> {
+        open: Arc<std::sync::Mutex<HashMap<K, usize>>>,
+        peer: K,
+    }
+    impl<K: Eq + Hash> Drop for Slot<K> {
+        fn drop(&mut self) {
+            let mut open = self.open.lock().expect("connection count lock");
+            if let Some(n) = open.get_mut(&self.peer) {
+                *n -= 1;
+                if *n == 0 {
+                    open.remove(&self.peer);
+                }
+            }
+        }
+    }
+    let open: Arc<std::sync::Mutex<HashMap<K, usize>>> = Arc::default();
     let mut conns = JoinSet::new();
     let mut shutdown = pin!(shutdown);
     loop {
@@ -119,12 +150,33 @@ pub(crate) async fn serve_connections<A, C>(
             () = &mut shutdown => return,
             Some(_) = conns.join_next() => {}
             r = accept() => match r {
-                Ok(conn) => {
-                    conns.spawn(conn);
+                Ok(None) => {}
+                Ok(Some((peer, conn))) => {
+                    let mut counts = open.lock().expect("connection count lock");
+                    let total: usize = counts.values().sum();
+                    let mine = counts.get(&peer).copied().unwrap_or(0);
+                    if total >= limits.max_connections || mine >= limits.max_per_peer {
+                        drop(counts);
+                        // Counted before the close, so whoever sees the close sees the count.
+                        let n = refused.fetch_add(1, Ordering::Relaxed) + 1;
+                        drop(conn);
+                        // Logged at 1, 2, 4, 8... refusals: a flood cannot flood the log.
+                        if n.is_power_of_two() {
+                            tracing::warn!(listener, ?peer, open = total, peer_open = mine, refused = n, "connection closed: the listener or this peer is at its cap");
+                        }
+                        continue;
+                    }
+                    *counts.entry(peer.clone()).or_default() += 1;
+                    drop(counts);
+                    let slot = Slot { open: open.clone(), peer };
+                    conns.spawn(async move {
+                        let _slot = slot;
+                        conn.await
+                    });
                 }
                 Err(e) => {
                     // Out of descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "accepting a connection failed");
+                    tracing::warn!(listener, error = %e, "accepting a connection failed");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             },
@@ -132,8 +184,10 @@ pub(crate) async fn serve_connections<A, C>(
     }
 }
 
-/// Serves one HTTP/1.1 connection; a client slow to send its headers is cut off.
-pub(crate) async fn serve_http<I, S>(io: I, service: S)
+/// Serves one HTTP/1.1 connection. Headers must arrive within the request timeout, which
+/// hyper also applies to the wait for the next request, so an idle keep-alive connection
+/// is closed after it too.
+pub(crate) async fn serve_http<I, S>(io: I, service: S, limits: ListenerLimits)
 where
     I: AsyncRead + AsyncWrite + Unpin,
     S: HttpService<Incoming, ResBody = Full<Bytes>>,
@@ -141,10 +195,33 @@ where
 {
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(10))
+        .header_read_timeout(limits.request_timeout)
         .serve_connection(TokioIo::new(io), service);
     if let Err(e) = conn.await {
         tracing::debug!(error = %e, "HTTP connection ended with an error");
+    }
+}
+
+/// Answers `respond` within `limit`, else 408: a body sent slowly, or not at all after its
+/// headers, holds the connection no longer than that.
+pub(crate) async fn within(
+    limit: Duration,
+    respond: impl Future<Output = Response<Full<Bytes>>>,
+) -> Response<Full<Bytes>> {
+    match tokio::time::timeout(limit, respond).await {
+        Ok(r) => r,
+        Err(_) => {
+            let mut r = ApiError::new(
+                408,
+                format!("the request was not complete within {limit:?}"),
+            )
+            .into_response();
+            r.headers_mut().insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
+            );
+            r
+        }
     }
 }
 
@@ -160,6 +237,7 @@ pub async fn serve<P: Plane + 'static>(
     listener: UnixListener,
     ctl: Arc<Mutex<Controller<P>>>,
     info: Arc<DaemonInfo>,
+    limits: ListenerLimits,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
     let addr = listener.local_addr()?;
@@ -175,28 +253,37 @@ pub async fn serve<P: Plane + 'static>(
         group_gid: meta.gid(),
     });
     let (listener, api) = (&listener, &api);
+    let refused = &api.info.refused.admin;
     serve_connections(
+        limits,
+        refused,
+        "admin",
         move || async move {
             let (stream, _) = listener.accept().await?;
             let api = Arc::clone(api);
-            Ok(async move {
-                let peer = match stream.peer_cred() {
-                    Ok(c) => Peer {
-                        uid: c.uid(),
-                        gid: c.gid(),
-                        pid: c.pid().unwrap_or(0),
-                    },
-                    Err(e) => {
-                        tracing::warn!(error = %e, "no peer credentials; closing the connection");
-                        return;
-                    }
-                };
+            let peer = match stream.peer_cred() {
+                Ok(c) => Peer {
+                    uid: c.uid(),
+                    gid: c.gid(),
+                    pid: c.pid().unwrap_or(0),
+                },
+                Err(e) => {
+                    tracing::warn!(error = %e, "no peer credentials; closing the connection");
+                    return Ok(None);
+                }
+            };
+            // Counted per uid: one user cannot take every slot.
+            Ok(Some((peer.uid, async move {
                 let service = service_fn(move |req| {
                     let api = Arc::clone(&api);
-                    async move { Ok::<_, Infallible>(handle(&api, peer, req).await) }
+                    async move {
+                        Ok::<_, Infallible>(
+                            within(limits.request_timeout, handle(&api, peer, req)).await,
+                        )
+                    }
                 });
-                serve_http(stream, service).await
-            })
+                serve_http(stream, service, limits).await
+            })))
         },
         shutdown,
     )
@@ -693,6 +780,7 @@ pub(crate) mod testing {
             pin_dir: "/sys/fs/bpf/sluice".into(),
             reused: false,
             telemetry: Arc::new(std::sync::Mutex::new(Hub::new(Duration::from_secs(3)))),
+            refused: Arc::default(),
         }
     }
 
@@ -712,20 +800,26 @@ pub(crate) mod testing {
         pub dir: PathBuf,
         pub socket: PathBuf,
         pub ctl: Arc<Mutex<Controller<FakePlane>>>,
+        pub info: Arc<DaemonInfo>,
         stop: Option<tokio::sync::oneshot::Sender<()>>,
         thread: Option<std::thread::JoinHandle<()>>,
     }
 
     impl TestServer {
         pub(crate) fn start() -> TestServer {
+            TestServer::start_with(crate::limits::ADMIN)
+        }
+
+        pub(crate) fn start_with(limits: ListenerLimits) -> TestServer {
             let dir = temp_dir("admin");
+            let info = Arc::new(info());
             // A directory that does not exist yet: bind creates it.
             let socket = dir.join("run/admin.sock");
             let ctl = Arc::new(Mutex::new(controller()));
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
             let (ready_tx, ready) = std::sync::mpsc::channel();
             let thread = std::thread::spawn({
-                let (ctl, socket) = (Arc::clone(&ctl), socket.clone());
+                let (ctl, socket, info) = (Arc::clone(&ctl), socket.clone(), info.clone());
                 move || {
                     let rt = tokio::runtime::Builder::new_current_thread()
                         .enable_all()
@@ -739,7 +833,7 @@ pub(crate) mod testing {
                         };
                         let listener = bind(&sock).unwrap();
                         // Spawned, as the daemon does: this checks the future is Send.
-                        let task = tokio::spawn(serve(listener, ctl, Arc::new(info()), async {
+                        let task = tokio::spawn(serve(listener, ctl, info, limits, async {
                             let _ = stopped.await;
                         }));
                         ready_tx.send(()).unwrap();
@@ -752,6 +846,7 @@ pub(crate) mod testing {
                 dir,
                 socket,
                 ctl,
+                info,
                 stop: Some(stop),
                 thread: Some(thread),
             }
@@ -1116,6 +1211,82 @@ mod tests {
             );
             assert_eq!(srv.state(), before, "{method} {path} changed the state");
         }
+    }
+
+    /// Issue 8: a local user could hold admin connections without end (headers and part of
+    /// a body, or idle keep-alive) and take as many as it liked. Each is bounded now; the
+    /// deadlines asserted are generous bounds, not timings.
+    #[test]
+    fn connections_are_capped_and_timed_out() {
+        use std::{
+            io::{Read, Write},
+            os::unix::net::UnixStream,
+        };
+        let limits = ListenerLimits {
+            max_connections: 3,
+            max_per_peer: 2,
+            request_timeout: Duration::from_millis(300),
+        };
+        let srv = TestServer::start_with(limits);
+        let bound = Some(Duration::from_secs(10));
+        let open = || {
+            let s = UnixStream::connect(&srv.socket).unwrap();
+            s.set_read_timeout(bound).unwrap();
+            s
+        };
+        // Closed by the server: EOF (or a reset) before the bound, never a read timeout.
+        let closed = |s: &mut UnixStream| {
+            let mut buf = Vec::new();
+            match s.read_to_end(&mut buf) {
+                Ok(_) => String::from_utf8_lossy(&buf).into_owned(),
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => String::new(),
+                Err(e) => panic!("not closed within {bound:?}: {e}"),
+            }
+        };
+        // Headers and part of a body: answered 408 and closed.
+        let mut partial = open();
+        partial
+            .write_all(b"POST /v1/vips HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"vip\"")
+            .unwrap();
+        let answer = closed(&mut partial);
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(
+            answer.contains("the request was not complete within 300ms"),
+            "{answer}"
+        );
+        // Part of the headers only: closed.
+        let mut slow = open();
+        slow.write_all(b"GET /v1/status HTTP/1.1\r\nHo").unwrap();
+        assert_eq!(closed(&mut slow), "");
+        // A keep-alive connection answered once, then idle: closed.
+        let mut idle = open();
+        idle.write_all(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let answer = closed(&mut idle);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        // Two held connections of this uid: a third is closed at once, unanswered.
+        let before = srv.info.refused.get().0;
+        let (mut a, mut b) = (open(), open());
+        for s in [&mut a, &mut b] {
+            s.write_all(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
+            let mut buf = [0u8; 12];
+            s.read_exact(&mut buf).unwrap();
+            assert_eq!(&buf, b"HTTP/1.1 200");
+        }
+        let mut third = open();
+        let _ = third.write_all(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert_eq!(closed(&mut third), "");
+        assert_eq!(srv.info.refused.get().0, before + 1);
+        // Once they are gone the slots are free again.
+        drop((a, b));
+        let ok = (0..100).any(|_| {
+            std::thread::sleep(Duration::from_millis(20));
+            srv.client()
+                .request("GET", "/v1/status", None)
+                .is_ok_and(|(st, _)| st == 200)
+        });
+        assert!(ok, "slots were not freed");
     }
 
     /// Issue 8: the API took labels of any size; now the config file's bound holds.

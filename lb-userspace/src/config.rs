@@ -305,7 +305,7 @@ impl BackendConfig {
 /// DCGM exporter scraped for this backend's GPUs.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct DcgmConfig {
-    /// http:// or https:// URL of the exporter's metrics.
+    /// http:// URL of the exporter's metrics.
     pub url: String,
     /// Values of the `gpu` label to select (empty: every GPU the exporter reports).
     pub gpus: Vec<String>,
@@ -316,7 +316,7 @@ pub struct DcgmConfig {
 /// Inference engine metrics endpoint for this backend.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct EngineConfig {
-    /// http:// or https:// URL of the engine's Prometheus metrics.
+    /// http:// URL of the engine's Prometheus metrics.
     pub url: String,
     pub kind: EngineKind,
     /// Value of the `model_name` label to select; `None` = all models.
@@ -1700,13 +1700,26 @@ impl Checker {
     }
 
     fn url(&mut self, path: &KeyPath, v: Option<&str>) -> Option<String> {
-        const ALLOWED: &str = "allowed: an http:// or https:// URL such as \
+        const ALLOWED: &str = "allowed: an http:// URL such as \
                                \"http://10.1.0.1:9400/metrics\"";
         let Some(s) = v else {
             self.missing(path, &ALLOWED["allowed: ".len()..]);
             return None;
         };
-        if valid_url(s) {
+        if s.starts_with("https://") {
+            // Refused here rather than scraped with TLS: exporters (dcgm-exporter, vLLM,
+            // SGLang, node_exporter) serve plain HTTP on the backend network, and a URL that
+            // passed here but failed in the scraper once stopped `sluice run` after the XDP
+            // attach.
+            self.err(
+                path,
+                format!(
+                    "{s:?} is https, which the telemetry scraper does not speak; {ALLOWED} \
+                     (the exporter's plain-HTTP port, or a local proxy in front of a TLS one)"
+                ),
+            );
+            None
+        } else if valid_url(s) {
             Some(s.to_owned())
         } else {
             self.err(path, format!("{s:?} is not a valid URL; {ALLOWED}"));
@@ -1715,12 +1728,9 @@ impl Checker {
     }
 }
 
-/// `http://` or `https://`, a non-empty host, an optional numeric port, no whitespace.
+/// `http://`, a non-empty host, an optional numeric port, no whitespace.
 fn valid_url(s: &str) -> bool {
-    let Some(rest) = s
-        .strip_prefix("http://")
-        .or_else(|| s.strip_prefix("https://"))
-    else {
+    let Some(rest) = s.strip_prefix("http://") else {
         return false;
     };
     if s.chars().any(|c| c.is_whitespace() || c.is_control()) {

@@ -891,9 +891,9 @@ port = 80
   engine = { url = "http://10.1.0.1:99999/metrics", kind = "tgi" }
 "#,
         errors: &[
-            "t.toml:12:18: vip[0].backend[0].dcgm.url: \"10.1.0.1:9400/metrics\" is not a valid URL; allowed: an http:// or https:// URL such as \"http://10.1.0.1:9400/metrics\"",
+            "t.toml:12:18: vip[0].backend[0].dcgm.url: \"10.1.0.1:9400/metrics\" is not a valid URL; allowed: an http:// URL such as \"http://10.1.0.1:9400/metrics\"",
             "t.toml:12:56: vip[0].backend[0].dcgm.gpus[1]: \"\" is not a valid gpu label value; allowed: a non-empty value without whitespace",
-            "t.toml:13:20: vip[0].backend[0].engine.url: \"http://10.1.0.1:99999/metrics\" is not a valid URL; allowed: an http:// or https:// URL such as \"http://10.1.0.1:9400/metrics\"",
+            "t.toml:13:20: vip[0].backend[0].engine.url: \"http://10.1.0.1:99999/metrics\" is not a valid URL; allowed: an http:// URL such as \"http://10.1.0.1:9400/metrics\"",
             "t.toml:13:60: vip[0].backend[0].engine.kind: \"tgi\" is not recognised; allowed: \"vllm\", \"sglang\"",
         ],
     },
@@ -909,7 +909,7 @@ port = 80
   engine = { model = "" }
 "#,
         errors: &[
-            "t.toml:12:12: vip[0].backend[0].engine.url: missing (required); allowed: an http:// or https:// URL such as \"http://10.1.0.1:9400/metrics\"",
+            "t.toml:12:12: vip[0].backend[0].engine.url: missing (required); allowed: an http:// URL such as \"http://10.1.0.1:9400/metrics\"",
             "t.toml:12:12: vip[0].backend[0].engine.kind: missing (required); allowed: \"vllm\", \"sglang\"",
             "t.toml:12:22: vip[0].backend[0].engine.model: \"\" is not a valid model name; allowed: a non-empty model_name label value",
         ],
