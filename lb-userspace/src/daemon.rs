@@ -337,6 +337,9 @@ pub async fn run(config_path: &Path) -> Result<()> {
         tracing::warn!("{w}");
     }
     // What can fail without the data plane is checked before it is touched.
+    let mut term = tokio::signal::unix::signal(SignalKind::terminate())?;
+    let mut int = tokio::signal::unix::signal(SignalKind::interrupt())?;
+    let mut hup = tokio::signal::unix::signal(SignalKind::hangup())?;
     let targets = telemetry::target::targets(&cfg).map_err(|e| anyhow!("telemetry: {e}"))?;
     let fds = limits::raise_nofile(&cfg).context("raising the open-file limit")?;
     tracing::info!(limit = fds, "open-file limit");
@@ -429,6 +432,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         Some(addr) => Some((addr, metrics::bind(addr)?)),
         None => None,
     };
+    // Nothing below can fail before the daemon serves.
     rollback.armed = false;
 
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -459,9 +463,6 @@ pub async fn run(config_path: &Path) -> Result<()> {
     };
     let ticker = start_ticker(settings_rx, &ctl, &hub, epoch);
 
-    let mut term = tokio::signal::unix::signal(SignalKind::terminate())?;
-    let mut int = tokio::signal::unix::signal(SignalKind::interrupt())?;
-    let mut hup = tokio::signal::unix::signal(SignalKind::hangup())?;
     loop {
         tokio::select! {
             _ = term.recv() => break,
