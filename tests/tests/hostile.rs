@@ -214,7 +214,17 @@ fn an_unprivileged_user_holding_connections_to_both_listeners_breaks_no_stream()
 /// pinned.
 #[test]
 fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_back() {
-    let mut lab = start(options());
+    // Exporters run on the backends, but the first configuration scrapes none of them.
+    let mut opts = options();
+    opts.exporters = true;
+    let mut lab = start(opts);
+    let scraped = |lab: &DaemonLab| {
+        lab.backends(VIP)
+            .iter()
+            .filter(|b| b["steering"]["telemetry_age_s"].is_f64())
+            .count()
+    };
+    assert_eq!(scraped(&lab), 0);
     let b0 = lab.topo.backends[0].v4.to_string();
     let (status, v) = lab
         .api(
@@ -229,8 +239,10 @@ fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_b
         assert_eq!(mode, 0o600, "{} is {mode:o}", f.display());
     }
 
-    // A reload with a health, a policy and a data-plane change.
+    // A reload with new telemetry endpoints, a health, a policy and a data-plane change.
     lab.reconfigure(|o| {
+        o.vips[0].telemetry = true;
+        o.set("telemetry", "stale_after", "\"2s\"");
         o.set("health", "interval", "\"300ms\"");
         o.set("policy", "cooldown_base", "\"3s\"");
         o.set("dataplane", "conn_table_size", "32768");
@@ -251,8 +263,21 @@ fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_b
         line.contains("needs_restart=dataplane.conn_table_size"),
         "{line}"
     );
-    assert!(line.contains(r#"applied=["health", "policy"]"#), "{line}");
+    assert!(
+        line.contains(r#"applied=["vip", "health", "telemetry", "policy"]"#),
+        "{line}"
+    );
     assert!(lab.daemon_running(), "the reload stopped the daemon");
+    // The new endpoints are scraped: every backend gets a telemetry view.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while scraped(&lab) < BACKENDS {
+        assert!(
+            Instant::now() < deadline,
+            "the reloaded telemetry endpoints are not scraped: {:?}",
+            lab.backends(VIP)
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
     assert_eq!(lab.cli_json(&["status"])["backends"], 3);
 
     // Stop (unpins), then a start that fails after the attach: the admin socket's group
