@@ -70,6 +70,39 @@ fn become_nobody() -> std::io::Result<()> {
     Ok(())
 }
 
+/// Runs `f` with this process's soft RLIMIT_NOFILE at `soft` (children inherit it), then
+/// restores it.
+fn with_soft_nofile<T>(soft: u64, f: impl FnOnce() -> T) -> T {
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid pointers to rlimits.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut old), 0);
+        let low = libc::rlimit {
+            rlim_cur: soft,
+            rlim_max: old.rlim_max,
+        };
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &low), 0);
+    }
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    // SAFETY: as above.
+    unsafe { assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &old), 0) };
+    out.unwrap_or_else(|p| std::panic::resume_unwind(p))
+}
+
+/// The soft "Max open files" of process `pid`.
+fn soft_nofile_of(pid: u32) -> u64 {
+    let limits = fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    limits
+        .lines()
+        .find_map(|l| l.strip_prefix("Max open files"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no open-file limit in\n{limits}"))
+}
+
 /// What the attacker managed: connections opened to each listener.
 #[derive(Debug, Default)]
 struct Attack {
@@ -87,7 +120,14 @@ fn an_unprivileged_user_holding_connections_to_both_listeners_breaks_no_stream()
     let mut opts = options();
     opts.set("admin", "mode", "\"0660\"");
     opts.set("admin", "group", &format!("\"{NOBODY}\""));
-    let lab = start(opts);
+    // The daemon starts with a soft open-file limit of 512 (below what it needs, as under
+    // a small LimitNOFILE) and must raise it.
+    let lab = with_soft_nofile(512, || start(opts));
+    let limit = soft_nofile_of(lab.daemon_pid().unwrap());
+    assert!(
+        limit > 512,
+        "the daemon kept a soft open-file limit of {limit}"
+    );
     let before = backend_states(&lab);
     assert!(
         before.iter().all(|(_, s, h)| s == "active" && *h),
