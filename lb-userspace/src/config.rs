@@ -267,7 +267,7 @@ impl VipConfig {
     /// `VipMeta::affinity_secs` (0 = off).
     pub fn affinity_secs(&self) -> u32 {
         // Validation bounds the window to 24h.
-        self.affinity_window.as_secs() as u32
+        rules::secs_u32(self.affinity_window)
     }
 }
 

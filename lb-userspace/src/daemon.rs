@@ -50,7 +50,7 @@ pub fn specs(cfg: &Config) -> Vec<(VipSpec, Vec<BackendSpec>)> {
                     config::HashMode::FiveTuple => HashMode::FiveTuple,
                     config::HashMode::Source => HashMode::Source,
                 },
-                affinity_secs: v.affinity_window.as_secs() as u32,
+                affinity_secs: v.affinity_secs(),
                 priority: v.priority.into(),
                 ring_size: v.ring_size,
             };

@@ -150,6 +150,11 @@ pub fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
+/// Whole seconds of a duration as a u32, saturating (affinity windows are at most a day).
+pub fn secs_u32(d: Duration) -> u32 {
+    u32::try_from(d.as_secs()).unwrap_or(u32::MAX)
+}
+
 /// `s` quoted and escaped for an error message, cut at 80 characters so a megabyte of label
 /// does not become a megabyte of log line.
 pub fn quoted(s: &str) -> String {
@@ -232,6 +237,8 @@ mod tests {
         assert_eq!(nanos(DURATION_MAX), 31_536_000_000_000_000);
         assert_eq!(millis(Duration::MAX), u64::MAX, "saturates, never wraps");
         assert_eq!(nanos(Duration::MAX), u64::MAX);
+        assert_eq!(secs_u32(Duration::from_secs(86_400)), 86_400);
+        assert_eq!(secs_u32(Duration::MAX), u32::MAX);
     }
 
     #[test]
