@@ -179,8 +179,8 @@ fn read_persisted(path: &Path) -> Option<Persisted> {
     }
 }
 
-/// Undoes what a failed start did to the data plane: dropped (armed) on every early return
-/// after the load. A data plane this start created is detached and unpinned, as if the start
+/// Undoes what a failed start did to the data plane: armed once the load succeeded, it acts
+/// when dropped on an early return. A data plane this start created is detached and unpinned, as if the start
 /// had not happened (`keep_dataplane_on_exit` is for a daemon that ran, not one that never
 /// served). One re-adopted from pinned maps was forwarding before this start and keeps
 /// forwarding.
@@ -360,10 +360,11 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let mut rollback = Rollback {
         pin_dir: pin_dir.clone(),
         created: false,
-        armed: true,
+        armed: false,
     };
     let mut dp = Dataplane::load(BPF_OBJECT, &opts)?;
     rollback.created = !dp.reused();
+    rollback.armed = true;
     let persisted = read_persisted(&cfg.daemon.state_file);
     // What the maps hold now: the persisted state if we re-adopt pinned maps.
     let in_plane = match (&persisted, dp.reused()) {
