@@ -8,15 +8,20 @@ mod socket;
 mod views;
 
 use std::{
+    collections::HashMap,
     convert::Infallible,
     error::Error as StdError,
-    fs,
+    fmt, fs,
     future::Future,
+    hash::Hash,
     io,
     net::IpAddr,
     os::unix::fs::MetadataExt,
     pin::pin,
-    sync::Arc,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
@@ -46,7 +51,9 @@ use self::{
     views::{flows, stats, vip_detail, BackendView, VipView},
 };
 use crate::{
+    config::rules,
     controller::{Controller, Peer, Plane},
+    limits::{ListenerLimits, Refused},
     state::{BackendSpec, Op, OpError, VipSpec},
     telemetry::{Hub, Sample},
 };
@@ -63,6 +70,8 @@ pub struct DaemonInfo {
     pub reused: bool,
     /// Where pushed telemetry samples go (the same hub the scrapers feed).
     pub telemetry: Arc<std::sync::Mutex<Hub>>,
+    /// Connections each listener closed at its caps.
+    pub refused: Arc<Refused>,
 }
 
 /// Requests larger than this are refused with 413.
@@ -95,21 +104,45 @@ pub struct DrainRequest {
 
 /// Wall-clock time as the controller takes it: unix milliseconds.
 pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_millis() as u64
+    rules::millis(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default(),
+    )
 }
 
 /// Runs connections from `accept` until `shutdown` completes; then stops accepting and
-/// drops the open connections (admin and metrics requests are short).
-pub(crate) async fn serve_connections<A, C>(
+/// drops the open connections (admin and metrics requests are short). `accept` yields each
+/// connection with its peer (a uid, an address), or nothing when it already closed it.
+/// Beyond `limits`' caps a connection is closed at once and counted in `refused`.
+pub(crate) async fn serve_connections<A, C, K>(
+    limits: ListenerLimits,
+    refused: &AtomicU64,
+    listener: &'static str,
     mut accept: impl FnMut() -> A,
     shutdown: impl Future<Output = ()>,
 ) where
-    A: Future<Output = io::Result<C>>,
+    A: Future<Output = io::Result<Option<(K, C)>>>,
     C: Future<Output = ()> + Send + 'static,
+    K: Eq + Hash + Clone + fmt::Debug + Send + 'static,
 {
+    /// One open connection of `peer`: counted while it lives.
+    struct Slot<K: Eq + Hash> {
+        open: Arc<std::sync::Mutex<HashMap<K, usize>>>,
+        peer: K,
+    }
+    impl<K: Eq + Hash> Drop for Slot<K> {
+        fn drop(&mut self) {
+            let mut open = self.open.lock().expect("connection count lock");
+            if let Some(n) = open.get_mut(&self.peer) {
+                *n -= 1;
+                if *n == 0 {
+                    open.remove(&self.peer);
+                }
+            }
+        }
+    }
+    let open: Arc<std::sync::Mutex<HashMap<K, usize>>> = Arc::default();
     let mut conns = JoinSet::new();
     let mut shutdown = pin!(shutdown);
     loop {
@@ -117,12 +150,33 @@ pub(crate) async fn serve_connections<A, C>(
             () = &mut shutdown => return,
             Some(_) = conns.join_next() => {}
             r = accept() => match r {
-                Ok(conn) => {
-                    conns.spawn(conn);
+                Ok(None) => {}
+                Ok(Some((peer, conn))) => {
+                    let mut counts = open.lock().expect("connection count lock");
+                    let total: usize = counts.values().sum();
+                    let mine = counts.get(&peer).copied().unwrap_or(0);
+                    if total >= limits.max_connections || mine >= limits.max_per_peer {
+                        drop(counts);
+                        // Counted before the close, so whoever sees the close sees the count.
+                        let n = refused.fetch_add(1, Ordering::Relaxed) + 1;
+                        drop(conn);
+                        // Logged at 1, 2, 4, 8... refusals: a flood cannot flood the log.
+                        if n.is_power_of_two() {
+                            tracing::warn!(listener, ?peer, open = total, peer_open = mine, refused = n, "connection closed: the listener or this peer is at its cap");
+                        }
+                        continue;
+                    }
+                    *counts.entry(peer.clone()).or_default() += 1;
+                    drop(counts);
+                    let slot = Slot { open: open.clone(), peer };
+                    conns.spawn(async move {
+                        let _slot = slot;
+                        conn.await
+                    });
                 }
                 Err(e) => {
                     // Out of descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "accepting a connection failed");
+                    tracing::warn!(listener, error = %e, "accepting a connection failed");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             },
@@ -130,8 +184,10 @@ pub(crate) async fn serve_connections<A, C>(
     }
 }
 
-/// Serves one HTTP/1.1 connection; a client slow to send its headers is cut off.
-pub(crate) async fn serve_http<I, S>(io: I, service: S)
+/// Serves one HTTP/1.1 connection. Headers must arrive within the request timeout, which
+/// hyper also applies to the wait for the next request, so an idle keep-alive connection
+/// is closed after it too.
+pub(crate) async fn serve_http<I, S>(io: I, service: S, limits: ListenerLimits)
 where
     I: AsyncRead + AsyncWrite + Unpin,
     S: HttpService<Incoming, ResBody = Full<Bytes>>,
@@ -139,10 +195,33 @@ where
 {
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(10))
+        .header_read_timeout(limits.request_timeout)
         .serve_connection(TokioIo::new(io), service);
     if let Err(e) = conn.await {
         tracing::debug!(error = %e, "HTTP connection ended with an error");
+    }
+}
+
+/// Answers `respond` within `limit`, else 408: a body sent slowly, or not at all after its
+/// headers, holds the connection no longer than that.
+pub(crate) async fn within(
+    limit: Duration,
+    respond: impl Future<Output = Response<Full<Bytes>>>,
+) -> Response<Full<Bytes>> {
+    match tokio::time::timeout(limit, respond).await {
+        Ok(r) => r,
+        Err(_) => {
+            let mut r = ApiError::new(
+                408,
+                format!("the request was not complete within {limit:?}"),
+            )
+            .into_response();
+            r.headers_mut().insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
+            );
+            r
+        }
     }
 }
 
@@ -158,6 +237,7 @@ pub async fn serve<P: Plane + 'static>(
     listener: UnixListener,
     ctl: Arc<Mutex<Controller<P>>>,
     info: Arc<DaemonInfo>,
+    limits: ListenerLimits,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
     let addr = listener.local_addr()?;
@@ -173,28 +253,37 @@ pub async fn serve<P: Plane + 'static>(
         group_gid: meta.gid(),
     });
     let (listener, api) = (&listener, &api);
+    let refused = &api.info.refused.admin;
     serve_connections(
+        limits,
+        refused,
+        "admin",
         move || async move {
             let (stream, _) = listener.accept().await?;
             let api = Arc::clone(api);
-            Ok(async move {
-                let peer = match stream.peer_cred() {
-                    Ok(c) => Peer {
-                        uid: c.uid(),
-                        gid: c.gid(),
-                        pid: c.pid().unwrap_or(0),
-                    },
-                    Err(e) => {
-                        tracing::warn!(error = %e, "no peer credentials; closing the connection");
-                        return;
-                    }
-                };
+            let peer = match stream.peer_cred() {
+                Ok(c) => Peer {
+                    uid: c.uid(),
+                    gid: c.gid(),
+                    pid: c.pid().unwrap_or(0),
+                },
+                Err(e) => {
+                    tracing::warn!(error = %e, "no peer credentials; closing the connection");
+                    return Ok(None);
+                }
+            };
+            // Counted per uid: one user cannot take every slot.
+            Ok(Some((peer.uid, async move {
                 let service = service_fn(move |req| {
                     let api = Arc::clone(&api);
-                    async move { Ok::<_, Infallible>(handle(&api, peer, req).await) }
+                    async move {
+                        Ok::<_, Infallible>(
+                            within(limits.request_timeout, handle(&api, peer, req)).await,
+                        )
+                    }
                 });
-                serve_http(stream, service).await
-            })
+                serve_http(stream, service, limits).await
+            })))
         },
         shutdown,
     )
@@ -505,15 +594,9 @@ where
             let deadline_ms = match req.deadline {
                 None => None,
                 Some(d) => {
-                    let d = humantime::parse_duration(&d).map_err(|e| {
-                        ApiError::new(
-                            400,
-                            format!(
-                                "deadline {d:?} is not a duration like \"10m\" or \"1h30m\": {e}"
-                            ),
-                        )
-                    })?;
-                    Some(now.saturating_add(d.as_millis() as u64))
+                    let d = rules::duration(&d)
+                        .map_err(|e| ApiError::new(400, format!("deadline {e}")))?;
+                    Some(now.saturating_add(rules::millis(d)))
                 }
             };
             let op = Op::Drain {
@@ -697,6 +780,7 @@ pub(crate) mod testing {
             pin_dir: "/sys/fs/bpf/sluice".into(),
             reused: false,
             telemetry: Arc::new(std::sync::Mutex::new(Hub::new(Duration::from_secs(3)))),
+            refused: Arc::default(),
         }
     }
 
@@ -716,20 +800,26 @@ pub(crate) mod testing {
         pub dir: PathBuf,
         pub socket: PathBuf,
         pub ctl: Arc<Mutex<Controller<FakePlane>>>,
+        pub info: Arc<DaemonInfo>,
         stop: Option<tokio::sync::oneshot::Sender<()>>,
         thread: Option<std::thread::JoinHandle<()>>,
     }
 
     impl TestServer {
         pub(crate) fn start() -> TestServer {
+            TestServer::start_with(crate::limits::ADMIN)
+        }
+
+        pub(crate) fn start_with(limits: ListenerLimits) -> TestServer {
             let dir = temp_dir("admin");
+            let info = Arc::new(info());
             // A directory that does not exist yet: bind creates it.
             let socket = dir.join("run/admin.sock");
             let ctl = Arc::new(Mutex::new(controller()));
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
             let (ready_tx, ready) = std::sync::mpsc::channel();
             let thread = std::thread::spawn({
-                let (ctl, socket) = (Arc::clone(&ctl), socket.clone());
+                let (ctl, socket, info) = (Arc::clone(&ctl), socket.clone(), info.clone());
                 move || {
                     let rt = tokio::runtime::Builder::new_current_thread()
                         .enable_all()
@@ -743,7 +833,7 @@ pub(crate) mod testing {
                         };
                         let listener = bind(&sock).unwrap();
                         // Spawned, as the daemon does: this checks the future is Send.
-                        let task = tokio::spawn(serve(listener, ctl, Arc::new(info()), async {
+                        let task = tokio::spawn(serve(listener, ctl, info, limits, async {
                             let _ = stopped.await;
                         }));
                         ready_tx.send(()).unwrap();
@@ -756,6 +846,7 @@ pub(crate) mod testing {
                 dir,
                 socket,
                 ctl,
+                info,
                 stop: Some(stop),
                 thread: Some(thread),
             }
@@ -1021,6 +1112,57 @@ mod tests {
                 400,
                 "deadline \"soon\" is not a duration",
             ),
+            // Issue 8: this once wrapped to 403 ms and reset the backend's streams at once.
+            (
+                "POST",
+                "/v1/vips/chat/backends/10.1.0.1/drain",
+                Some(b"{\"deadline\": \"18446744073709552s\"}"),
+                400,
+                "deadline \"18446744073709552s\" is longer than 365d",
+            ),
+            // The config file's rules, through the API (config::rules).
+            (
+                "POST",
+                "/v1/vips/chat/backends",
+                Some(br#"{"address": "10.1.0.9", "labels": {"rack": "r1\u001b]0;owned\u0007"}}"#),
+                400,
+                "is not a valid label value; allowed: 1 to 255 of A-Z",
+            ),
+            (
+                "POST",
+                "/v1/vips/chat/backends",
+                Some(br#"{"address": "10.1.0.9", "labels": {"rack": "r1\nchat 10.6.6.6"}}"#),
+                400,
+                "is not a valid label value",
+            ),
+            (
+                "POST",
+                "/v1/vips/chat/backends",
+                Some(br#"{"address": "255.255.255.255"}"#),
+                400,
+                "backend address \"255.255.255.255\" is the broadcast address",
+            ),
+            (
+                "POST",
+                "/v1/vips/chat/backends",
+                Some(br#"{"address": "10.0.0.1"}"#),
+                400,
+                "backend address \"10.0.0.1\" is the VIP's own address",
+            ),
+            (
+                "POST",
+                "/v1/vips/chat/backends",
+                Some(br#"{"address": "::ffff:10.1.0.9"}"#),
+                400,
+                "is an IPv4-mapped IPv6 address",
+            ),
+            (
+                "POST",
+                "/v1/vips",
+                Some(br#"{"vip": {"name": "bc", "address": "255.255.255.255", "port": 1, "protocol": "tcp"}}"#),
+                400,
+                "VIP address \"255.255.255.255\" is the broadcast address",
+            ),
             (
                 "POST",
                 "/v1/vips/chat/backends/10.1.0.2/drain",
@@ -1069,6 +1211,212 @@ mod tests {
             );
             assert_eq!(srv.state(), before, "{method} {path} changed the state");
         }
+    }
+
+    /// Issue 8: a local user could hold admin connections without end (headers and part of
+    /// a body, or idle keep-alive) and take as many as it liked. Each is bounded now; the
+    /// deadlines asserted are generous bounds, not timings.
+    #[test]
+    fn connections_are_capped_and_timed_out() {
+        use std::{
+            io::{Read, Write},
+            os::unix::net::UnixStream,
+        };
+        let limits = ListenerLimits {
+            max_connections: 3,
+            max_per_peer: 2,
+            request_timeout: Duration::from_millis(300),
+        };
+        let srv = TestServer::start_with(limits);
+        let bound = Some(Duration::from_secs(10));
+        let open = || {
+            let s = UnixStream::connect(&srv.socket).unwrap();
+            s.set_read_timeout(bound).unwrap();
+            s
+        };
+        // Closed by the server: EOF (or a reset) before the bound, never a read timeout.
+        let closed = |s: &mut UnixStream| {
+            let mut buf = Vec::new();
+            match s.read_to_end(&mut buf) {
+                Ok(_) => String::from_utf8_lossy(&buf).into_owned(),
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => String::new(),
+                Err(e) => panic!("not closed within {bound:?}: {e}"),
+            }
+        };
+        // Headers and part of a body: answered 408 and closed.
+        let mut partial = open();
+        partial
+            .write_all(b"POST /v1/vips HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"vip\"")
+            .unwrap();
+        let answer = closed(&mut partial);
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(
+            answer.contains("the request was not complete within 300ms"),
+            "{answer}"
+        );
+        // Part of the headers only: closed.
+        let mut slow = open();
+        slow.write_all(b"GET /v1/status HTTP/1.1\r\nHo").unwrap();
+        assert_eq!(closed(&mut slow), "");
+        // A keep-alive connection answered once, then idle: closed.
+        let mut idle = open();
+        idle.write_all(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let answer = closed(&mut idle);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        // Two held connections of this uid: a third is closed at once, unanswered. (A slot
+        // is freed just after its socket closes, so a held one is retried until answered.)
+        let hold = || {
+            for _ in 0..100 {
+                let mut s = open();
+                let _ = s.write_all(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n");
+                let mut buf = [0u8; 12];
+                if s.read_exact(&mut buf).is_ok() {
+                    assert_eq!(&buf, b"HTTP/1.1 200");
+                    return s;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            panic!("no slot came free");
+        };
+        let (a, b) = (hold(), hold());
+        let before = srv.info.refused.get().0;
+        let mut third = open();
+        let _ = third.write_all(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert_eq!(closed(&mut third), "");
+        assert_eq!(srv.info.refused.get().0, before + 1);
+        // Once they are gone the slots are free again.
+        drop((a, b));
+        let ok = (0..100).any(|_| {
+            std::thread::sleep(Duration::from_millis(20));
+            srv.client()
+                .request("GET", "/v1/status", None)
+                .is_ok_and(|(st, _)| st == 200)
+        });
+        assert!(ok, "slots were not freed");
+    }
+
+    /// Issue 8, part 2: random requests (methods, paths with encodings, bodies of every
+    /// shape with arbitrary strings and numbers) against the real server. Properties: each
+    /// gets a JSON answer of a status the API uses, never a 500; every error message is free
+    /// of control characters; whatever was accepted meets the validator's rules. 256 cases
+    /// (PROPTEST_CASES overrides).
+    #[test]
+    fn random_requests_are_answered_and_accept_only_valid_state() {
+        use proptest::{
+            prelude::*,
+            test_runner::{Config, TestRunner},
+        };
+        let srv = TestServer::start();
+        let c = srv.client();
+        assert_eq!(c.request("POST", "/v1/vips", Some(&chat())).unwrap().0, 201);
+        let seg = prop::sample::select(vec![
+            "vips",
+            "chat",
+            "backends",
+            "10.1.0.1",
+            "10.1.0.2",
+            "10.1.0.9",
+            "fd00::1",
+            "%5Bfd00::1%5D",
+            "%zz",
+            "%00",
+            "%1b",
+            "weight",
+            "drain",
+            "undrain",
+            "telemetry",
+            "status",
+            "flows",
+            "stats",
+            "events",
+            "",
+            "..",
+            "255.255.255.255",
+            "::ffff:10.1.0.1",
+            "10.0.0.1",
+        ]);
+        let path = prop::collection::vec(seg, 0..6).prop_map(|s| format!("/v1/{}", s.join("/")));
+        let text = any::<String>();
+        let num = prop_oneof![
+            any::<f64>().prop_map(|f| json!(f)),
+            any::<i64>().prop_map(|i| json!(i)),
+            any::<u64>().prop_map(|i| json!(i)),
+        ];
+        let addr = prop::sample::select(vec![
+            "10.1.0.9",
+            "255.255.255.255",
+            "10.0.0.1",
+            "::ffff:10.1.0.9",
+            "127.0.0.1",
+            "0.0.0.0",
+            "fd00::9",
+            "224.0.0.1",
+            "not an ip",
+        ]);
+        let body = prop_oneof![
+            Just(None),
+            (addr.clone(), num.clone(), text, text).prop_map(|(a, w, k, v)| {
+                Some(json!({"address": a, "weight": w, "labels": {k: v}}))
+            }),
+            (text, addr, num.clone()).prop_map(|(n, a, p)| {
+                Some(json!({"vip": {"name": n, "address": a, "port": p, "protocol": "tcp"}}))
+            }),
+            num.clone().prop_map(|w| Some(json!({"weight": w}))),
+            text.prop_map(|d| Some(json!({"deadline": d}))),
+            (num.clone(), num).prop_map(|(q, k)| Some(json!({"queue_depth": q, "kv_cache": k}))),
+            text.prop_map(|t| Some(json!(t))),
+        ];
+        let method = prop::sample::select(vec!["GET", "POST", "PUT", "DELETE", "PATCH"]);
+        let mut runner = TestRunner::new(Config::default());
+        runner
+            .run(&(method, path, body), |(method, path, body)| {
+                let bytes = body.map(|b| serde_json::to_vec(&b).unwrap());
+                let (st, v) = c.send(method, &path, bytes.as_deref()).unwrap();
+                prop_assert!(
+                    [200, 201, 204, 400, 403, 404, 405, 409, 413].contains(&st),
+                    "{method} {path}: {st} {v}"
+                );
+                if st >= 400 {
+                    let e = v["error"].as_str().unwrap_or_default();
+                    prop_assert!(!e.is_empty(), "{method} {path}: {v}");
+                    prop_assert!(!e.chars().any(char::is_control), "{method} {path}: {e:?}");
+                }
+                let state = srv.state();
+                for vip in state.vips.values() {
+                    rules::vip_name(&vip.spec.name).unwrap();
+                    rules::unicast(vip.spec.address).unwrap();
+                    for b in vip.backends.values() {
+                        prop_assert!(
+                            rules::backend_address(b.spec.address, vip.spec.address).is_ok()
+                        );
+                        prop_assert!(rules::labels(&b.spec.labels).is_ok());
+                    }
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    /// Issue 8: the API took labels of any size; now the config file's bound holds.
+    #[test]
+    fn oversized_labels_are_refused() {
+        let srv = TestServer::start();
+        let c = srv.client();
+        assert_eq!(c.request("POST", "/v1/vips", Some(&chat())).unwrap().0, 201);
+        let before = srv.state();
+        let long = json!({"address": "10.1.0.9", "labels": {"rack": "r".repeat(60_000)}});
+        let many: serde_json::Map<String, Value> =
+            (0..33).map(|i| (format!("k{i}"), json!("v"))).collect();
+        let many = json!({"address": "10.1.0.9", "labels": many});
+        for body in [long, many] {
+            let (st, v) = c
+                .request("POST", "/v1/vips/chat/backends", Some(&body))
+                .unwrap();
+            assert_eq!(st, 400, "{v}");
+            assert!(v["error"].as_str().unwrap().len() < 300, "{v}");
+        }
+        assert_eq!(srv.state(), before);
     }
 
     #[test]

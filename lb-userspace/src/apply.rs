@@ -175,7 +175,7 @@ impl crate::controller::Plane for MapPlane {
         let conns = self.dp.conns()?;
         self.conn_entries = conns.len() as u64;
         for (_, c) in conns {
-            if now.saturating_sub(c.last_seen_ns) <= idle.as_nanos() as u64 {
+            if now.saturating_sub(c.last_seen_ns) <= crate::config::rules::nanos(idle) {
                 *out.entry(c.backend).or_default() += 1;
             }
         }

@@ -17,6 +17,8 @@ use clap::{
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
+pub(crate) mod escape;
+
 use crate::{
     admin::{now_ms, DrainRequest, NewVip, WeightChange},
     client::{path_segment, Client},
@@ -338,9 +340,7 @@ fn serde_enum<T: DeserializeOwned + Clone + Send + Sync + 'static>(
 }
 
 fn parse_duration(s: &str) -> Result<String, String> {
-    humantime::parse_duration(s)
-        .map(|_| s.to_string())
-        .map_err(|e| format!("{e} (use e.g. 30s, 10m, 1h30m)"))
+    crate::config::rules::duration(s).map(|_| s.to_string())
 }
 
 fn parse_secs(s: &str) -> Result<u32, String> {
@@ -412,7 +412,7 @@ fn print_sample(out: &mut dyn Write, v: &Value) -> Result<()> {
             Value::Number(n) if k == "throttle" => format!("{:#x}", n.as_u64().unwrap_or(0)),
             other => other.to_string(),
         };
-        writeln!(out, "{k:<12} {shown}")?;
+        writeln!(out, "{:<12} {}", escape::text(k), escape::text(&shown))?;
     }
     Ok(())
 }
@@ -488,7 +488,8 @@ impl Output<'_> {
         }
         // A removal answers 204 with no body: nothing to print.
         if !v.is_null() {
-            writeln!(self.out, "{}", serde_json::to_string_pretty(v)?)?;
+            let text = serde_json::to_string_pretty(v)?;
+            writeln!(self.out, "{}", escape::json(&text))?;
         }
         Ok(())
     }
@@ -644,11 +645,11 @@ fn backend(cmd: &BackendCommand, client: &Client, out: &mut Output) -> Result<()
     }
 }
 
-/// A JSON value as a table cell: strings bare, null as "-".
+/// A JSON value as a table cell: strings bare (escaped for the terminal), null as "-".
 fn cell(v: &Value) -> String {
     match v {
         Value::Null => "-".into(),
-        Value::String(s) => s.clone(),
+        Value::String(s) => escape::text(s).into_owned(),
         other => other.to_string(),
     }
 }
@@ -663,7 +664,13 @@ fn host_port(v: &Value) -> String {
     }
 }
 
+/// RFC 3339 time of unix milliseconds `ms`; a value past year 9999 (which RFC 3339 cannot
+/// write, and no daemon sends) is shown as the number rather than panicking.
 fn timestamp(ms: u64) -> String {
+    const YEAR_10000_MS: u64 = 253_402_300_800_000;
+    if ms >= YEAR_10000_MS {
+        return format!("{ms} ms after 1970");
+    }
     humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
@@ -679,15 +686,20 @@ fn relative(ms: u64) -> String {
 }
 
 /// Aligned columns separated by two spaces; the last column is not padded.
+/// Every cell goes through the escaper: cells hold what the daemon sent.
 fn table(out: &mut dyn Write, header: &[&str], rows: &[Vec<String>]) -> Result<()> {
+    let header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| r.iter().map(|c| escape::text(c).into_owned()).collect())
+        .collect();
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
-    for row in rows {
+    for row in &rows {
         for (w, c) in widths.iter_mut().zip(row) {
             *w = (*w).max(c.chars().count());
         }
     }
-    let header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
-    for row in std::iter::once(&header).chain(rows) {
+    for row in std::iter::once(&header).chain(&rows) {
         let mut line = String::new();
         for (i, (c, w)) in row.iter().zip(&widths).enumerate() {
             if i + 1 == row.len() {
@@ -730,7 +742,7 @@ fn print_status(out: &mut dyn Write, v: &Value) -> Result<()> {
         ("backends", cell(&v["backends"])),
     ];
     for (k, val) in rows {
-        writeln!(out, "{k:<12}{val}")?;
+        writeln!(out, "{k:<12}{}", escape::text(&val))?;
     }
     Ok(())
 }
@@ -1151,6 +1163,57 @@ mod tests {
         );
     }
 
+    /// Issue 8: escape sequences reached root's terminal through `sluice backend list`, and a
+    /// newline forged a table row. Whatever a daemon sends, the listing stays one row per
+    /// backend with no control character in it.
+    #[test]
+    fn server_strings_are_escaped_in_every_listing() {
+        let hostile = "r1\x1b]0;owned\x07\n10.6.6.6  9  100\u{9b}2J\u{202e}";
+        let answer = json!({"backends": [{
+            "address": hostile,
+            "id": 1,
+            "labels": {hostile: hostile},
+            "state": hostile,
+            "steering": {"state": hostile, "reason": hostile},
+        }]});
+        let clean = |text: &str, lines: usize| {
+            assert_eq!(text.lines().count(), lines, "{text}");
+            assert!(
+                !text
+                    .chars()
+                    .any(|c| c != '\n' && escape::text(&c.to_string()) != c.to_string()),
+                "{text:?}"
+            );
+        };
+        let mut out = Vec::new();
+        print_backends(&mut out, &answer).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        clean(&text, 2);
+        assert!(
+            text.contains("r1\\u{1b}]0;owned\\u{7}\\n10.6.6.6"),
+            "{text}"
+        );
+        let mut out = Vec::new();
+        print_status(
+            &mut out,
+            &json!({"interfaces": [{"name": hostile, "mode": hostile}], "version": hostile}),
+        )
+        .unwrap();
+        clean(&String::from_utf8(out).unwrap(), 8);
+        let mut out = Vec::new();
+        Output {
+            json: true,
+            out: &mut out,
+        }
+        .show(&answer, print_backends)
+        .unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(!text.contains(['\u{9b}', '\u{202e}']), "{text:?}");
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), answer);
+        // A deadline no RFC 3339 date can hold is shown, not a panic.
+        assert_eq!(timestamp(u64::MAX), format!("{} ms after 1970", u64::MAX));
+    }
+
     #[test]
     fn usage_errors_exit_2_and_help_reads() {
         Cli::command().debug_assert();
@@ -1165,7 +1228,21 @@ mod tests {
         ])
         .unwrap_err();
         assert_eq!(e.exit_code(), 2);
-        assert!(e.to_string().contains("use e.g. 30s, 10m, 1h30m"), "{e}");
+        assert!(
+            e.to_string().contains("e.g. \"500ms\", \"10s\", \"5m\""),
+            "{e}"
+        );
+        let e = Cli::try_parse_from([
+            "sluice",
+            "backend",
+            "drain",
+            "chat",
+            "10.1.0.1",
+            "--deadline",
+            "18446744073709552s",
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains("is longer than 365d"), "{e}");
         let e = Cli::try_parse_from([
             "sluice",
             "vip",

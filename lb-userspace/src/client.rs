@@ -46,7 +46,7 @@ impl Client {
                 || format!("the daemon answered {status}: {value}"),
                 str::to_owned,
             );
-            bail!(message);
+            bail!(crate::cli::escape::text(&message).into_owned());
         }
         Ok(value)
     }
@@ -154,7 +154,10 @@ fn parse_response(raw: &[u8]) -> Result<(u16, Value)> {
                 .get(..len)
                 .context("the daemon's answer was cut short")?;
         } else if name.eq_ignore_ascii_case("transfer-encoding") {
-            bail!("the daemon answered with Transfer-Encoding {value}, which this client does not read");
+            bail!(
+                "the daemon answered with Transfer-Encoding {}, which this client does not read",
+                crate::cli::escape::text(value)
+            );
         }
     }
     if body.is_empty() {

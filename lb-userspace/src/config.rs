@@ -53,6 +53,8 @@ use toml::{
 
 use crate::{addr::to_words, maglev::is_prime};
 
+pub mod rules;
+
 // ------------------------------------------------------------------------------------------
 // Public types
 // ------------------------------------------------------------------------------------------
@@ -265,7 +267,7 @@ impl VipConfig {
     /// `VipMeta::affinity_secs` (0 = off).
     pub fn affinity_secs(&self) -> u32 {
         // Validation bounds the window to 24h.
-        self.affinity_window.as_secs() as u32
+        rules::secs_u32(self.affinity_window)
     }
 }
 
@@ -303,7 +305,7 @@ impl BackendConfig {
 /// DCGM exporter scraped for this backend's GPUs.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct DcgmConfig {
-    /// http:// or https:// URL of the exporter's metrics.
+    /// http:// URL of the exporter's metrics.
     pub url: String,
     /// Values of the `gpu` label to select (empty: every GPU the exporter reports).
     pub gpus: Vec<String>,
@@ -314,7 +316,7 @@ pub struct DcgmConfig {
 /// Inference engine metrics endpoint for this backend.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct EngineConfig {
-    /// http:// or https:// URL of the engine's Prometheus metrics.
+    /// http:// URL of the engine's Prometheus metrics.
     pub url: String,
     pub kind: EngineKind,
     /// Value of the `model_name` label to select; `None` = all models.
@@ -1595,7 +1597,13 @@ impl Checker {
             return Some(default);
         };
         match humantime::parse_duration(s) {
-            Ok(d) => Some(d),
+            Ok(d) => match rules::bounded(d) {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    self.err(path, format!("{s:?} {e}"));
+                    None
+                }
+            },
             Err(_) => {
                 self.err(path, format!("{s:?} is not a duration; {DURATION_ALLOWED}"));
                 None
@@ -1677,58 +1685,52 @@ impl Checker {
             );
             return None;
         };
-        let what = if ip.is_unspecified() {
-            "the unspecified address"
-        } else if ip.is_multicast() {
-            "a multicast address"
-        } else if ip == IpAddr::V4(Ipv4Addr::BROADCAST) {
-            "the broadcast address"
-        } else {
-            return Some(ip);
-        };
-        self.err(path, format!("{s:?} is {what}; allowed: a unicast address"));
-        None
+        match rules::unicast(ip) {
+            Ok(()) => Some(ip),
+            Err(e) => {
+                self.err(path, e);
+                None
+            }
+        }
+    }
+
+    /// Records `r`'s error at `path`; whether it passed.
+    fn rule(&mut self, path: &KeyPath, r: Result<(), String>) -> bool {
+        r.map_err(|e| self.err(path, e)).is_ok()
     }
 
     fn url(&mut self, path: &KeyPath, v: Option<&str>) -> Option<String> {
-        const ALLOWED: &str = "allowed: an http:// or https:// URL such as \
+        const ALLOWED: &str = "allowed: an http:// URL such as \
                                \"http://10.1.0.1:9400/metrics\"";
         let Some(s) = v else {
             self.missing(path, &ALLOWED["allowed: ".len()..]);
             return None;
         };
-        if valid_url(s) {
+        if s.starts_with("https://") {
+            // Refused here rather than scraped with TLS: exporters (dcgm-exporter, vLLM,
+            // SGLang, node_exporter) serve plain HTTP on the backend network, and a URL that
+            // passed here but failed in the scraper once stopped `sluice run` after the XDP
+            // attach.
+            self.err(
+                path,
+                format!(
+                    "{s:?} is https, which the telemetry scraper does not speak; {ALLOWED} \
+                     (the exporter's plain-HTTP port, or a local proxy in front of a TLS one)"
+                ),
+            );
+            None
+        } else if valid_url(s) {
             Some(s.to_owned())
         } else {
             self.err(path, format!("{s:?} is not a valid URL; {ALLOWED}"));
             None
         }
     }
-
-    /// A non-empty string of `A-Z a-z 0-9 _ . -` (label keys and values, device names...).
-    fn token(&mut self, path: &KeyPath, s: &str, what: &str) -> bool {
-        let ok = !s.is_empty()
-            && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
-        if !ok {
-            self.err(
-                path,
-                format!(
-                    "{s:?} is not a valid {what}; allowed: one or more of A-Z, a-z, 0-9, \
-                     \"_\", \".\" and \"-\""
-                ),
-            );
-        }
-        ok
-    }
 }
 
-/// `http://` or `https://`, a non-empty host, an optional numeric port, no whitespace.
+/// `http://`, a non-empty host, an optional numeric port, no whitespace.
 fn valid_url(s: &str) -> bool {
-    let Some(rest) = s
-        .strip_prefix("http://")
-        .or_else(|| s.strip_prefix("https://"))
-    else {
+    let Some(rest) = s.strip_prefix("http://") else {
         return false;
     };
     if s.chars().any(|c| c.is_whitespace() || c.is_control()) {
@@ -2305,28 +2307,13 @@ struct VipParts {
     config: Option<VipConfig>,
 }
 
-fn valid_vip_name(s: &str) -> bool {
-    (1..=32).contains(&s.len())
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
-}
-
 fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipParts {
     let name = match r.name {
         None => {
             c.missing(&p.key("name"), "a unique name of a-z, 0-9, \"-\" and \"_\"");
             None
         }
-        Some(n) if !valid_vip_name(&n) => {
-            c.err(
-                &p.key("name"),
-                format!(
-                    "{n:?} is not a valid VIP name; allowed: 1 to 32 of a-z, 0-9, \"-\" and \"_\""
-                ),
-            );
-            None
-        }
-        Some(n) => Some(n),
+        Some(n) => c.rule(&p.key("name"), rules::vip_name(&n)).then_some(n),
     };
     let address = c.ip(&p.key("address"), r.address.as_deref(), "10.200.0.1");
     let port = match r.port {
@@ -2497,18 +2484,9 @@ fn backend(
     let a_path = p.key("address");
     let address = c
         .ip(&a_path, r.address.as_deref(), "10.1.0.1")
-        .and_then(|a| match (vip_addr, a) {
-            (Some(IpAddr::V6(v)), IpAddr::V4(_)) => {
-                c.err(
-                    &a_path,
-                    format!(
-                        "\"{a}\" is IPv4 but the VIP {v} is IPv6; allowed: an IPv6 backend (IPv6 \
-                         cannot be encapsulated in IPv4)"
-                    ),
-                );
-                None
-            }
-            _ => Some(a),
+        .and_then(|a| match vip_addr {
+            Some(vip) => c.rule(&a_path, rules::backend_address(a, vip)).then_some(a),
+            None => Some(a),
         });
     let weight = c.int(
         &p.key("weight"),
@@ -2518,12 +2496,10 @@ fn backend(
         BackendConfig::MAX_WEIGHT as i64,
         " (0 = no new flows)",
     );
-    let mut labels_ok = true;
     let labels = r.labels.unwrap_or_default();
+    let mut labels_ok = c.rule(&p.key("labels"), rules::label_count(labels.len()));
     for (k, v) in &labels {
-        let lp = p.key("labels").key(k);
-        labels_ok &= c.token(&lp, k, "label name");
-        labels_ok &= c.token(&lp, v, "label value");
+        labels_ok &= c.rule(&p.key("labels").key(k), rules::label(k, v));
     }
     let max_sessions = c.int(
         &p.key("max_sessions"),
@@ -2651,7 +2627,9 @@ fn roce(c: &mut Checker, p: &KeyPath, r: RawRoce) -> Option<RoceConfig> {
                     c.missing(&p.key("device"), "an RDMA device name such as \"mlx5_0\"");
                     None
                 }
-                Some(d) => c.token(&p.key("device"), &d, "device name").then_some(d),
+                Some(d) => c
+                    .rule(&p.key("device"), rules::token(&d, 64, "device name"))
+                    .then_some(d),
             };
             let port = match port {
                 None => {

@@ -18,7 +18,10 @@ use lb_common::TrafficStats;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::state::{Admin, Backend, BackendSpec, Limits, Op, OpError, State, VipSpec};
+use crate::{
+    private_file,
+    state::{Admin, Backend, BackendSpec, Limits, Op, OpError, State, VipSpec},
+};
 
 /// What adaptive steering lays over the operator's state: it changes how new sessions are
 /// admitted and spread, never the VIPs and backends themselves.
@@ -119,7 +122,22 @@ pub struct Persisted {
     pub layout: u32,
     /// Hash of the config file the state was built from; a changed config is merged in.
     pub config_hash: u64,
+    /// Which function made `config_hash`. Files written before it was recorded (no field)
+    /// hold [`HashKind::Legacy`].
+    #[serde(default)]
+    pub hash: HashKind,
     pub state: State,
+}
+
+/// How a state file's `config_hash` was computed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HashKind {
+    /// Rust's `DefaultHasher`, which earlier releases used; not stable across Rust releases.
+    #[default]
+    Legacy,
+    /// 64-bit FNV-1a over the file's bytes: the same value from every build.
+    Fnv1a,
 }
 
 pub struct Settings {
@@ -339,11 +357,7 @@ impl<P: Plane> Controller<P> {
         let Some(path) = &self.settings.audit_log else {
             return;
         };
-        let r = fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .and_then(|mut f| writeln!(f, "{line}"));
+        let r = private_file::append(path).and_then(|mut f| writeln!(f, "{line}"));
         if let Err(e) = r {
             tracing::error!(path = %path.display(), error = %e, "cannot write the audit log");
         }
@@ -356,13 +370,14 @@ impl<P: Plane> Controller<P> {
         let p = Persisted {
             layout: lb_common::LAYOUT_VERSION,
             config_hash: self.settings.config_hash,
+            hash: HashKind::Fnv1a,
             state: self.state.clone(),
         };
         if let Some(dir) = path.parent() {
             fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
         let tmp = path.with_extension("tmp");
-        fs::write(&tmp, serde_json::to_vec_pretty(&p)?)
+        private_file::write(&tmp, &serde_json::to_vec_pretty(&p)?)
             .with_context(|| format!("writing {}", tmp.display()))?;
         fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))?;
         Ok(())

@@ -4,6 +4,7 @@
 use std::{
     collections::hash_map::DefaultHasher,
     ffi::CString,
+    future::Future,
     hash::{Hash, Hasher},
     path::{Path, PathBuf},
     sync::Arc,
@@ -12,15 +13,19 @@ use std::{
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::programs::XdpMode;
-use tokio::{signal::unix::SignalKind, sync::Mutex};
+use tokio::{
+    signal::unix::SignalKind,
+    sync::{watch, Mutex},
+    task::JoinHandle,
+};
 
 use crate::{
     admin::{self, now_ms, AdminSocket, DaemonInfo},
     apply::MapPlane,
     config::{self, Config},
-    controller::{Controller, Persisted, Settings},
+    controller::{Controller, HashKind, Persisted, Settings},
     dataplane::{remove_pinned, Dataplane, LoadOptions, PROG_XDP},
-    metrics,
+    limits, metrics,
     object::BPF_OBJECT,
     policy::Policy,
     state::{BackendSpec, HashMode, Limits, Protocol, State, VipSpec},
@@ -45,7 +50,7 @@ pub fn specs(cfg: &Config) -> Vec<(VipSpec, Vec<BackendSpec>)> {
                     config::HashMode::FiveTuple => HashMode::FiveTuple,
                     config::HashMode::Source => HashMode::Source,
                 },
-                affinity_secs: v.affinity_window.as_secs() as u32,
+                affinity_secs: v.affinity_secs(),
                 priority: v.priority.into(),
                 ring_size: v.ring_size,
             };
@@ -64,10 +69,37 @@ pub fn specs(cfg: &Config) -> Vec<(VipSpec, Vec<BackendSpec>)> {
         .collect()
 }
 
-fn config_hash(text: &str) -> u64 {
-    let mut h = DefaultHasher::new();
-    text.hash(&mut h);
-    h.finish()
+/// 64-bit FNV-1a over the configuration's bytes: a fixed function, so a state file written
+/// by one build is recognised by the next (Rust's `DefaultHasher` makes no such promise).
+pub fn config_hash(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// Whether `p` was built from the configuration `text`. Files written before the hash was
+/// FNV-1a hold a `DefaultHasher` value: it is recomputed with this build's, which matches
+/// across an upgrade as long as Rust has not changed that hasher; when it has, the file is
+/// merged like one of a changed configuration (drains and ids kept, other runtime changes
+/// replaced by the file's), and a warning says so.
+fn same_config(p: &Persisted, text: &str, path: &Path) -> bool {
+    match p.hash {
+        HashKind::Fnv1a => p.config_hash == config_hash(text),
+        HashKind::Legacy => {
+            let mut h = DefaultHasher::new();
+            text.hash(&mut h);
+            let same = p.config_hash == h.finish();
+            if !same {
+                tracing::warn!(
+                    path = %path.display(),
+                    "the state file predates stable config hashes and does not match this \
+                     configuration (changed, or hashed differently by an older build): runtime \
+                     changes other than drains are replaced by the configuration"
+                );
+            }
+            same
+        }
+    }
 }
 
 fn init_logging(cfg: &Config) {
@@ -147,6 +179,154 @@ fn read_persisted(path: &Path) -> Option<Persisted> {
     }
 }
 
+/// Undoes what a failed start did to the data plane: armed once the load succeeded, it acts
+/// when dropped on an early return. A data plane this start created is detached and unpinned, as if the start
+/// had not happened (`keep_dataplane_on_exit` is for a daemon that ran, not one that never
+/// served). One re-adopted from pinned maps was forwarding before this start and keeps
+/// forwarding.
+struct Rollback {
+    pin_dir: PathBuf,
+    created: bool,
+    armed: bool,
+}
+
+impl Drop for Rollback {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if !self.created {
+            tracing::warn!(pin_dir = %self.pin_dir.display(), "start failed; the re-adopted data plane keeps running as the previous daemon left it");
+            return;
+        }
+        match remove_pinned(&self.pin_dir) {
+            Ok(()) => {
+                tracing::warn!(pin_dir = %self.pin_dir.display(), "start failed; the data plane it attached is detached and unpinned")
+            }
+            Err(e) => {
+                tracing::error!(pin_dir = %self.pin_dir.display(), error = %format!("{e:#}"), "start failed and the data plane could not be removed: run `sluice cleanup`")
+            }
+        }
+    }
+}
+
+/// A task a reload restarts with new settings; it has its own stop signal.
+struct Restartable {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Restartable {
+    fn spawn<F>(make: impl FnOnce(Stopped) -> F) -> Restartable
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let (stop, rx) = watch::channel(false);
+        Restartable {
+            stop,
+            task: tokio::spawn(make(stopped(rx))),
+        }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+}
+
+type Stopped = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+fn stopped(mut rx: watch::Receiver<bool>) -> Stopped {
+    Box::pin(async move {
+        let _ = rx.wait_for(|s| *s).await;
+    })
+}
+
+/// The parts of the daemon that follow `[health]`, `[telemetry]`, `[policy]` and the
+/// VIPs' telemetry sources, and that a SIGHUP reload hands new settings.
+struct Live {
+    cfg: Arc<Config>,
+    scraper: Restartable,
+    health: Restartable,
+    /// The steering ticker reads its settings from here at every tick, keeping the policy's
+    /// per-backend memory across a reload.
+    settings: watch::Sender<Arc<Config>>,
+}
+
+/// Starts the scrapers for `targets` and configures the hub for `cfg`'s sources.
+fn start_scraper(
+    cfg: &Arc<Config>,
+    targets: Vec<telemetry::target::Target>,
+    hub: &Arc<std::sync::Mutex<Hub>>,
+) -> Restartable {
+    {
+        let mut h = hub.lock().expect("telemetry hub lock");
+        h.set_stale_after(cfg.telemetry.stale_after);
+        let sources = telemetry::target::sources(cfg);
+        h.retain(|k| sources.contains_key(k));
+        for (key, sources) in sources {
+            h.configure(key, sources);
+        }
+    }
+    let (hub, tcfg) = (hub.clone(), cfg.telemetry.clone());
+    Restartable::spawn(move |stop| telemetry::scrape::run(targets, hub, tcfg, stop))
+}
+
+fn start_health(
+    cfg: &Arc<Config>,
+    ctl: &Arc<Mutex<Controller<MapPlane>>>,
+    epoch: Instant,
+) -> Restartable {
+    let (ctl, cfg) = (ctl.clone(), cfg.clone());
+    Restartable::spawn(move |stop| steering::run_health(ctl, cfg, epoch, stop))
+}
+
+/// Drains and the adaptive policy step together, once per telemetry interval.
+fn start_ticker(
+    settings: watch::Receiver<Arc<Config>>,
+    ctl: &Arc<Mutex<Controller<MapPlane>>>,
+    hub: &Arc<std::sync::Mutex<Hub>>,
+    epoch: Instant,
+) -> Restartable {
+    let (ctl, hub) = (ctl.clone(), hub.clone());
+    Restartable::spawn(move |mut stop| async move {
+        let mut settings = settings;
+        let cfg = settings.borrow_and_update().clone();
+        let mut policy = Policy::new(cfg.policy.clone());
+        let mut rst = cfg.policy.shed == config::ShedMode::Rst;
+        // The first step comes one interval after the start, not at once: by then the
+        // scrapers' first round (bounded by scrape_timeout < scrape_interval) has reported.
+        // Stepping at once would see every scraped backend as stale ("never scraped") and
+        // move half of each pool away for a cooldown and a slow start at every daemon start
+        // and restart.
+        let mut period = cfg.telemetry.scrape_interval;
+        let mut every = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = every.tick() => {}
+                _ = &mut stop => break,
+            }
+            if settings.has_changed().unwrap_or(false) {
+                let cfg = settings.borrow_and_update().clone();
+                policy.set_config(cfg.policy.clone());
+                rst = cfg.policy.shed == config::ShedMode::Rst;
+                if cfg.telemetry.scrape_interval != period {
+                    period = cfg.telemetry.scrape_interval;
+                    every = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+                    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                }
+            }
+            if let Err(e) = ctl.lock().await.tick(now_ms()) {
+                tracing::error!(error = %format!("{e:#}"), "drain check failed");
+            }
+            if let Err(e) = steering::step(&ctl, &hub, &mut policy, rst, epoch.elapsed()).await {
+                tracing::error!(error = %format!("{e:#}"), "steering step failed");
+            }
+        }
+    })
+}
+
 pub async fn run(config_path: &Path) -> Result<()> {
     let text = std::fs::read_to_string(config_path)
         .with_context(|| format!("reading {}", config_path.display()))?;
@@ -156,6 +336,13 @@ pub async fn run(config_path: &Path) -> Result<()> {
     for w in warnings {
         tracing::warn!("{w}");
     }
+    // What can fail without the data plane is checked before it is touched.
+    let mut term = tokio::signal::unix::signal(SignalKind::terminate())?;
+    let mut int = tokio::signal::unix::signal(SignalKind::interrupt())?;
+    let mut hup = tokio::signal::unix::signal(SignalKind::hangup())?;
+    let targets = telemetry::target::targets(&cfg).map_err(|e| anyhow!("telemetry: {e}"))?;
+    let fds = limits::raise_nofile(&cfg).context("raising the open-file limit")?;
+    tracing::info!(limit = fds, "open-file limit");
     let hash = config_hash(&text);
     let pin_dir = cfg.daemon.bpffs.clone();
     let limits = Limits {
@@ -168,7 +355,16 @@ pub async fn run(config_path: &Path) -> Result<()> {
         max_vips: cfg.dataplane.max_vips,
         pin_dir: Some(pin_dir.clone()),
     };
+    // Declared before the data plane so that on an early return it drops after it (and
+    // after the controller holding it): unpinning comes when nothing of ours holds the maps.
+    let mut rollback = Rollback {
+        pin_dir: pin_dir.clone(),
+        created: false,
+        armed: false,
+    };
     let mut dp = Dataplane::load(BPF_OBJECT, &opts)?;
+    rollback.created = !dp.reused();
+    rollback.armed = true;
     let persisted = read_persisted(&cfg.daemon.state_file);
     // What the maps hold now: the persisted state if we re-adopt pinned maps.
     let in_plane = match (&persisted, dp.reused()) {
@@ -186,7 +382,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         .map(|p| p.state.clone())
         .unwrap_or_default();
     let desired = match &persisted {
-        Some(p) if p.config_hash == hash => {
+        Some(p) if same_config(p, &text, &cfg.daemon.state_file) => {
             tracing::info!(
                 vips = p.state.vips.len(),
                 "restoring state (config plus runtime changes)"
@@ -215,13 +411,6 @@ pub async fn run(config_path: &Path) -> Result<()> {
         desired, &in_plane, plane, settings,
     )?));
     let hub = Arc::new(std::sync::Mutex::new(Hub::new(cfg.telemetry.stale_after)));
-    {
-        let mut h = hub.lock().expect("telemetry hub lock");
-        for (key, sources) in telemetry::target::sources(&cfg) {
-            h.configure(key, sources);
-        }
-    }
-    let targets = telemetry::target::targets(&cfg).map_err(|e| anyhow!("telemetry: {e}"))?;
     let info = Arc::new(DaemonInfo {
         version: env!("CARGO_PKG_VERSION").to_string(),
         started: Instant::now(),
@@ -229,89 +418,57 @@ pub async fn run(config_path: &Path) -> Result<()> {
         pin_dir: pin_dir.display().to_string(),
         reused,
         telemetry: hub.clone(),
+        refused: Arc::default(),
     });
     let cfg = Arc::new(cfg);
 
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
+    // Both listeners are bound before anything is served, so that a socket path or port
+    // that cannot be had stops the start here and rolls the data plane back.
     let listener = admin::bind(&AdminSocket {
         path: cfg.admin.socket.clone(),
         mode: cfg.admin.mode.bits(),
         group: cfg.admin.group.clone(),
     })?;
+    let metrics_listener = match cfg.metrics.enabled.then_some(cfg.metrics.listen) {
+        Some(addr) => Some((addr, metrics::bind(addr)?)),
+        None => None,
+    };
+    // Nothing below can fail before the daemon serves.
+    rollback.armed = false;
+
+    let (stop_tx, stop_rx) = watch::channel(false);
     tracing::info!(socket = %cfg.admin.socket.display(), "admin API listening");
     let admin_task = tokio::spawn(admin::serve(
         listener,
         ctl.clone(),
         info.clone(),
+        limits::ADMIN,
         stopped(stop_rx.clone()),
     ));
-    let metrics_task = match cfg.metrics.enabled.then_some(cfg.metrics.listen) {
-        Some(addr) => {
-            tracing::info!(%addr, "metrics listening");
-            Some(tokio::spawn(metrics::serve(
-                addr,
-                ctl.clone(),
-                info.clone(),
-                stopped(stop_rx.clone()),
-            )))
-        }
-        None => None,
-    };
+    let metrics_task = metrics_listener.map(|(addr, listener)| {
+        tracing::info!(%addr, "metrics listening");
+        tokio::spawn(metrics::serve(
+            listener,
+            ctl.clone(),
+            info.clone(),
+            stopped(stop_rx.clone()),
+        ))
+    });
     let epoch = Instant::now();
-    let scraper = tokio::spawn(telemetry::scrape::run(
-        targets,
-        hub.clone(),
-        cfg.telemetry.clone(),
-        stopped(stop_rx.clone()),
-    ));
-    let health = tokio::spawn(steering::run_health(
-        ctl.clone(),
-        cfg.clone(),
-        epoch,
-        stopped(stop_rx.clone()),
-    ));
-    // Drains and the adaptive policy step together, once per telemetry interval.
-    let ticker = {
-        let (ctl, hub, cfg) = (ctl.clone(), hub.clone(), cfg.clone());
-        let mut rx = stop_rx.clone();
-        tokio::spawn(async move {
-            let mut policy = Policy::new(cfg.policy.clone());
-            let rst = cfg.policy.shed == config::ShedMode::Rst;
-            // The first step comes one interval after the start, not at once: by then the
-            // scrapers' first round (bounded by scrape_timeout < scrape_interval) has
-            // reported. Stepping at once would see every scraped backend as stale ("never
-            // scraped") and move half of each pool away for a cooldown and a slow start at
-            // every daemon start and restart.
-            let period = cfg.telemetry.scrape_interval;
-            let mut every = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = every.tick() => {}
-                    _ = rx.wait_for(|s| *s) => break,
-                }
-                if let Err(e) = ctl.lock().await.tick(now_ms()) {
-                    tracing::error!(error = %format!("{e:#}"), "drain check failed");
-                }
-                if let Err(e) = steering::step(&ctl, &hub, &mut policy, rst, epoch.elapsed()).await
-                {
-                    tracing::error!(error = %format!("{e:#}"), "steering step failed");
-                }
-            }
-        })
+    let (settings_tx, settings_rx) = watch::channel(cfg.clone());
+    let mut live = Live {
+        scraper: start_scraper(&cfg, targets, &hub),
+        health: start_health(&cfg, &ctl, epoch),
+        settings: settings_tx,
+        cfg: cfg.clone(),
     };
+    let ticker = start_ticker(settings_rx, &ctl, &hub, epoch);
 
-    let mut term = tokio::signal::unix::signal(SignalKind::terminate())?;
-    let mut int = tokio::signal::unix::signal(SignalKind::interrupt())?;
-    let mut hup = tokio::signal::unix::signal(SignalKind::hangup())?;
     loop {
         tokio::select! {
             _ = term.recv() => break,
             _ = int.recv() => break,
-            _ = hup.recv() => reload(config_path, &ctl).await,
+            _ = hup.recv() => live = reload(config_path, &ctl, &hub, epoch, live).await,
         }
     }
     tracing::info!("stopping");
@@ -320,9 +477,9 @@ pub async fn run(config_path: &Path) -> Result<()> {
     if let Some(t) = metrics_task {
         let _ = t.await;
     }
-    let _ = ticker.await;
-    let _ = health.await;
-    let _ = scraper.await;
+    ticker.stop().await;
+    live.health.stop().await;
+    live.scraper.stop().await;
     let _ = std::fs::remove_file(&cfg.admin.socket);
     // Drop the maps and programs before unpinning, so nothing of ours holds them.
     drop(ctl);
@@ -335,31 +492,230 @@ pub async fn run(config_path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// SIGHUP: re-read the configuration; a bad file changes nothing.
-async fn reload(path: &Path, ctl: &Arc<Mutex<Controller<MapPlane>>>) {
+/// The keys of `old` and `new` that differ among the sections a reload cannot apply (the data
+/// plane's maps and attachment, the listeners, files and logging are set up at start).
+pub fn restart_keys(old: &Config, new: &Config) -> Vec<String> {
+    let sections = [
+        (
+            "daemon",
+            serde_json::to_value(&old.daemon),
+            serde_json::to_value(&new.daemon),
+        ),
+        (
+            "admin",
+            serde_json::to_value(&old.admin),
+            serde_json::to_value(&new.admin),
+        ),
+        (
+            "metrics",
+            serde_json::to_value(&old.metrics),
+            serde_json::to_value(&new.metrics),
+        ),
+        (
+            "dataplane",
+            serde_json::to_value(&old.dataplane),
+            serde_json::to_value(&new.dataplane),
+        ),
+    ];
+    let mut out = Vec::new();
+    for (name, a, b) in sections {
+        let (Ok(a), Ok(b)) = (a, b) else {
+            out.push(name.to_string());
+            continue;
+        };
+        let empty = serde_json::Map::new();
+        let (a, b) = (
+            a.as_object().unwrap_or(&empty),
+            b.as_object().unwrap_or(&empty),
+        );
+        let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+        out.extend(
+            keys.into_iter()
+                .filter(|k| a.get(*k) != b.get(*k))
+                .map(|k| format!("{name}.{k}")),
+        );
+    }
+    out
+}
+
+/// SIGHUP: re-reads the configuration and applies the VIPs and backends, `[health]`,
+/// `[telemetry]` (and each backend's sources) and `[policy]`; keys that need a restart keep
+/// their running values and are named. A bad file, or VIPs the controller refuses, change
+/// nothing.
+async fn reload(
+    path: &Path,
+    ctl: &Arc<Mutex<Controller<MapPlane>>>,
+    hub: &Arc<std::sync::Mutex<Hub>>,
+    epoch: Instant,
+    live: Live,
+) -> Live {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) => {
-            return tracing::error!(path = %path.display(), error = %e, "reload: cannot read config")
+            tracing::error!(path = %path.display(), error = %e, "reload: cannot read config, nothing changed");
+            return live;
         }
     };
-    let cfg = match config::parse(&text, &path.display().to_string()) {
+    let new = match config::parse(&text, &path.display().to_string()) {
         Ok(c) => c,
         Err(e) => {
-            return tracing::error!(error = %e, "reload: configuration rejected, nothing changed")
+            tracing::error!(error = %e, "reload: configuration rejected, nothing changed");
+            return live;
         }
     };
-    match ctl
+    let targets = match telemetry::target::targets(&new) {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::error!(error = %e, "reload: telemetry rejected, nothing changed");
+            return live;
+        }
+    };
+    let old = &live.cfg;
+    let restart = restart_keys(old, &new);
+    // What runs: the new file, but the running values of what needs a restart.
+    let running = Arc::new(Config {
+        daemon: old.daemon.clone(),
+        admin: old.admin.clone(),
+        metrics: old.metrics.clone(),
+        dataplane: old.dataplane.clone(),
+        ..new
+    });
+    if let Err(e) = ctl
         .lock()
         .await
-        .reload(&specs(&cfg), config_hash(&text), now_ms())
+        .reload(&specs(&running), config_hash(&text), now_ms())
     {
-        Ok(()) => tracing::info!(vips = cfg.vips.len(), "configuration reloaded"),
-        Err(e) => tracing::error!(error = %e, "reload refused, nothing changed"),
+        tracing::error!(error = %e, "reload refused, nothing changed");
+        return live;
+    }
+    let mut applied = Vec::new();
+    if running.vips != old.vips {
+        applied.push("vip");
+    }
+    let health_changed = running.health != old.health;
+    let telemetry_changed = running.telemetry != old.telemetry || running.vips != old.vips;
+    let Live {
+        mut scraper,
+        mut health,
+        settings,
+        ..
+    } = live;
+    if health_changed || running.vips != old.vips {
+        health.stop().await;
+        health = start_health(&running, ctl, epoch);
+        if health_changed {
+            applied.push("health");
+        }
+    }
+    if telemetry_changed {
+        scraper.stop().await;
+        scraper = start_scraper(&running, targets, hub);
+        if running.telemetry != old.telemetry {
+            applied.push("telemetry");
+        }
+    }
+    if running.policy != old.policy {
+        applied.push("policy");
+    }
+    let _ = settings.send(running.clone());
+    if restart.is_empty() {
+        tracing::info!(
+            vips = running.vips.len(),
+            ?applied,
+            "configuration reloaded"
+        );
+    } else {
+        tracing::warn!(
+            vips = running.vips.len(),
+            ?applied,
+            needs_restart = %restart.join(", "),
+            "configuration reloaded except keys that need a restart (`systemctl restart sluice`); they keep their running values"
+        );
+    }
+    Live {
+        cfg: running,
+        scraper,
+        health,
+        settings,
     }
 }
 
 /// Default pin directory, for `sluice cleanup`.
 pub fn default_pin_dir() -> PathBuf {
     PathBuf::from("/sys/fs/bpf/sluice")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = "[dataplane]\ninterfaces = [{ name = \"eth0\" }]\nhash_seed = 1\n";
+
+    #[test]
+    fn the_config_hash_is_fnv1a_64() {
+        // Reference values of 64-bit FNV-1a.
+        assert_eq!(config_hash(""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(config_hash("a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(config_hash("foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn state_files_old_and_new_are_recognised() {
+        let path = Path::new("/var/lib/sluice/state.json");
+        let mut h = DefaultHasher::new();
+        BASE.hash(&mut h);
+        let p = |config_hash, hash| Persisted {
+            layout: lb_common::LAYOUT_VERSION,
+            config_hash,
+            hash,
+            state: State::default(),
+        };
+        assert!(same_config(
+            &p(config_hash(BASE), HashKind::Fnv1a),
+            BASE,
+            path
+        ));
+        assert!(!same_config(
+            &p(config_hash(BASE), HashKind::Fnv1a),
+            "x",
+            path
+        ));
+        // A file of an earlier release: no `hash` field, a DefaultHasher value.
+        let old = format!(
+            r#"{{"layout": {}, "config_hash": {}, "state": {{"vips": {{}}, "next_backend_id": 1}}}}"#,
+            lb_common::LAYOUT_VERSION,
+            h.finish()
+        );
+        let old: Persisted = serde_json::from_str(&old).unwrap();
+        assert_eq!(old.hash, HashKind::Legacy);
+        assert!(same_config(&old, BASE, path));
+        assert!(!same_config(&old, "x", path));
+        let new = serde_json::to_value(p(1, HashKind::Fnv1a)).unwrap();
+        assert_eq!(new["hash"], "fnv1a");
+    }
+
+    #[test]
+    fn reload_names_the_keys_that_need_a_restart() {
+        let old = config::parse(BASE, "t").unwrap();
+        let same = config::parse(
+            &format!("{BASE}[health]\ninterval = \"3s\"\n[policy]\ncooldown_base = \"20s\"\n"),
+            "t",
+        )
+        .unwrap();
+        assert_eq!(restart_keys(&old, &same), Vec::<String>::new());
+        let new = config::parse(
+            "[dataplane]\ninterfaces = [{ name = \"eth1\" }]\nhash_seed = 1\n\
+             conn_table_size = 4096\n[metrics]\nlisten = \"127.0.0.1:9999\"\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(
+            restart_keys(&old, &new),
+            [
+                "metrics.listen",
+                "dataplane.conn_table_size",
+                "dataplane.interfaces"
+            ]
+        );
+    }
 }

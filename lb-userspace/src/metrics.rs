@@ -17,34 +17,52 @@ use prometheus_client::{
 use tokio::{net::TcpListener, sync::Mutex};
 
 use crate::{
-    admin::{serve_connections, serve_http, DaemonInfo, Snapshot},
+    admin::{serve_connections, serve_http, within, DaemonInfo, Snapshot},
     controller::{Controller, Plane},
+    limits::METRICS,
     policy::BackendDecision,
     state::PlaneState,
 };
 
 type Labels = Vec<(&'static str, String)>;
 
-/// Serves `GET /metrics` on `addr` until `shutdown` completes.
+/// Binds the metrics address; done at start, before anything is served, so a port in use
+/// stops the start (and rolls back the data plane) instead of failing later in a task.
+pub fn bind(addr: SocketAddr) -> Result<TcpListener> {
+    let std = std::net::TcpListener::bind(addr).with_context(|| {
+        format!("binding the metrics address {addr}: is it in use, or not an address of this host?")
+    })?;
+    std.set_nonblocking(true)?;
+    Ok(TcpListener::from_std(std)?)
+}
+
+/// Serves `GET /metrics` on `listener` (from [`bind`]) until `shutdown` completes.
 pub async fn serve<P: Plane + 'static>(
-    addr: SocketAddr,
+    listener: TcpListener,
     ctl: Arc<Mutex<Controller<P>>>,
     info: Arc<DaemonInfo>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
-    let listener = TcpListener::bind(addr).await.with_context(|| {
-        format!("binding the metrics address {addr}: is it in use, or not an address of this host?")
-    })?;
+    let limits = METRICS;
     let (listener, ctl, info) = (&listener, &ctl, &info);
     serve_connections(
+        limits,
+        &info.refused.metrics,
+        "metrics",
         move || async move {
-            let (stream, _) = listener.accept().await?;
+            let (stream, peer) = listener.accept().await?;
             let (ctl, info) = (Arc::clone(ctl), Arc::clone(info));
             let service = service_fn(move |req| {
                 let (ctl, info) = (Arc::clone(&ctl), Arc::clone(&info));
-                async move { Ok::<_, Infallible>(respond(req, &ctl, &info).await) }
+                async move {
+                    Ok::<_, Infallible>(
+                        within(limits.request_timeout, respond(req, &ctl, &info)).await,
+                    )
+                }
             });
-            Ok(serve_http(stream, service))
+            // Counted per source address. Every local user shares 127.0.0.1, so the cap per
+            // peer keeps slots for scrapers from other hosts, not among local users.
+            Ok(Some((peer.ip(), serve_http(stream, service, limits))))
         },
         shutdown,
     )
@@ -164,6 +182,16 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             .map(|v| (vip_labels(v), f(snap.vip_traffic(v))))
             .collect()
     };
+    let (admin, metrics) = info.refused.get();
+    counters(
+        &mut reg,
+        "listener_refused_connections",
+        "Connections closed at once because the listener or the peer was at its cap",
+        vec![
+            (vec![("listener", "admin".into())], admin),
+            (vec![("listener", "metrics".into())], metrics),
+        ],
+    );
     counters(
         &mut reg,
         "vip_packets",
@@ -490,6 +518,7 @@ mod tests {
             r#"sluice_map_capacity{map="conns"} 1048576"#,
             "# TYPE sluice_uptime_seconds gauge",
             r#"sluice_build_info{version="test"} 1"#,
+            r#"sluice_listener_refused_connections_total{listener="metrics"} 0"#,
         ] {
             assert!(
                 text.lines().any(|l| l == line),
@@ -558,7 +587,7 @@ mod tests {
         let addr: SocketAddr = ([127, 0, 0, 1], port).into();
         let ctl = Arc::new(Mutex::new(controller()));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(serve(addr, ctl, Arc::new(info()), async {
+        let task = tokio::spawn(serve(bind(addr).unwrap(), ctl, Arc::new(info()), async {
             let _ = stopped.await;
         }));
         let get = |path: &'static str| {

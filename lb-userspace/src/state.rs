@@ -8,7 +8,7 @@ use std::{collections::BTreeMap, fmt, net::IpAddr};
 use lb_common::{MAX_BACKENDS, RING_SIZE_MAX};
 use serde::{Deserialize, Serialize};
 
-use crate::maglev;
+use crate::{config::rules, maglev};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -241,13 +241,6 @@ pub struct Limits {
     pub max_vips: u32,
 }
 
-fn valid_name(n: &str) -> bool {
-    !n.is_empty()
-        && n.len() <= 32
-        && n.bytes()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-' || c == b'_')
-}
-
 impl State {
     pub fn vip(&self, name: &str) -> Result<&Vip, OpError> {
         self.vips.get(name).ok_or_else(|| {
@@ -307,12 +300,8 @@ impl State {
     }
 
     fn check_vip(&self, spec: &VipSpec) -> Result<(), OpError> {
-        if !valid_name(&spec.name) {
-            return Err(OpError::Invalid(format!(
-                "VIP name {:?} is invalid: use 1-32 characters from a-z, 0-9, '-' and '_'",
-                spec.name
-            )));
-        }
+        rules::vip_name(&spec.name).map_err(OpError::Invalid)?;
+        rules::unicast(spec.address).map_err(|e| OpError::Invalid(format!("VIP address {e}")))?;
         if self.vips.contains_key(&spec.name) {
             return Err(OpError::Conflict(format!(
                 "a VIP named {:?} exists already",
@@ -357,18 +346,10 @@ impl State {
                 vip.spec.name, b.address
             )));
         }
-        if vip.spec.address.is_ipv6() && b.address.is_ipv4() {
-            return Err(OpError::Invalid(format!(
-                "backend {} is IPv4 but VIP {:?} is IPv6: IPv6 cannot be carried in IPv4",
-                b.address, vip.spec.name
-            )));
-        }
-        if b.address.is_unspecified() || b.address.is_multicast() || b.address.is_loopback() {
-            return Err(OpError::Invalid(format!(
-                "backend address {} is not a unicast host address",
-                b.address
-            )));
-        }
+        rules::backend_address(b.address, vip.spec.address)
+            .map_err(|e| OpError::Invalid(format!("backend address {e}")))?;
+        rules::labels(&b.labels)
+            .map_err(|e| OpError::Invalid(format!("backend {}: {e}", b.address)))?;
         Self::check_weight(b.weight)?;
         if vip.backends.len() + 1 > vip.spec.ring_size as usize {
             return Err(OpError::Invalid(format!(
@@ -682,7 +663,8 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             e.to_string(),
-            "backend 10.1.0.1 is IPv4 but VIP \"v6\" is IPv6: IPv6 cannot be carried in IPv4"
+            "backend address \"10.1.0.1\" is IPv4 but the VIP fd00::1 is IPv6; allowed: an IPv6 \
+             backend (IPv6 cannot be encapsulated in IPv4)"
         );
         assert_eq!(e.http_status(), 400);
     }

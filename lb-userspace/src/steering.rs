@@ -89,6 +89,9 @@ pub async fn run_health<P: Plane + 'static>(
             let t = trackers
                 .entry((vip.clone(), addr))
                 .or_insert_with(|| health::Health::new(now, healthy));
+            if let Err(e @ health::CheckError::Local(_)) = &result {
+                tracing::warn!(%vip, backend = %addr, error = %e, "health check skipped; the backend keeps its state");
+            }
             let Some(ev) = t.record(now, &result, &hc, &vip, addr) else {
                 continue;
             };

@@ -605,6 +605,45 @@ port = 80
         ],
     },
     Case {
+        // Issue 8: the same rules as the admin API (config::rules).
+        name: "hostile backends, labels and durations",
+        base: true,
+        text: r#"[[vip]]
+name = "a"
+address = "10.200.0.1"
+port = 80
+affinity_window = "18446744073709552s"
+[[vip.backend]]
+address = "255.255.255.255"
+[[vip.backend]]
+address = "10.200.0.1"
+[[vip.backend]]
+address = "127.0.0.1"
+[[vip.backend]]
+address = "10.1.0.1"
+labels = { rack = "r1\u001b[2J", "a b" = "x", zone = "ZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZ" }
+[[vip]]
+name = "b"
+address = "fd00::10"
+port = 80
+[[vip.backend]]
+address = "::ffff:10.1.0.2"
+[health]
+interval = "18446744073709552s"
+"#,
+        errors: &[
+            "t.toml:10:19: vip[0].affinity_window: \"18446744073709552s\" is longer than 365d; allowed: a duration up to 365d",
+            "t.toml:12:11: vip[0].backend[0].address: \"255.255.255.255\" is the broadcast address; allowed: a unicast address",
+            "t.toml:14:11: vip[0].backend[1].address: \"10.200.0.1\" is the VIP's own address; allowed: an address of the backend host",
+            "t.toml:16:11: vip[0].backend[2].address: \"127.0.0.1\" is a loopback address; allowed: an address of the backend host",
+            "t.toml:19:19: vip[0].backend[3].labels.rack: \"r1\\u{1b}[2J\" is not a valid label value; allowed: 1 to 255 of A-Z, a-z, 0-9, \"_\", \".\" and \"-\"",
+            "t.toml:19:42: vip[0].backend[3].labels.\"a b\": \"a b\" is not a valid label name; allowed: 1 to 63 of A-Z, a-z, 0-9, \"_\", \".\" and \"-\"",
+            "t.toml:19:54: vip[0].backend[3].labels.zone: \"ZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZZ\"... (262 bytes) is not a valid label value; allowed: 1 to 255 of A-Z, a-z, 0-9, \"_\", \".\" and \"-\"",
+            "t.toml:25:11: vip[1].backend[0].address: \"::ffff:10.1.0.2\" is an IPv4-mapped IPv6 address; allowed: the IPv4 address itself (10.1.0.2)",
+            "t.toml:27:12: health.interval: \"18446744073709552s\" is longer than 365d; allowed: a duration up to 365d",
+        ],
+    },
+    Case {
         name: "port out of range",
         base: true,
         text: r#"[[vip]]
@@ -819,9 +858,9 @@ port = 80
   labels = { "bad key" = "x", pool = "", tenant = "a/b" }
 "#,
         errors: &[
-            "t.toml:12:26: vip[0].backend[0].labels.\"bad key\": \"bad key\" is not a valid label name; allowed: one or more of A-Z, a-z, 0-9, \"_\", \".\" and \"-\"",
-            "t.toml:12:38: vip[0].backend[0].labels.pool: \"\" is not a valid label value; allowed: one or more of A-Z, a-z, 0-9, \"_\", \".\" and \"-\"",
-            "t.toml:12:51: vip[0].backend[0].labels.tenant: \"a/b\" is not a valid label value; allowed: one or more of A-Z, a-z, 0-9, \"_\", \".\" and \"-\"",
+            "t.toml:12:26: vip[0].backend[0].labels.\"bad key\": \"bad key\" is not a valid label name; allowed: 1 to 63 of A-Z, a-z, 0-9, \"_\", \".\" and \"-\"",
+            "t.toml:12:38: vip[0].backend[0].labels.pool: \"\" is not a valid label value; allowed: 1 to 255 of A-Z, a-z, 0-9, \"_\", \".\" and \"-\"",
+            "t.toml:12:51: vip[0].backend[0].labels.tenant: \"a/b\" is not a valid label value; allowed: 1 to 255 of A-Z, a-z, 0-9, \"_\", \".\" and \"-\"",
         ],
     },
     Case {
@@ -852,9 +891,9 @@ port = 80
   engine = { url = "http://10.1.0.1:99999/metrics", kind = "tgi" }
 "#,
         errors: &[
-            "t.toml:12:18: vip[0].backend[0].dcgm.url: \"10.1.0.1:9400/metrics\" is not a valid URL; allowed: an http:// or https:// URL such as \"http://10.1.0.1:9400/metrics\"",
+            "t.toml:12:18: vip[0].backend[0].dcgm.url: \"10.1.0.1:9400/metrics\" is not a valid URL; allowed: an http:// URL such as \"http://10.1.0.1:9400/metrics\"",
             "t.toml:12:56: vip[0].backend[0].dcgm.gpus[1]: \"\" is not a valid gpu label value; allowed: a non-empty value without whitespace",
-            "t.toml:13:20: vip[0].backend[0].engine.url: \"http://10.1.0.1:99999/metrics\" is not a valid URL; allowed: an http:// or https:// URL such as \"http://10.1.0.1:9400/metrics\"",
+            "t.toml:13:20: vip[0].backend[0].engine.url: \"http://10.1.0.1:99999/metrics\" is not a valid URL; allowed: an http:// URL such as \"http://10.1.0.1:9400/metrics\"",
             "t.toml:13:60: vip[0].backend[0].engine.kind: \"tgi\" is not recognised; allowed: \"vllm\", \"sglang\"",
         ],
     },
@@ -870,7 +909,7 @@ port = 80
   engine = { model = "" }
 "#,
         errors: &[
-            "t.toml:12:12: vip[0].backend[0].engine.url: missing (required); allowed: an http:// or https:// URL such as \"http://10.1.0.1:9400/metrics\"",
+            "t.toml:12:12: vip[0].backend[0].engine.url: missing (required); allowed: an http:// URL such as \"http://10.1.0.1:9400/metrics\"",
             "t.toml:12:12: vip[0].backend[0].engine.kind: missing (required); allowed: \"vllm\", \"sglang\"",
             "t.toml:12:22: vip[0].backend[0].engine.model: \"\" is not a valid model name; allowed: a non-empty model_name label value",
         ],

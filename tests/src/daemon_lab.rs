@@ -708,6 +708,18 @@ impl DaemonLab {
         }
     }
 
+    /// SIGHUP: the daemon re-reads its configuration file.
+    pub fn sighup(&self) -> Result<()> {
+        let pid = self
+            .daemon_pid()
+            .ok_or_else(|| anyhow!("the daemon is not running"))?;
+        // SAFETY: a plain kill(2) of our own child.
+        if unsafe { libc::kill(pid as i32, libc::SIGHUP) } != 0 {
+            bail!("SIGHUP to {pid}: {}", std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// A crash: SIGKILL, and wait until the process is gone.
     pub fn kill9(&mut self) -> Result<()> {
         self.signal_and_wait(libc::SIGKILL, Duration::from_secs(10))

@@ -54,6 +54,11 @@ impl Health {
         if let Err(e) = result {
             self.last_error = Some(e.to_string());
         }
+        // Our own shortage (out of descriptors, memory or ports) says nothing about the
+        // backend: its state and streak stay as they are.
+        if let Err(CheckError::Local(_)) = result {
+            return None;
+        }
         if result.is_ok() == self.up {
             self.streak = 0;
             return None;
@@ -96,6 +101,9 @@ pub enum CheckError {
     Timeout(Duration),
     #[error("connect: {0}")]
     Connect(std::io::Error),
+    /// The probe could not run for want of a local resource; not the backend's fault.
+    #[error("the check could not run here (a local shortage, not a backend failure): {0}")]
+    Local(std::io::Error),
     #[error("http: {0}")]
     Http(hyper::Error),
     #[error("status {got}, expected {expected}")]
@@ -120,11 +128,22 @@ pub async fn check(addr: IpAddr, hc: &HealthCheck, limit: Duration) -> Result<()
         .map_err(|_| CheckError::Timeout(limit))?
 }
 
+/// A failed connect: the backend's fault, or a shortage of ours (a socket could not be
+/// made: descriptors, kernel memory, buffers, or no local port left).
+fn connect_error(e: std::io::Error) -> CheckError {
+    match e.raw_os_error() {
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM | libc::EADDRNOTAVAIL) => {
+            CheckError::Local(e)
+        }
+        _ => CheckError::Connect(e),
+    }
+}
+
 async fn tcp(target: SocketAddr) -> Result<(), CheckError> {
     TcpStream::connect(target)
         .await
         .map(drop)
-        .map_err(CheckError::Connect)
+        .map_err(connect_error)
 }
 
 async fn http(
@@ -133,9 +152,7 @@ async fn http(
     expected: u16,
     limit: Duration,
 ) -> Result<(), CheckError> {
-    let stream = TcpStream::connect(target)
-        .await
-        .map_err(CheckError::Connect)?;
+    let stream = TcpStream::connect(target).await.map_err(connect_error)?;
     let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(CheckError::Http)?;
@@ -216,6 +233,43 @@ mod tests {
         );
         assert!(h.up);
         assert_eq!(h.since, 9 * S);
+    }
+
+    /// Issue 8: out of descriptors, every check failed with EMFILE, every backend was marked
+    /// down and every stream broke. A local shortage now leaves each backend as it was.
+    #[test]
+    fn local_shortages_are_not_backend_failures() {
+        let cfg = cfg(1, 1);
+        for errno in [
+            libc::EMFILE,
+            libc::ENFILE,
+            libc::ENOBUFS,
+            libc::ENOMEM,
+            libc::EADDRNOTAVAIL,
+        ] {
+            let e = connect_error(std::io::Error::from_raw_os_error(errno));
+            assert!(matches!(e, CheckError::Local(_)), "{errno}: {e}");
+            assert!(
+                e.to_string()
+                    .contains("a local shortage, not a backend failure"),
+                "{e}"
+            );
+            for up in [true, false] {
+                let mut h = Health::new(Duration::ZERO, up);
+                for i in 0..5 {
+                    let r = Err(connect_error(std::io::Error::from_raw_os_error(errno)));
+                    assert_eq!(h.record(i * S, &r, &cfg, "v", LOCAL), None);
+                }
+                assert_eq!((h.up, h.streak, h.since), (up, 0, Duration::ZERO));
+            }
+        }
+        let refused = connect_error(std::io::Error::from_raw_os_error(libc::ECONNREFUSED));
+        assert!(matches!(refused, CheckError::Connect(_)));
+        let mut h = Health::new(Duration::ZERO, true);
+        assert!(
+            h.record(S, &Err(refused), &cfg, "v", LOCAL).is_some(),
+            "a real failure counts"
+        );
     }
 
     #[tokio::test]

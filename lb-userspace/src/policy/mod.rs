@@ -215,6 +215,12 @@ impl Policy {
         }
     }
 
+    /// A reloaded `[policy]`: later steps decide with it; each backend's memory (score
+    /// history, cooldown, slow start) is kept, so a reload moves no traffic by itself.
+    pub fn set_config(&mut self, cfg: PolicyConfig) {
+        self.cfg = cfg;
+    }
+
     /// One control interval. Backends missing from `inputs` are forgotten.
     pub fn step(&mut self, now: Duration, inputs: &[BackendInput]) -> Decisions {
         let ids: BTreeSet<u32> = inputs.iter().map(|i| i.id).collect();

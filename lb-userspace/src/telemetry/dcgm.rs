@@ -93,19 +93,28 @@ pub fn extract(page: &Page<'_>, gpus: &[String], uuids: &[String]) -> Result<Sam
     } else {
         CLOCK_THROTTLE_REASONS
     };
-    Ok(Sample {
+    let sample = Sample {
         gpu_util: values(GPU_UTIL)
             .reduce(f64::max)
-            .map(|u| (u / 100.0).clamp(0.0, 1.0)),
+            .map(|u| (u / 100.0).min(1.0)),
         fb_used: fb_used(page, &selected),
         gpu_temp_c: values(GPU_TEMP).reduce(f64::max),
         power_w: values(POWER_USAGE).reduce(|a, b| a + b),
         throttle: values(throttle_name)
-            .filter(|v| *v >= 0.0 && v.fract() == 0.0)
+            .filter(|v| v.fract() == 0.0)
             .map(|v| v as u64 & THROTTLE_MASK)
             .reduce(|a, b| a | b),
         ..Sample::default()
-    })
+    };
+    // All NaN, negative or blank: the exporter answered but said nothing, which must not
+    // count as a fresh (and empty, so unloaded-looking) reading.
+    if sample == Sample::default() {
+        return Err(format!(
+            "no valid value (finite, >= 0, not a DCGM blank) for the selected GPUs in {}",
+            USED.join(", ")
+        ));
+    }
+    Ok(sample)
 }
 
 /// Max over GPUs of used / (used + free), pairing the two by identical label sets.
@@ -125,7 +134,7 @@ fn fb_used(page: &Page<'_>, selected: &dyn Fn(&&Series<'_>) -> bool) -> Option<f
         .filter_map(|s| {
             let used = reading(s.value)?;
             let total = used + free.get(&key(s))?;
-            (used >= 0.0 && total > 0.0).then(|| (used / total).min(1.0))
+            (total > 0.0).then(|| (used / total).min(1.0))
         })
         .reduce(f64::max)
 }
@@ -224,6 +233,52 @@ mod tests {
         let page = parse("# TYPE go_goroutines gauge\ngo_goroutines 12\n").unwrap();
         let e = extract(&page, &[], &[]).unwrap_err();
         assert!(e.starts_with("no GPU metrics on the page (looked for DCGM_FI_DEV_GPU_UTIL"));
+    }
+
+    /// Issue 8: an all-NaN page counted as a fresh, empty sample and -1000 °C was taken.
+    #[test]
+    fn nan_negative_and_infinite_values_are_not_readings() {
+        let page = parse(
+            "DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} NaN\n\
+             DCGM_FI_DEV_GPU_TEMP{gpu=\"0\"} NaN\n\
+             DCGM_FI_DEV_POWER_USAGE{gpu=\"0\"} NaN\n\
+             DCGM_FI_DEV_FB_USED{gpu=\"0\"} NaN\n\
+             DCGM_FI_DEV_FB_FREE{gpu=\"0\"} NaN\n",
+        )
+        .unwrap();
+        let e = extract(&page, &[], &[]).unwrap_err();
+        assert!(
+            e.starts_with("no valid value (finite, >= 0, not a DCGM blank)"),
+            "{e}"
+        );
+        let page = parse(
+            "DCGM_FI_DEV_GPU_TEMP{gpu=\"0\"} -1000\n\
+             DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} -Inf\n\
+             DCGM_FI_DEV_POWER_USAGE{gpu=\"0\"} -300\n",
+        )
+        .unwrap();
+        assert!(extract(&page, &[], &[]).is_err());
+        // One GPU's bad values are dropped; the other's stand, not a sum with a negative.
+        let page = parse(
+            "DCGM_FI_DEV_GPU_TEMP{gpu=\"0\"} -1000\n\
+             DCGM_FI_DEV_GPU_TEMP{gpu=\"1\"} 65\n\
+             DCGM_FI_DEV_POWER_USAGE{gpu=\"0\"} -300\n\
+             DCGM_FI_DEV_POWER_USAGE{gpu=\"1\"} 400\n\
+             DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} +Inf\n\
+             DCGM_FI_DEV_GPU_UTIL{gpu=\"1\"} 50\n\
+             DCGM_FI_DEV_FB_USED{gpu=\"0\"} -10\n\
+             DCGM_FI_DEV_FB_FREE{gpu=\"0\"} 100\n",
+        )
+        .unwrap();
+        assert_eq!(
+            extract(&page, &[], &[]).unwrap(),
+            Sample {
+                gpu_util: Some(0.5),
+                gpu_temp_c: Some(65.0),
+                power_w: Some(400.0),
+                ..Sample::default()
+            }
+        );
     }
 
     #[test]

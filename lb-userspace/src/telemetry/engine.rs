@@ -58,7 +58,11 @@ pub fn extract(page: &Page<'_>, kind: EngineKind, model: Option<&str>) -> Result
                 names.queue,
                 models.into_iter().collect::<Vec<_>>().join(", ")
             ),
-            None => format!("{} has no finite value", names.queue),
+            None => format!(
+                "{} has no valid value (finite and >= 0), so the page says nothing of the \
+                 queue",
+                names.queue
+            ),
         });
     }
     let kv_cache = names
@@ -66,12 +70,10 @@ pub fn extract(page: &Page<'_>, kind: EngineKind, model: Option<&str>) -> Result
         .iter()
         .find(|n| page.has(n))
         .and_then(|n| values(n).reduce(f64::max))
-        .map(|v| v.clamp(0.0, 1.0));
+        .map(|v| v.min(1.0));
     Ok(Sample {
-        queue_depth: queue_depth.map(|q| q.max(0.0)),
-        running: values(names.running)
-            .reduce(|a, b| a + b)
-            .map(|r| r.max(0.0)),
+        queue_depth,
+        running: values(names.running).reduce(|a, b| a + b),
         kv_cache,
         ..Sample::default()
     })
@@ -178,7 +180,71 @@ mod tests {
         let page = parse("vllm:num_requests_waiting NaN\n").unwrap();
         assert_eq!(
             extract(&page, EngineKind::Vllm, None).unwrap_err(),
-            "vllm:num_requests_waiting has no finite value"
+            "vllm:num_requests_waiting has no valid value (finite and >= 0), so the page says \
+             nothing of the queue"
+        );
+    }
+
+    /// Issue 8: 100 and -1000 summed to -900, clamped to 0, and a saturated backend looked
+    /// idle. Each series is judged before the sum.
+    #[test]
+    fn vllm_negative_nan_and_infinite_series_are_dropped_before_the_sum() {
+        let page = parse(
+            "vllm:num_requests_waiting{engine=\"0\"} 100\n\
+             vllm:num_requests_waiting{engine=\"1\"} -1000\n\
+             vllm:num_requests_waiting{engine=\"2\"} NaN\n\
+             vllm:num_requests_waiting{engine=\"3\"} +Inf\n\
+             vllm:num_requests_running{engine=\"0\"} 8\n\
+             vllm:num_requests_running{engine=\"1\"} -8\n\
+             vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n\
+             vllm:kv_cache_usage_perc{engine=\"1\"} -Inf\n",
+        )
+        .unwrap();
+        let s = extract(&page, EngineKind::Vllm, None).unwrap();
+        assert_eq!(
+            (s.queue_depth, s.running, s.kv_cache),
+            (Some(100.0), Some(8.0), Some(0.5))
+        );
+    }
+
+    /// A page whose every queue series is invalid is no reading at all: the source fails
+    /// this round and the backend goes stale rather than fresh and empty.
+    #[test]
+    fn a_page_without_a_valid_value_fails_vllm_and_sglang() {
+        for (kind, text) in [
+            (
+                EngineKind::Vllm,
+                "vllm:num_requests_waiting{engine=\"0\"} -1\n\
+                 vllm:num_requests_waiting{engine=\"1\"} NaN\n\
+                 vllm:num_requests_running 3\n",
+            ),
+            (
+                EngineKind::Sglang,
+                "sglang:num_queue_reqs -5\nsglang:num_queue_reqs -Inf\nsglang:token_usage 0.2\n",
+            ),
+        ] {
+            let e = extract(&parse(text).unwrap(), kind, None).unwrap_err();
+            assert!(
+                e.contains("has no valid value (finite and >= 0)"),
+                "{kind}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn sglang_negative_series_are_dropped_before_the_sum() {
+        let page = parse(
+            "sglang:num_queue_reqs{dp=\"0\"} 12\n\
+             sglang:num_queue_reqs{dp=\"1\"} -12\n\
+             sglang:num_running_reqs{dp=\"0\"} NaN\n\
+             sglang:num_running_reqs{dp=\"1\"} 4\n\
+             sglang:token_usage{dp=\"0\"} -0.5\n",
+        )
+        .unwrap();
+        let s = extract(&page, EngineKind::Sglang, None).unwrap();
+        assert_eq!(
+            (s.queue_depth, s.running, s.kv_cache),
+            (Some(12.0), Some(4.0), None)
         );
     }
 }

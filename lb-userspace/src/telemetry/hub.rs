@@ -55,6 +55,11 @@ impl Hub {
         }
     }
 
+    /// A reloaded `telemetry.stale_after`, judged from the next view on.
+    pub fn set_stale_after(&mut self, stale_after: Duration) {
+        self.stale_after = stale_after;
+    }
+
     /// Sets the sources expected for `key`, keeping what was received from them (and any
     /// push) so a reload does not reset fresh telemetry.
     pub fn configure(&mut self, key: BackendKey, mut sources: BTreeSet<Source>) {

@@ -179,12 +179,15 @@ impl fmt::Display for Source {
     }
 }
 
+/// One series' value, if it is a reading. Every quantity read (queue lengths, utilisation,
+/// temperatures, watts, counters) is >= 0, so a negative value is a broken exporter and is
+/// dropped per series, before any sum or max: summed, one -1000 would hide a queue of 100.
 /// DCGM reports fields it cannot read as large sentinels (int64 blanks from 2^63 - 16, fp64
 /// blanks from 2^47); no real reading comes near 2^47, so anything at or above it is absent,
 /// as are NaN and infinities.
 fn reading(v: f64) -> Option<f64> {
     const DCGM_FP64_BLANK: f64 = 140_737_488_355_328.0;
-    (v.is_finite() && v.abs() < DCGM_FP64_BLANK).then_some(v)
+    (v.is_finite() && (0.0..DCGM_FP64_BLANK).contains(&v)).then_some(v)
 }
 
 #[cfg(test)]
@@ -285,5 +288,9 @@ mod tests {
         assert_eq!(reading(9_223_372_036_854_775_794.0), None);
         assert_eq!(reading(140_737_488_355_328.0), None);
         assert_eq!(reading(f64::NAN), None);
+        assert_eq!(reading(-1000.0), None, "no quantity read is negative");
+        assert_eq!(reading(f64::INFINITY), None);
+        assert_eq!(reading(f64::NEG_INFINITY), None);
+        assert_eq!(reading(0.0), Some(0.0));
     }
 }

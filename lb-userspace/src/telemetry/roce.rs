@@ -11,7 +11,7 @@
 
 use std::{collections::BTreeMap, io, path::Path, time::Instant};
 
-use super::{prom::Page, Sample};
+use super::{prom::Page, reading, Sample};
 
 /// What a counter says about the fabric.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,8 +108,8 @@ pub fn exporter_counters(page: &Page<'_>, device: &str, port: &str) -> Result<Co
         let hit = page
             .get(metric)
             .find(|s| s.label("device") == Some(device) && s.label("port") == Some(port));
-        if let Some(s) = hit.filter(|s| s.value.is_finite() && s.value >= 0.0) {
-            out.insert(name, s.value);
+        if let Some(v) = hit.and_then(|s| reading(s.value)) {
+            out.insert(name, v);
         }
     }
     check(out, || format!("for device={device:?} port={port:?}"))
@@ -392,6 +392,32 @@ mod tests {
         assert!(
             e.starts_with("no ECN or CNP counters for device=\"mlx5_0\" port=\"2\""),
             "{e}"
+        );
+    }
+
+    /// Issue 8: negative, NaN and infinite counters are not readings; a page of nothing else
+    /// fails the source (the backend goes stale) instead of giving a fresh empty reading.
+    #[test]
+    fn negative_nan_and_infinite_exporter_counters_are_dropped() {
+        let line = |metric: &str, v: &str| {
+            format!("node_infiniband_{metric}{{device=\"mlx5_0\",port=\"1\"}} {v}\n")
+        };
+        let text = line("np_ecn_marked_roce_packets_received_total", "-1000")
+            + &line("np_cnp_packets_sent_total", "NaN")
+            + &line("rp_cnp_packets_handled_total", "+Inf")
+            + &line("out_of_buffer_drops_total", "5");
+        let e = exporter_counters(&parse(&text).unwrap(), "mlx5_0", "1").unwrap_err();
+        assert!(e.starts_with("no ECN or CNP counters"), "{e}");
+        let text = text + &line("np_cnp_packets_sent_total", "7");
+        let page = parse(&text).unwrap();
+        // The first series of a metric decides; a later duplicate does not resurrect it.
+        let e = exporter_counters(&page, "mlx5_0", "1").unwrap_err();
+        assert!(e.starts_with("no ECN or CNP counters"), "{e}");
+        let text = line("np_ecn_marked_roce_packets_received_total", "-1")
+            + &line("np_cnp_packets_sent_total", "7");
+        assert_eq!(
+            exporter_counters(&parse(&text).unwrap(), "mlx5_0", "1").unwrap(),
+            c(&[("np_cnp_sent", 7.0)])
         );
     }
 }

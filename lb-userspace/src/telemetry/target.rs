@@ -313,28 +313,33 @@ port = 443
         assert_eq!(s[&k3], BTreeSet::new());
     }
 
+    /// Issue 8: an https URL passed validation and then stopped `sluice run` after the XDP
+    /// attach. The validator refuses it now, naming each key.
     #[test]
-    fn https_endpoints_are_refused_with_their_keys() {
-        let cfg = parse(
+    fn https_endpoints_are_refused_by_the_validator_with_their_keys() {
+        let text = format!(
+            "{BASE}{}",
             r#"[[vip]]
 name = "chat"
 address = "10.100.0.1"
 port = 443
   [[vip.backend]]
-  address = "10.1.0.1"
-  [[vip.backend]]
   address = "10.1.0.2"
   dcgm = { url = "https://10.1.0.2:9400/metrics" }
   engine = { url = "https://10.1.0.2:8000/metrics", kind = "sglang" }
-"#,
+"#
         );
-        let e = targets(&cfg).unwrap_err();
+        let e = config::parse(&text, "t.toml").unwrap_err().to_string();
         let lines: Vec<&str> = e.lines().collect();
-        assert_eq!(lines.len(), 2);
-        assert!(lines[0].starts_with(
-            "vip[0].backend[1].dcgm.url: \"https://10.1.0.2:9400/metrics\": https is not supported"
-        ));
-        assert!(lines[1].starts_with("vip[0].backend[1].engine.url:"));
+        assert_eq!(lines.len(), 2, "{e}");
+        assert!(
+            lines[0].contains(
+                "vip[0].backend[0].dcgm.url: \"https://10.1.0.2:9400/metrics\" is https, which \
+                 the telemetry scraper does not speak; allowed: an http:// URL"
+            ),
+            "{e}"
+        );
+        assert!(lines[1].contains("vip[0].backend[0].engine.url:"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,251 @@
+//! The rules an operator's input meets wherever it comes from. The configuration file
+//! (`config::parse`, so `sluice run`, SIGHUP and `sluice check`) and the admin API
+//! (`State::apply`) call these same functions, so neither accepts what the other refuses.
+//! Each returns what is wrong, ending with what is allowed.
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr},
+    time::Duration,
+};
+
+/// Longest label name: a Prometheus-style key, and short enough for one table column.
+pub const LABEL_NAME_MAX: usize = 63;
+/// Longest label value.
+pub const LABEL_VALUE_MAX: usize = 255;
+/// Most labels on one backend: they are kept in the state file and shown in every listing.
+pub const LABELS_MAX: usize = 32;
+/// Longest duration anywhere (timeouts, windows, intervals, drain deadlines). A year is
+/// beyond any real use and keeps every conversion to milliseconds or nanoseconds in a u64
+/// exact: `18446744073709552s` once wrapped to 403 ms as a drain deadline.
+pub const DURATION_MAX: Duration = Duration::from_secs(365 * 24 * 3600);
+/// [`DURATION_MAX`] as operators write it.
+pub const DURATION_MAX_TEXT: &str = "365d";
+
+/// A VIP name: 1 to 32 of a-z, 0-9, `-` and `_` (it appears in paths and metric labels).
+pub fn vip_name(s: &str) -> Result<(), String> {
+    let ok = (1..=32).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is not a valid VIP name; allowed: 1 to 32 of a-z, 0-9, \"-\" and \"_\"",
+            quoted(s)
+        ))
+    }
+}
+
+/// A backend's labels: at most [`LABELS_MAX`], each name and value a bounded token (no
+/// control characters, spaces or quotes reach a terminal or a table row).
+pub fn labels(labels: &BTreeMap<String, String>) -> Result<(), String> {
+    label_count(labels.len())?;
+    labels.iter().try_for_each(|(k, v)| label(k, v))
+}
+
+/// At most [`LABELS_MAX`] labels.
+pub fn label_count(n: usize) -> Result<(), String> {
+    if n > LABELS_MAX {
+        return Err(format!("{n} labels; allowed: at most {LABELS_MAX}"));
+    }
+    Ok(())
+}
+
+/// One label: name and value each 1 to [`LABEL_NAME_MAX`] / [`LABEL_VALUE_MAX`] bytes of
+/// `A-Z a-z 0-9 _ . -`.
+pub fn label(name: &str, value: &str) -> Result<(), String> {
+    token(name, LABEL_NAME_MAX, "label name")?;
+    token(value, LABEL_VALUE_MAX, "label value")
+}
+
+/// A non-empty string of at most `max` bytes of `A-Z a-z 0-9 _ . -` (label names and values,
+/// device names).
+pub fn token(s: &str, max: usize, what: &str) -> Result<(), String> {
+    let ok = (1..=max).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is not a valid {what}; allowed: 1 to {max} of A-Z, a-z, 0-9, \"_\", \".\" and \
+             \"-\"",
+            quoted(s)
+        ))
+    }
+}
+
+/// An address a VIP or backend may have: one host, reachable as itself.
+pub fn unicast(ip: IpAddr) -> Result<(), String> {
+    let what = match ip {
+        _ if ip.is_unspecified() => "the unspecified address",
+        _ if ip.is_multicast() => "a multicast address",
+        IpAddr::V4(v4) if v4 == Ipv4Addr::BROADCAST => "the broadcast address",
+        IpAddr::V6(v6) if v6.to_ipv4_mapped().is_some() => {
+            return Err(format!(
+                "\"{ip}\" is an IPv4-mapped IPv6 address; allowed: the IPv4 address itself ({})",
+                v6.to_ipv4_mapped().expect("matched")
+            ))
+        }
+        _ => return Ok(()),
+    };
+    Err(format!("\"{ip}\" is {what}; allowed: a unicast address"))
+}
+
+/// A backend of the VIP at `vip`: a unicast host other than loopback (packets to it leave
+/// the machine, encapsulated) and other than the VIP itself (the tunnel would loop), of a
+/// family the VIP's packets can be carried in.
+pub fn backend_address(addr: IpAddr, vip: IpAddr) -> Result<(), String> {
+    unicast(addr)?;
+    if addr.is_loopback() {
+        return Err(format!(
+            "\"{addr}\" is a loopback address; allowed: an address of the backend host"
+        ));
+    }
+    if addr == vip {
+        return Err(format!(
+            "\"{addr}\" is the VIP's own address; allowed: an address of the backend host"
+        ));
+    }
+    if vip.is_ipv6() && addr.is_ipv4() {
+        return Err(format!(
+            "\"{addr}\" is IPv4 but the VIP {vip} is IPv6; allowed: an IPv6 backend (IPv6 cannot be \
+             encapsulated in IPv4)"
+        ));
+    }
+    Ok(())
+}
+
+/// A duration no longer than [`DURATION_MAX`]; the error follows the value as written.
+pub fn bounded(d: Duration) -> Result<Duration, String> {
+    if d <= DURATION_MAX {
+        Ok(d)
+    } else {
+        Err(format!(
+            "is longer than {DURATION_MAX_TEXT}; allowed: a duration up to {DURATION_MAX_TEXT}"
+        ))
+    }
+}
+
+/// Parses "10m", "1h30m"... no longer than [`DURATION_MAX`].
+pub fn duration(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| {
+        format!(
+            "{} is not a duration ({e}); allowed: a number and a unit (ns, us, ms, s, m, h, d), \
+             e.g. \"500ms\", \"10s\", \"5m\"",
+            quoted(s)
+        )
+    })?;
+    bounded(d).map_err(|e| format!("{} {e}", quoted(s)))
+}
+
+/// Whole milliseconds of a duration, saturating: exact for anything [`bounded`] accepts.
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Whole nanoseconds of a duration, saturating: exact for anything [`bounded`] accepts.
+pub fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Whole seconds of a duration as a u32, saturating (affinity windows are at most a day).
+pub fn secs_u32(d: Duration) -> u32 {
+    u32::try_from(d.as_secs()).unwrap_or(u32::MAX)
+}
+
+/// `s` quoted and escaped for an error message, cut at 80 characters so a megabyte of label
+/// does not become a megabyte of log line.
+pub fn quoted(s: &str) -> String {
+    const KEEP: usize = 80;
+    match s.char_indices().nth(KEEP) {
+        Some((at, _)) => format!("{:?}... ({} bytes)", &s[..at], s.len()),
+        None => format!("{s:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn backend_addresses() {
+        let vip = ip("10.200.0.1");
+        assert!(backend_address(ip("10.1.0.1"), vip).is_ok());
+        for (bad, why) in [
+            ("255.255.255.255", "is the broadcast address"),
+            ("0.0.0.0", "is the unspecified address"),
+            ("224.0.0.1", "is a multicast address"),
+            ("127.0.0.1", "is a loopback address"),
+            ("10.200.0.1", "is the VIP's own address"),
+            (
+                "::ffff:10.1.0.1",
+                "is an IPv4-mapped IPv6 address; allowed: the IPv4 address itself (10.1.0.1)",
+            ),
+        ] {
+            let e = backend_address(ip(bad), vip).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+        let e = backend_address(ip("10.1.0.1"), ip("fd00::1")).unwrap_err();
+        assert!(
+            e.contains("\"10.1.0.1\" is IPv4 but the VIP fd00::1 is IPv6"),
+            "{e}"
+        );
+        assert!(backend_address(ip("fd00::2"), ip("fd00::1")).is_ok());
+    }
+
+    #[test]
+    fn labels_are_bounded_tokens() {
+        let one = |k: &str, v: &str| labels(&BTreeMap::from([(k.to_string(), v.to_string())]));
+        assert!(one("rack", "r1.a-2_b").is_ok());
+        let e = one("rack", "r1\x1b[31m").unwrap_err();
+        assert!(
+            e.starts_with("\"r1\\u{1b}[31m\" is not a valid label value"),
+            "{e}"
+        );
+        assert!(one("rack", "a\nb").is_err());
+        assert!(one("", "x").is_err());
+        assert!(one("rack", "").is_err());
+        assert!(one(&"k".repeat(LABEL_NAME_MAX), &"v".repeat(LABEL_VALUE_MAX)).is_ok());
+        let e = one("rack", &"v".repeat(100_000)).unwrap_err();
+        assert!(e.ends_with("allowed: 1 to 255 of A-Z, a-z, 0-9, \"_\", \".\" and \"-\""));
+        assert!(e.len() < 300, "the message quotes a bounded part: {e}");
+        assert!(one(&"k".repeat(LABEL_NAME_MAX + 1), "v").is_err());
+        let many = (0..=LABELS_MAX)
+            .map(|i| (format!("k{i}"), "v".into()))
+            .collect();
+        assert_eq!(labels(&many).unwrap_err(), "33 labels; allowed: at most 32");
+    }
+
+    #[test]
+    fn durations_are_bounded_and_convert_exactly() {
+        assert_eq!(duration("10m"), Ok(Duration::from_secs(600)));
+        assert_eq!(duration("365d"), Ok(DURATION_MAX));
+        let e = duration("18446744073709552s").unwrap_err();
+        assert_eq!(
+            e,
+            "\"18446744073709552s\" is longer than 365d; allowed: a duration up to 365d"
+        );
+        assert!(duration("366d").is_err());
+        assert!(duration("soon").unwrap_err().contains("is not a duration"));
+        assert_eq!(millis(DURATION_MAX), 31_536_000_000);
+        assert_eq!(nanos(DURATION_MAX), 31_536_000_000_000_000);
+        assert_eq!(millis(Duration::MAX), u64::MAX, "saturates, never wraps");
+        assert_eq!(nanos(Duration::MAX), u64::MAX);
+        assert_eq!(secs_u32(Duration::from_secs(86_400)), 86_400);
+        assert_eq!(secs_u32(Duration::MAX), u32::MAX);
+    }
+
+    #[test]
+    fn vip_names() {
+        assert!(vip_name("chat-1_a").is_ok());
+        assert!(vip_name("Chat").is_err());
+        assert!(vip_name(&"a".repeat(33)).is_err());
+        assert!(vip_name("").is_err());
+    }
+}
