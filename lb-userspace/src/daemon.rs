@@ -10,17 +10,18 @@ use std::{
     time::Instant,
 };
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use aya::programs::XdpMode;
 use tokio::{signal::unix::SignalKind, sync::Mutex};
 
 use crate::{
     admin::{self, now_ms, AdminSocket, DaemonInfo},
     apply::MapPlane,
+    check::{check_file, Checked},
     config::{self, Config},
     controller::{Controller, Persisted, Settings},
     dataplane::{remove_pinned, Dataplane, LoadOptions, PROG_XDP},
-    metrics,
+    metrics, notify,
     object::BPF_OBJECT,
     policy::Policy,
     state::{BackendSpec, HashMode, Limits, Protocol, State, VipSpec},
@@ -70,20 +71,20 @@ fn config_hash(text: &str) -> u64 {
     h.finish()
 }
 
-fn init_logging(cfg: &Config) {
+pub(crate) fn init_logging(level: config::LogLevel, format: config::LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(cfg.daemon.log_level.to_string()));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level.to_string()));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
-    let _ = if cfg.daemon.log_format == config::LogFormat::Json {
+    let _ = if format == config::LogFormat::Json {
         builder.json().try_init()
     } else {
         builder.try_init()
     };
 }
 
-fn ifindex(name: &str) -> Result<u32> {
+pub(crate) fn ifindex(name: &str) -> Result<u32> {
     let c = CString::new(name).map_err(|_| anyhow!("interface name {name:?} contains NUL"))?;
     // SAFETY: a valid C string.
     match unsafe { libc::if_nametoindex(c.as_ptr()) } {
@@ -92,10 +93,16 @@ fn ifindex(name: &str) -> Result<u32> {
     }
 }
 
-/// Attaches to every configured interface; returns (name, mode used).
-fn attach(dp: &mut Dataplane, cfg: &Config, pin_dir: &Path) -> Result<Vec<(String, String)>> {
+/// Attaches `prog` to every interface through a link pinned in `pin_dir` (`link_<name>`),
+/// replacing the program of a link an earlier run pinned; returns (name, ifindex, mode used).
+pub(crate) fn attach_interfaces(
+    dp: &mut Dataplane,
+    prog: &str,
+    interfaces: &[config::InterfaceConfig],
+    pin_dir: &Path,
+) -> Result<Vec<(String, u32, String)>> {
     let mut out = vec![];
-    for itf in &cfg.dataplane.interfaces {
+    for itf in interfaces {
         let idx = ifindex(&itf.name)?;
         let pin = pin_dir.join(format!("link_{}", itf.name));
         let modes: &[(XdpMode, &str)] = match itf.mode {
@@ -105,10 +112,10 @@ fn attach(dp: &mut Dataplane, cfg: &Config, pin_dir: &Path) -> Result<Vec<(Strin
         };
         let mut last = None;
         for (mode, label) in modes {
-            match dp.attach_pinned(PROG_XDP, idx, *mode, &pin) {
+            match dp.attach_pinned(prog, idx, *mode, &pin) {
                 Ok(replaced) => {
-                    tracing::info!(interface = %itf.name, mode = label, replaced, "XDP attached");
-                    out.push((itf.name.clone(), label.to_string()));
+                    tracing::info!(interface = %itf.name, program = prog, mode = label, replaced, "XDP attached");
+                    out.push((itf.name.clone(), idx, label.to_string()));
                     last = None;
                     break;
                 }
@@ -127,7 +134,17 @@ fn attach(dp: &mut Dataplane, cfg: &Config, pin_dir: &Path) -> Result<Vec<(Strin
                 _ => format!("cannot attach XDP to {}", itf.name),
             }));
         }
+    }
+    Ok(out)
+}
+
+/// Attaches the steering program to every configured interface, each also an egress port
+/// for XDP_REDIRECT; returns (name, mode used).
+fn attach(dp: &mut Dataplane, cfg: &Config, pin_dir: &Path) -> Result<Vec<(String, String)>> {
+    let mut out = vec![];
+    for (name, idx, mode) in attach_interfaces(dp, PROG_XDP, &cfg.dataplane.interfaces, pin_dir)? {
         dp.add_tx_port(idx)?;
+        out.push((name, mode));
     }
     Ok(out)
 }
@@ -148,11 +165,14 @@ fn read_persisted(path: &Path) -> Option<Persisted> {
 }
 
 pub async fn run(config_path: &Path) -> Result<()> {
-    let text = std::fs::read_to_string(config_path)
-        .with_context(|| format!("reading {}", config_path.display()))?;
-    let (cfg, warnings) = config::parse_with_warnings(&text, &config_path.display().to_string())
-        .map_err(|e| anyhow!("{e}"))?;
-    init_logging(&cfg);
+    // Everything a start would refuse is refused here, before anything is attached, with the
+    // messages of `sluice check`.
+    let Checked {
+        config: cfg,
+        text,
+        warnings,
+    } = check_file(config_path)?;
+    init_logging(cfg.daemon.log_level, cfg.daemon.log_format);
     for w in warnings {
         tracing::warn!("{w}");
     }
@@ -307,6 +327,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let mut term = tokio::signal::unix::signal(SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(SignalKind::interrupt())?;
     let mut hup = tokio::signal::unix::signal(SignalKind::hangup())?;
+    // The data plane is attached and the admin socket accepts: a Type=notify unit is up.
+    notify::ready("steering");
     loop {
         tokio::select! {
             _ = term.recv() => break,
@@ -315,6 +337,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         }
     }
     tracing::info!("stopping");
+    notify::stopping();
     let _ = stop_tx.send(true);
     let _ = admin_task.await;
     if let Some(t) = metrics_task {
@@ -337,13 +360,10 @@ pub async fn run(config_path: &Path) -> Result<()> {
 
 /// SIGHUP: re-read the configuration; a bad file changes nothing.
 async fn reload(path: &Path, ctl: &Arc<Mutex<Controller<MapPlane>>>) {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) => {
-            return tracing::error!(path = %path.display(), error = %e, "reload: cannot read config")
-        }
-    };
-    let cfg = match config::parse(&text, &path.display().to_string()) {
+    // The same validation as a start and `sluice check`.
+    let Checked {
+        config: cfg, text, ..
+    } = match check_file(path) {
         Ok(c) => c,
         Err(e) => {
             return tracing::error!(error = %e, "reload: configuration rejected, nothing changed")

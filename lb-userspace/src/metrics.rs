@@ -22,7 +22,7 @@ use crate::{
     state::PlaneState,
 };
 
-type Labels = Vec<(&'static str, String)>;
+pub(crate) type Labels = Vec<(&'static str, String)>;
 
 /// Serves `GET /metrics` on `addr` until `shutdown` completes.
 pub async fn serve<P: Plane + 'static>(
@@ -31,17 +31,39 @@ pub async fn serve<P: Plane + 'static>(
     info: Arc<DaemonInfo>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
+    serve_page(
+        addr,
+        move || {
+            let (ctl, info) = (Arc::clone(&ctl), Arc::clone(&info));
+            async move { Ok(render(&Snapshot::take(&ctl).await?, &info)) }
+        },
+        shutdown,
+    )
+    .await
+}
+
+/// Serves the exposition text `page` makes, fresh per scrape, as `GET /metrics` on `addr`
+/// until `shutdown` completes (the LB daemon's and the backend host's endpoint).
+pub(crate) async fn serve_page<F, Fut>(
+    addr: SocketAddr,
+    page: F,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()>
+where
+    F: Fn() -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<String>> + Send,
+{
     let listener = TcpListener::bind(addr).await.with_context(|| {
         format!("binding the metrics address {addr}: is it in use, or not an address of this host?")
     })?;
-    let (listener, ctl, info) = (&listener, &ctl, &info);
+    let (listener, page) = (&listener, &page);
     serve_connections(
         move || async move {
             let (stream, _) = listener.accept().await?;
-            let (ctl, info) = (Arc::clone(ctl), Arc::clone(info));
+            let page = page.clone();
             let service = service_fn(move |req| {
-                let (ctl, info) = (Arc::clone(&ctl), Arc::clone(&info));
-                async move { Ok::<_, Infallible>(respond(req, &ctl, &info).await) }
+                let page = page.clone();
+                async move { Ok::<_, Infallible>(respond(req, page).await) }
             });
             Ok(serve_http(stream, service))
         },
@@ -51,11 +73,11 @@ pub async fn serve<P: Plane + 'static>(
     Ok(())
 }
 
-async fn respond<P: Plane, B>(
-    req: Request<B>,
-    ctl: &Mutex<Controller<P>>,
-    info: &DaemonInfo,
-) -> Response<Full<Bytes>> {
+async fn respond<F, Fut, B>(req: Request<B>, page: F) -> Response<Full<Bytes>>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<String>>,
+{
     if req.uri().path() != "/metrics" {
         return text(
             StatusCode::NOT_FOUND,
@@ -68,9 +90,9 @@ async fn respond<P: Plane, B>(
             .insert(header::ALLOW, header::HeaderValue::from_static("GET"));
         return r;
     }
-    match Snapshot::take(ctl).await {
-        Ok(snap) => {
-            let mut r = text(StatusCode::OK, render(&snap, info));
+    match page().await {
+        Ok(body) => {
+            let mut r = text(StatusCode::OK, body);
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
                 header::HeaderValue::from_static(prometheus_text::CONTENT_TYPE),
@@ -87,7 +109,7 @@ fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     r
 }
 
-fn counters(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, u64)>) {
+pub(crate) fn counters(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, u64)>) {
     let family = Family::<Labels, Counter>::default();
     for (labels, v) in samples {
         family.get_or_create(&labels).inc_by(v);
@@ -95,7 +117,7 @@ fn counters(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, u6
     reg.register(name, help, family);
 }
 
-fn gauges(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, i64)>) {
+pub(crate) fn gauges(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, i64)>) {
     let family = Family::<Labels, Gauge>::default();
     for (labels, v) in samples {
         family.get_or_create(&labels).set(v);
@@ -135,6 +157,41 @@ fn dataplane_family(name: &str) -> (Dataplane, String) {
         }
     }
     (Dataplane::Events, name.to_string())
+}
+
+/// `sluice_dataplane_{drops,passes,events}_total` from (counter name, value) pairs.
+pub(crate) fn dataplane_counters<'a>(
+    reg: &mut Registry,
+    values: impl Iterator<Item = (&'a str, u64)>,
+) {
+    let mut drops = vec![];
+    let mut passes = vec![];
+    let mut events = vec![];
+    for (name, v) in values {
+        match dataplane_family(name) {
+            (Dataplane::Drops, r) => drops.push((vec![("reason", r)], v)),
+            (Dataplane::Passes, r) => passes.push((vec![("reason", r)], v)),
+            (Dataplane::Events, e) => events.push((vec![("event", e)], v)),
+        }
+    }
+    counters(
+        reg,
+        "dataplane_drops",
+        "Packets the data plane dropped, by reason",
+        drops,
+    );
+    counters(
+        reg,
+        "dataplane_passes",
+        "Packets the data plane passed to the kernel, by reason",
+        passes,
+    );
+    counters(
+        reg,
+        "dataplane_events",
+        "Data-plane steering events",
+        events,
+    );
 }
 
 /// The exposition text of `snap`.
@@ -312,34 +369,11 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             .collect(),
     );
 
-    let mut drops = vec![];
-    let mut passes = vec![];
-    let mut events = vec![];
-    for name in lb_common::stat::NAMES {
-        let v = snap.counters.global.get(name).copied().unwrap_or(0);
-        match dataplane_family(name) {
-            (Dataplane::Drops, r) => drops.push((vec![("reason", r)], v)),
-            (Dataplane::Passes, r) => passes.push((vec![("reason", r)], v)),
-            (Dataplane::Events, e) => events.push((vec![("event", e)], v)),
-        }
-    }
-    counters(
+    dataplane_counters(
         &mut reg,
-        "dataplane_drops",
-        "Packets the data plane dropped, by reason",
-        drops,
-    );
-    counters(
-        &mut reg,
-        "dataplane_passes",
-        "Packets the data plane passed to the kernel, by reason",
-        passes,
-    );
-    counters(
-        &mut reg,
-        "dataplane_events",
-        "Data-plane steering events",
-        events,
+        lb_common::stat::NAMES
+            .iter()
+            .map(|n| (*n, snap.counters.global.get(*n).copied().unwrap_or(0))),
     );
     counters(
         &mut reg,
