@@ -2,9 +2,10 @@
 //! in the LB namespace, driven through the `sluice` CLI and the admin API as an operator
 //! would.
 //!
-//! [`DaemonLab::start`] builds the [`Topology`] (see `netns`), attaches the lab's other data
-//! planes ([`Edges`]: `sluice_pass` on the LB's switch port, `sluice_decap` on every
-//! backend), starts a token server on every backend (on the VIPs, and on the backend's own
+//! [`DaemonLab::start`] builds the [`Topology`] (see `netns`), attaches `sluice_pass` to the
+//! LB's switch port ([`switch_port`]), starts `sluice backend-host run` on every backend as its
+//! systemd unit would ([`BackendHost`]: decapsulation on eth0, the VIPs on lo, readiness
+//! through `$NOTIFY_SOCKET`), starts a token server on every backend (on the VIPs, and on the backend's own
 //! addresses for the health checks), optionally a fake Prometheus exporter per backend
 //! (`sluice-testsrv serve --metrics`, whose page a test rewrites at run time), writes a
 //! configuration and starts the daemon with `nsenter --net=/run/netns/<lb>` (not
@@ -42,8 +43,9 @@ use serde_json::Value;
 use sluice::{client::Client, dataplane::remove_pinned};
 
 use crate::{
+    backend_host::BackendHost,
     netns::{
-        mac_string, run_output, tool, CmdOutput, Edges, ProcId, Topology, TopologySpec, DEV,
+        mac_string, run_output, switch_port, tool, CmdOutput, ProcId, Topology, TopologySpec, DEV,
         ENCAP_SRC_V4, ENCAP_SRC_V6, SEED, TCP_PORT, VIP4, VIP6,
     },
     stream::TokenStream,
@@ -379,7 +381,10 @@ pub struct DaemonLab {
     pub servers: Vec<ProcId>,
     /// The fake exporter of each backend (with [`DaemonLabOptions::exporters`]).
     pub exporters: Vec<ProcId>,
-    pub edges: Edges,
+    /// `sluice backend-host run` per backend (index as in `topo.backends`).
+    pub backend_hosts: Vec<BackendHost>,
+    /// `sluice_pass` on the LB's switch port.
+    pub edge_dp: sluice::dataplane::Dataplane,
     pub topo: Topology,
 }
 
@@ -389,12 +394,7 @@ impl DaemonLab {
         let sluice = require_daemon_prerequisites(&opts.server)?;
         sweep_stale();
         let topo = Topology::build(&opts.topology)?;
-        for b in &topo.backends {
-            for a in &opts.backend_vips {
-                topo.add_backend_vip(b, *a)?;
-            }
-        }
-        let edges = Edges::attach(&topo)?;
+        let edge_dp = switch_port(&topo)?;
         let id = format!(
             "{PREFIX}{}-{}",
             std::process::id(),
@@ -404,6 +404,33 @@ impl DaemonLab {
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let bpffs = Path::new("/sys/fs/bpf").join(&id);
+        // Each backend host puts the lab's VIPs on its lo (Topology put VIP4 and VIP6 there
+        // already; the daemon keeps an address that is there).
+        let mut vips = vec![IpAddr::from(VIP4), IpAddr::from(VIP6)];
+        vips.extend(opts.backend_vips.iter().copied());
+        let start_hosts = || -> Result<Vec<BackendHost>> {
+            let mut hosts = Vec::new();
+            for b in &topo.backends {
+                let mut h = BackendHost::new(
+                    &b.name,
+                    b.ns.clone(),
+                    &sluice,
+                    &vips,
+                    Path::new("/sys/fs/bpf").join(format!("{id}-{}", b.name)),
+                    &dir,
+                )?;
+                h.start()?;
+                hosts.push(h);
+            }
+            Ok(hosts)
+        };
+        let backend_hosts = match start_hosts() {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
         let port = topo
             .lb
             .ns
@@ -425,7 +452,8 @@ impl DaemonLab {
             dir,
             bpffs,
             opts,
-            edges,
+            backend_hosts,
+            edge_dp,
             topo,
         };
         lab.start_servers()?;
@@ -954,6 +982,8 @@ impl Drop for DaemonLab {
         if let Err(e) = remove_pinned(&self.bpffs) {
             eprintln!("daemon lab {}: {e:#}", self.id);
         }
+        // Stopped (and their logs shown) while their directory is still there.
+        self.backend_hosts.clear();
         if let Err(e) = fs::remove_dir_all(&self.dir) {
             eprintln!(
                 "daemon lab {}: removing {}: {e}",

@@ -1263,11 +1263,18 @@ pub struct Edges {
     pub decap_dps: Vec<Dataplane>,
 }
 
+/// `sluice_pass` (native) on the LB's switch port: native XDP_TX frames on a veth are
+/// delivered only when the peer runs XDP. Its `RX` counts every frame the LB namespace sends.
+pub fn switch_port(topo: &Topology) -> Result<Dataplane> {
+    let mut edge_dp = Dataplane::load(BPF_OBJECT, &LoadOptions::decap_only())
+        .context("loading the switch port's data plane")?;
+    attach_native(&mut edge_dp, PROG_PASS, &topo.switch, &topo.lb.port)?;
+    Ok(edge_dp)
+}
+
 impl Edges {
     pub fn attach(topo: &Topology) -> Result<Edges> {
-        let mut edge_dp = Dataplane::load(BPF_OBJECT, &LoadOptions::decap_only())
-            .context("loading the switch port's data plane")?;
-        attach_native(&mut edge_dp, PROG_PASS, &topo.switch, &topo.lb.port)?;
+        let edge_dp = switch_port(topo)?;
         let mut decap_dps = Vec::new();
         for b in &topo.backends {
             let mut dp = Dataplane::load(BPF_OBJECT, &LoadOptions::decap_only())
