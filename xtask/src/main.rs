@@ -7,6 +7,7 @@ mod cmd;
 mod demo;
 mod exports;
 mod lint;
+mod package;
 mod setup;
 mod test;
 #[cfg(test)]
@@ -43,6 +44,9 @@ enum Cmd {
     Test,
     /// rustfmt --check and clippy -D warnings, for the workspace and the eBPF crate.
     Lint,
+    /// Build (release), then the Debian package target/package/sluice_<version>_<arch>.deb
+    /// (cargo-deb): the binary, systemd units, default configurations, man pages, completions.
+    Package,
     /// Build (release), then run `sluice-bench <name> [args...]` as root.
     Bench {
         /// The benchmark to run.
@@ -70,6 +74,7 @@ fn main() -> ExitCode {
         }),
         Cmd::Test => test::run(),
         Cmd::Lint => lint::run(),
+        Cmd::Package => package::run().map(drop),
         Cmd::Bench { name, args } => bench::run(&name, &args),
         Cmd::Demo { seconds } => demo::run(seconds),
     };
