@@ -173,6 +173,11 @@ impl BackendHost {
         result
     }
 
+    /// The daemon's pid (nsenter and a prefix such as setpriv exec it in place).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn running(&mut self) -> bool {
         match self.child.as_mut().map(|c| c.try_wait()) {
             Some(Ok(None)) => true,

@@ -117,6 +117,12 @@ pub struct DaemonLabOptions {
     pub server: PathBuf,
     /// Configuration keys by section, as raw TOML values; [`DaemonLabOptions::set`].
     pub settings: BTreeMap<String, BTreeMap<String, String>>,
+    /// The `sluice` binary of both daemons and the CLI; default: the one built next to the
+    /// tests ([`sluice_binary`]). The package test names the installed one.
+    pub sluice: Option<PathBuf>,
+    /// Put before the binary when a daemon (LB or backend host) starts, e.g. `setpriv` with
+    /// a systemd unit's capabilities; empty by default.
+    pub prefix: Vec<String>,
 }
 
 impl DaemonLabOptions {
@@ -134,6 +140,8 @@ impl DaemonLabOptions {
             server_lifetime: Duration::from_secs(180),
             server: server.into(),
             settings: BTreeMap::new(),
+            sluice: None,
+            prefix: Vec::new(),
         };
         for (section, key, value) in [
             ("daemon", "keep_dataplane_on_exit", "false"),
@@ -391,7 +399,8 @@ pub struct DaemonLab {
 impl DaemonLab {
     pub fn start(opts: DaemonLabOptions) -> Result<DaemonLab> {
         let t = Instant::now();
-        let sluice = require_daemon_prerequisites(&opts.server)?;
+        let built = require_daemon_prerequisites(&opts.server)?;
+        let sluice = opts.sluice.clone().unwrap_or(built);
         sweep_stale();
         let topo = Topology::build(&opts.topology)?;
         let edge_dp = switch_port(&topo)?;
@@ -419,6 +428,7 @@ impl DaemonLab {
                     Path::new("/sys/fs/bpf").join(format!("{id}-{}", b.name)),
                     &dir,
                 )?;
+                h.prefix = opts.prefix.clone();
                 h.start()?;
                 hosts.push(h);
             }
@@ -652,6 +662,7 @@ impl DaemonLab {
         let mut cmd = Command::new(tool("nsenter")?);
         cmd.arg(format!("--net={}", self.topo.lb.ns.path().display()))
             .arg("--")
+            .args(&self.opts.prefix)
             .arg(&self.sluice)
             .args(["run", "--config"])
             .arg(&self.config)
