@@ -19,9 +19,11 @@ use std::{
 };
 
 use anyhow::{anyhow, bail, Context, Result};
+use aya::maps::{Map, MapData, PerCpuArray};
+use lb_common::stat;
 use sluice::dataplane::remove_pinned;
 
-use crate::netns::{tool, Netns, DEV};
+use crate::netns::{tool, Netns, Topology, DEV};
 
 /// How long a start may take until `READY=1`.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -239,6 +241,66 @@ impl BackendHost {
         page.lines()
             .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok())
             .ok_or_else(|| anyhow!("no sample {sample} on the backend host's page:\n{page}"))
+    }
+}
+
+/// Starts a backend host on every backend of `topo`, each pinned at
+/// `/sys/fs/bpf/<id>-<backend>`, with its files in `dir`; fails (stopping those started)
+/// when one does not become ready.
+pub fn start_all(
+    topo: &Topology,
+    sluice: &Path,
+    prefix: &[String],
+    vips: &[IpAddr],
+    id: &str,
+    dir: &Path,
+) -> Result<Vec<BackendHost>> {
+    let mut hosts = Vec::new();
+    for b in &topo.backends {
+        let mut h = BackendHost::new(
+            &b.name,
+            b.ns.clone(),
+            sluice,
+            vips,
+            Path::new("/sys/fs/bpf").join(format!("{id}-{}", b.name)),
+            dir,
+        )?;
+        h.prefix = prefix.to_vec();
+        h.start()?;
+        hosts.push(h);
+    }
+    Ok(hosts)
+}
+
+/// A directory removed when dropped (put it after the [`BackendHost`]s whose files it holds).
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn create(path: PathBuf) -> Result<TempDir> {
+        let _ = fs::remove_dir_all(&path);
+        fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(TempDir(path))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if let Err(e) = fs::remove_dir_all(&self.0) {
+            eprintln!("removing {}: {e}", self.0.display());
+        }
+    }
+}
+
+impl BackendHost {
+    /// Its `sluice_decap` counters, read from the pinned STATS map (indexed by
+    /// `lb_common::stat`), whether or not the daemon runs.
+    pub fn stats(&self) -> Result<Vec<u64>> {
+        let pin = self.bpffs.join("STATS");
+        let data = MapData::from_pin(&pin).with_context(|| format!("opening {}", pin.display()))?;
+        let a: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(data))?;
+        (0..stat::COUNT)
+            .map(|i| Ok(a.get(&i, 0)?.iter().sum()))
+            .collect()
     }
 }
 

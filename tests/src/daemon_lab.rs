@@ -43,7 +43,7 @@ use serde_json::Value;
 use sluice::{client::Client, dataplane::remove_pinned};
 
 use crate::{
-    backend_host::BackendHost,
+    backend_host::{start_all, BackendHost},
     netns::{
         mac_string, run_output, switch_port, tool, CmdOutput, ProcId, Topology, TopologySpec, DEV,
         ENCAP_SRC_V4, ENCAP_SRC_V6, SEED, TCP_PORT, VIP4, VIP6,
@@ -349,20 +349,37 @@ pub fn sweep_stale() {
     }
 }
 
-/// Fails with what is missing: the `sluice` binary, `nsenter`, a bpffs at /sys/fs/bpf (the
-/// namespace prerequisites are checked by [`Topology::build`]).
+/// A fresh lab id, `sluice-lab-<pid>-<n>`: its pin and temporary directories are swept by
+/// [`sweep_stale`] once this process is gone.
+pub fn next_lab_id() -> String {
+    format!(
+        "{PREFIX}{}-{}",
+        std::process::id(),
+        LAB_COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Fails with what is missing: the `sluice` binary, `nsenter`, a bpffs at /sys/fs/bpf, the
+/// test server (the namespace prerequisites are checked by [`Topology::build`]).
 pub fn require_daemon_prerequisites(server: &Path) -> Result<PathBuf> {
+    let sluice = require_sluice_daemon_prerequisites()?;
+    if !server.is_file() {
+        bail!("the test server {} does not exist", server.display());
+    }
+    Ok(sluice)
+}
+
+/// What running the `sluice` daemons in the lab needs (also the backend hosts of the
+/// namespace lab): the binary, `nsenter`, a bpffs at /sys/fs/bpf.
+pub fn require_sluice_daemon_prerequisites() -> Result<PathBuf> {
     crate::netns::require_lab_prerequisites()?;
-    tool("nsenter").context("the daemon lab starts the daemon with nsenter (util-linux)")?;
+    tool("nsenter").context("the labs start the sluice daemons with nsenter (util-linux)")?;
     let mounts = fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
     if !mounts
         .lines()
         .any(|l| l.split_whitespace().nth(1) == Some("/sys/fs/bpf") && l.contains(" bpf "))
     {
         bail!("no bpffs at /sys/fs/bpf: `mount -t bpf bpf /sys/fs/bpf` (cargo xtask setup does)");
-    }
-    if !server.is_file() {
-        bail!("the test server {} does not exist", server.display());
     }
     sluice_binary()
 }
@@ -404,11 +421,7 @@ impl DaemonLab {
         sweep_stale();
         let topo = Topology::build(&opts.topology)?;
         let edge_dp = switch_port(&topo)?;
-        let id = format!(
-            "{PREFIX}{}-{}",
-            std::process::id(),
-            LAB_COUNTER.fetch_add(1, Ordering::Relaxed)
-        );
+        let id = next_lab_id();
         let dir = std::env::temp_dir().join(&id);
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -417,24 +430,7 @@ impl DaemonLab {
         // already; the daemon keeps an address that is there).
         let mut vips = vec![IpAddr::from(VIP4), IpAddr::from(VIP6)];
         vips.extend(opts.backend_vips.iter().copied());
-        let start_hosts = || -> Result<Vec<BackendHost>> {
-            let mut hosts = Vec::new();
-            for b in &topo.backends {
-                let mut h = BackendHost::new(
-                    &b.name,
-                    b.ns.clone(),
-                    &sluice,
-                    &vips,
-                    Path::new("/sys/fs/bpf").join(format!("{id}-{}", b.name)),
-                    &dir,
-                )?;
-                h.prefix = opts.prefix.clone();
-                h.start()?;
-                hosts.push(h);
-            }
-            Ok(hosts)
-        };
-        let backend_hosts = match start_hosts() {
+        let backend_hosts = match start_all(&topo, &sluice, &opts.prefix, &vips, &id, &dir) {
             Ok(h) => h,
             Err(e) => {
                 let _ = fs::remove_dir_all(&dir);

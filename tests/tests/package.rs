@@ -147,7 +147,7 @@ fn the_package_installs_verifies_and_runs_both_daemons_with_the_units_capabiliti
     // The installed binary is the one just built, with its git revision.
     let (_, version, _) = run(Command::new(BIN).arg("--version"));
     let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/sluice");
-    let (_, built_version, _) = run(&mut Command::new(&built).arg("--version"));
+    let (_, built_version, _) = run(Command::new(&built).arg("--version"));
     assert!(version.starts_with("sluice 0.1.0 (git "), "{version}");
     assert_eq!(version, built_version);
 
