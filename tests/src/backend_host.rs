@@ -59,6 +59,48 @@ pub fn config_text(vips: &[IpAddr], bpffs: &Path) -> String {
     )
 }
 
+/// The lab's side of systemd's readiness protocol: a datagram socket whose path a daemon
+/// gets as `$NOTIFY_SOCKET`. Removed when dropped.
+pub struct NotifySocket {
+    pub path: PathBuf,
+    sock: UnixDatagram,
+    ready: bool,
+}
+
+impl NotifySocket {
+    pub fn bind(path: PathBuf) -> Result<NotifySocket> {
+        let _ = fs::remove_file(&path);
+        let sock =
+            UnixDatagram::bind(&path).with_context(|| format!("binding {}", path.display()))?;
+        sock.set_read_timeout(Some(Duration::from_millis(100)))?;
+        Ok(NotifySocket {
+            path,
+            sock,
+            ready: false,
+        })
+    }
+
+    /// Whether `READY=1` has arrived (waits up to 100 ms for a datagram).
+    pub fn ready(&mut self) -> bool {
+        let mut buf = [0u8; 512];
+        while !self.ready {
+            let Ok(n) = self.sock.recv(&mut buf) else {
+                break;
+            };
+            self.ready = String::from_utf8_lossy(&buf[..n])
+                .lines()
+                .any(|l| l == "READY=1");
+        }
+        self.ready
+    }
+}
+
+impl Drop for NotifySocket {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.path);
+    }
+}
+
 impl BackendHost {
     /// Writes the configuration (see [`config_text`]) into `dir`; starts nothing.
     pub fn new(
@@ -103,11 +145,7 @@ impl BackendHost {
         if self.running() {
             bail!("the backend host of {} is already running", self.name);
         }
-        let notify_path = self.dir.join(format!("notify-{}.sock", self.name));
-        let _ = fs::remove_file(&notify_path);
-        let notify = UnixDatagram::bind(&notify_path)
-            .with_context(|| format!("binding {}", notify_path.display()))?;
-        notify.set_read_timeout(Some(Duration::from_millis(100)))?;
+        let mut notify = NotifySocket::bind(self.dir.join(format!("notify-{}.sock", self.name)))?;
         let log_path = self
             .dir
             .join(format!("backend-host-{}-{}.log", self.name, self.starts));
@@ -121,7 +159,7 @@ impl BackendHost {
             .arg(&self.sluice)
             .args(["backend-host", "run", "--config"])
             .arg(&self.config)
-            .env("NOTIFY_SOCKET", &notify_path)
+            .env("NOTIFY_SOCKET", &notify.path)
             .env("NO_COLOR", "1")
             .env_remove("RUST_LOG")
             .stdin(Stdio::null())
@@ -143,13 +181,9 @@ impl BackendHost {
                 .context("starting the backend host with nsenter")?,
         );
         let deadline = Instant::now() + READY_TIMEOUT;
-        let mut buf = [0u8; 512];
-        let result = loop {
-            if let Ok(n) = notify.recv(&mut buf) {
-                let msg = String::from_utf8_lossy(&buf[..n]);
-                if msg.lines().any(|l| l == "READY=1") {
-                    break Ok(());
-                }
+        loop {
+            if notify.ready() {
+                return Ok(());
             }
             if let Some(status) = self
                 .child
@@ -157,22 +191,32 @@ impl BackendHost {
                 .and_then(|c| c.try_wait().ok().flatten())
             {
                 self.child = None;
-                break Err(anyhow!(
+                bail!(
                     "the backend host of {} exited ({status}) before READY=1; its log:\n{}",
                     self.name,
                     self.log()
-                ));
+                );
             }
             if Instant::now() >= deadline {
-                break Err(anyhow!(
+                bail!(
                     "the backend host of {} sent no READY=1 within {READY_TIMEOUT:?}; its log:\n{}",
                     self.name,
                     self.log()
-                ));
+                );
             }
-        };
-        let _ = fs::remove_file(&notify_path);
-        result
+        }
+    }
+
+    /// SIGHUP (`systemctl reload`).
+    pub fn reload(&self) -> Result<()> {
+        let pid = self
+            .pid()
+            .ok_or_else(|| anyhow!("the backend host of {} is not running", self.name))?;
+        // SAFETY: a plain kill(2) of our own child.
+        if unsafe { libc::kill(pid as i32, libc::SIGHUP) } != 0 {
+            bail!("SIGHUP to {pid}: {}", std::io::Error::last_os_error());
+        }
+        Ok(())
     }
 
     /// The daemon's pid (nsenter and a prefix such as setpriv exec it in place).

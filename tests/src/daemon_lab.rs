@@ -43,7 +43,7 @@ use serde_json::Value;
 use sluice::{client::Client, dataplane::remove_pinned};
 
 use crate::{
-    backend_host::{start_all, BackendHost},
+    backend_host::{start_all, BackendHost, NotifySocket},
     netns::{
         mac_string, run_output, switch_port, tool, CmdOutput, ProcId, Topology, TopologySpec, DEV,
         ENCAP_SRC_V4, ENCAP_SRC_V6, SEED, TCP_PORT, VIP4, VIP6,
@@ -645,7 +645,8 @@ impl DaemonLab {
         strip_ansi(&fs::read_to_string(self.log_path()).unwrap_or_default())
     }
 
-    /// Starts `sluice run --config` in the LB namespace and waits until it answers on the
+    /// Starts `sluice run --config` in the LB namespace and waits until it has sent
+    /// `READY=1` over `$NOTIFY_SOCKET` (as for its Type=notify unit) and answers on the
     /// admin socket.
     pub fn start_daemon(&mut self) -> Result<()> {
         if self.daemon_running() {
@@ -655,6 +656,8 @@ impl DaemonLab {
         self.starts += 1;
         let log =
             File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+        // The daemon's readiness, as a Type=notify unit reports it.
+        let mut notify = NotifySocket::bind(self.dir.join("notify-lb.sock"))?;
         let mut cmd = Command::new(tool("nsenter")?);
         cmd.arg(format!("--net={}", self.topo.lb.ns.path().display()))
             .arg("--")
@@ -662,6 +665,7 @@ impl DaemonLab {
             .arg(&self.sluice)
             .args(["run", "--config"])
             .arg(&self.config)
+            .env("NOTIFY_SOCKET", &notify.path)
             .env("NO_COLOR", "1")
             .env_remove("RUST_LOG")
             .stdin(Stdio::null())
@@ -682,7 +686,8 @@ impl DaemonLab {
         self.daemon = Some(child);
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            if let Ok((200, _)) = self.api("GET", "/v1/status", None) {
+            // Ready only once it told "systemd" so and answers on its admin socket.
+            if notify.ready() && matches!(self.api("GET", "/v1/status", None), Ok((200, _))) {
                 return Ok(());
             }
             if let Some(status) = self
@@ -699,7 +704,9 @@ impl DaemonLab {
             }
             if Instant::now() >= deadline {
                 bail!(
-                    "the daemon did not answer on {} within {START_TIMEOUT:?}; its log:\n{}",
+                    "the daemon did not send READY=1 (got it: {}) and answer on {} within \
+                     {START_TIMEOUT:?}; its log:\n{}",
+                    notify.ready(),
                     self.socket.display(),
                     tail(&self.log(), 40)
                 );

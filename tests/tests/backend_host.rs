@@ -6,14 +6,16 @@
 //! bpffs and the `sluice` binary; fails, never skips.
 
 use std::{
+    fs,
     net::{IpAddr, SocketAddr},
     process::Command,
     time::Duration,
 };
 
 use sluice_tests::{
+    backend_host::config_text,
     daemon_lab::{tally, wait_for, DaemonLab, DaemonLabOptions, Running, VipDef},
-    netns::{Netns, DEV, TCP_PORT, VIP4},
+    netns::{Netns, DEV, TCP_PORT, VIP4, VIP6},
 };
 
 const SERVER: &str = env!("CARGO_BIN_EXE_sluice-testsrv");
@@ -227,4 +229,30 @@ fn check_and_status_report_the_host_and_the_metrics_show_a_dsr_problem() {
             .unwrap(),
         0
     );
+
+    // SIGHUP applies the file's VIPs: one more goes up on lo, then comes off again.
+    let h = &lab.backend_hosts[1];
+    let extra: IpAddr = "10.111.100.9".parse().unwrap();
+    let base = [IpAddr::from(VIP4), IpAddr::from(VIP6)];
+    for (vips, up) in [
+        (vec![base[0], base[1], extra], true),
+        (base.to_vec(), false),
+    ] {
+        fs::write(&h.config, config_text(&vips, &h.bpffs)).unwrap();
+        h.reload().unwrap();
+        wait_for(
+            "the reload to apply the VIPs",
+            Duration::from_secs(5),
+            || {
+                if on_lo(&b.ns, extra) == up {
+                    Ok(Some(()))
+                } else {
+                    Err(format!("{extra} on lo: {}", !up))
+                }
+            },
+        )
+        .unwrap();
+    }
+    assert!(on_lo(&b.ns, VIP4.into()), "the reload took {VIP4} off lo");
+    assert!(h.log().contains("configuration reloaded"), "{}", h.log());
 }
