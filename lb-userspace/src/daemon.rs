@@ -149,6 +149,16 @@ fn attach(dp: &mut Dataplane, cfg: &Config, pin_dir: &Path) -> Result<Vec<(Strin
     Ok(out)
 }
 
+/// A file removed when dropped: the admin socket goes with the daemon, also when its start
+/// fails after the socket was bound.
+struct RemovedOnDrop(PathBuf);
+
+impl Drop for RemovedOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 fn read_persisted(path: &Path) -> Option<Persisted> {
     let bytes = std::fs::read(path).ok()?;
     match serde_json::from_slice::<Persisted>(&bytes) {
@@ -181,6 +191,19 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let limits = Limits {
         max_vips: cfg.dataplane.max_vips,
     };
+
+    // What the host can refuse is refused before anything is loaded or attached: a missing
+    // interface, and an admin socket that cannot be bound (or where a daemon answers: a
+    // second daemon must not take over the pinned data plane).
+    for itf in &cfg.dataplane.interfaces {
+        ifindex(&itf.name)?;
+    }
+    let listener = admin::bind(&AdminSocket {
+        path: cfg.admin.socket.clone(),
+        mode: cfg.admin.mode.bits(),
+        group: cfg.admin.group.clone(),
+    })?;
+    let _socket_file = RemovedOnDrop(cfg.admin.socket.clone());
 
     let opts = LoadOptions {
         conn_table_size: cfg.dataplane.conn_table_size,
@@ -256,11 +279,6 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let listener = admin::bind(&AdminSocket {
-        path: cfg.admin.socket.clone(),
-        mode: cfg.admin.mode.bits(),
-        group: cfg.admin.group.clone(),
-    })?;
     tracing::info!(socket = %cfg.admin.socket.display(), "admin API listening");
     let admin_task = tokio::spawn(admin::serve(
         listener,
@@ -346,7 +364,6 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let _ = ticker.await;
     let _ = health.await;
     let _ = scraper.await;
-    let _ = std::fs::remove_file(&cfg.admin.socket);
     // Drop the maps and programs before unpinning, so nothing of ours holds them.
     drop(ctl);
     if cfg.daemon.keep_dataplane_on_exit {

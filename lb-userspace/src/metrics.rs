@@ -32,7 +32,7 @@ pub async fn serve<P: Plane + 'static>(
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
     serve_page(
-        addr,
+        bind(addr).await?,
         move || {
             let (ctl, info) = (Arc::clone(&ctl), Arc::clone(&info));
             async move { Ok(render(&Snapshot::take(&ctl).await?, &info)) }
@@ -42,10 +42,17 @@ pub async fn serve<P: Plane + 'static>(
     .await
 }
 
-/// Serves the exposition text `page` makes, fresh per scrape, as `GET /metrics` on `addr`
-/// until `shutdown` completes (the LB daemon's and the backend host's endpoint).
+/// Binds the metrics endpoint's address.
+pub(crate) async fn bind(addr: SocketAddr) -> Result<TcpListener> {
+    TcpListener::bind(addr).await.with_context(|| {
+        format!("binding the metrics address {addr}: is it in use, or not an address of this host?")
+    })
+}
+
+/// Serves the exposition text `page` makes, fresh per scrape, as `GET /metrics` on
+/// `listener` until `shutdown` completes (the LB daemon's and the backend host's endpoint).
 pub(crate) async fn serve_page<F, Fut>(
-    addr: SocketAddr,
+    listener: TcpListener,
     page: F,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()>
@@ -53,9 +60,6 @@ where
     F: Fn() -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<String>> + Send,
 {
-    let listener = TcpListener::bind(addr).await.with_context(|| {
-        format!("binding the metrics address {addr}: is it in use, or not an address of this host?")
-    })?;
     let (listener, page) = (&listener, &page);
     serve_connections(
         move || async move {

@@ -146,3 +146,42 @@ fn the_backend_host_example_is_valid_and_a_bad_one_is_refused() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn run_refuses_a_missing_interface_before_it_loads_or_binds_anything() {
+    let pins = std::env::temp_dir().join(format!("sluice-run-pins-{}", std::process::id()));
+    let (dir, _) = write_temp("noif", "");
+    let socket = dir.join("admin.sock");
+    let text = format!(
+        r#"[daemon]
+bpffs = "{}"
+[admin]
+socket = "{}"
+[dataplane]
+interfaces = [{{ name = "sluice-none0" }}]
+hash_seed = 1
+"#,
+        pins.display(),
+        socket.display()
+    );
+    let file = dir.join("sluice.toml");
+    std::fs::write(&file, text).unwrap();
+    let file = file.display().to_string();
+    assert_eq!(sluice(&["check", "--config", &file]).status.code(), Some(0));
+    let run = sluice(&["run", "--config", &file]);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.ends_with(
+            "error: interface \"sluice-none0\" does not exist in this network namespace (see `ip link`)\n"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        !pins.exists(),
+        "run created {} before refusing",
+        pins.display()
+    );
+    assert!(!socket.exists(), "run left {}", socket.display());
+    std::fs::remove_dir_all(dir).unwrap();
+}

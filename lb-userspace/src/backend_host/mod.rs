@@ -32,7 +32,7 @@ use tokio::signal::unix::SignalKind;
 
 use self::{config::HostConfig, dsr::Finding};
 use crate::{
-    daemon::{attach_interfaces, init_logging},
+    daemon::{attach_interfaces, ifindex, init_logging},
     dataplane::{remove_pinned, Dataplane, LoadOptions, PROG_DECAP},
     metrics::{dataplane_counters, gauges},
     notify,
@@ -172,6 +172,14 @@ pub async fn run(path: &Path) -> Result<()> {
     let cfg = config::load(path)?;
     init_logging(cfg.log_level, cfg.log_format);
     log_findings(&dsr::evaluate(&cfg, &dsr::read_facts(&cfg)));
+    // What the host can refuse is refused before anything is loaded or attached.
+    for itf in &cfg.interfaces {
+        ifindex(&itf.name)?;
+    }
+    let metrics_listener = match cfg.metrics {
+        Some(addr) => Some(crate::metrics::bind(addr).await?),
+        None => None,
+    };
     let opts = LoadOptions {
         pin_dir: Some(cfg.bpffs.clone()),
         ..LoadOptions::decap_only()
@@ -207,12 +215,12 @@ pub async fn run(path: &Path) -> Result<()> {
         started: Instant::now(),
     });
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let metrics_task = cfg.metrics.map(|addr| {
-        tracing::info!(%addr, "metrics listening");
+    let metrics_task = metrics_listener.map(|listener| {
+        tracing::info!(addr = ?listener.local_addr().ok(), "metrics listening");
         let live = live.clone();
         let mut rx = stop_rx.clone();
         tokio::spawn(crate::metrics::serve_page(
-            addr,
+            listener,
             move || {
                 let live = live.clone();
                 async move { live.page() }
