@@ -175,8 +175,8 @@ fn read_persisted(path: &Path) -> Option<Persisted> {
 }
 
 pub async fn run(config_path: &Path) -> Result<()> {
-    // Everything a start would refuse is refused here, before anything is attached, with the
-    // messages of `sluice check`.
+    // Whatever the file can be refused for is refused here, before anything is attached,
+    // with the messages of `sluice check`.
     let Checked {
         config: cfg,
         text,

@@ -137,7 +137,7 @@ fn render(counters: &[(&str, u64)], cfg: &HostConfig, findings: &[Finding], up: 
     reg.register(
         "build",
         "The daemon's version",
-        Info::new(vec![("version", crate::cli::VERSION.to_string())]),
+        Info::new(vec![("version", env!("CARGO_PKG_VERSION").to_string())]),
     );
     let mut out = String::new();
     prometheus_text::encode(&mut out, &reg).expect("writing to a String cannot fail");
