@@ -121,7 +121,7 @@ fn the_backend_host_example_is_valid_and_a_bad_one_is_refused() {
         "backend-host",
         "check",
         "--config",
-        &repo("configs/backend-host.toml"),
+        &repo("packaging/backend-host.toml"),
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(

@@ -1,7 +1,7 @@
 //! `cargo xtask package`: the Debian package (`target/package/sluice_<version>_<arch>.deb`),
 //! built with cargo-deb from the release build: the `sluice` binary, the two systemd units
 //! (`packaging/systemd/`), the default configurations (`packaging/sluice.toml`, which steers
-//! nothing until edited, and `configs/backend-host.toml`, which serves no VIP), the example
+//! nothing until edited, and `packaging/backend-host.toml`, which serves no VIP), the example
 //! configurations, man pages rendered from the CLI (clap_mangen, `sluice manpages`) and shell
 //! completions (`sluice completions`). The file list is `[package.metadata.deb]` in
 //! lb-userspace/Cargo.toml; the generated files go to `packaging/generated/` first (git

@@ -223,7 +223,7 @@ pub fn parse(text: &str, origin: &str) -> Result<HostConfig, Refused> {
 mod tests {
     use super::*;
 
-    const EXAMPLE: &str = include_str!("../../../configs/backend-host.toml");
+    const EXAMPLE: &str = include_str!("../../../packaging/backend-host.toml");
 
     #[test]
     fn the_example_configuration_parses() {
