@@ -14,6 +14,9 @@ use std::{
 };
 
 const OBJECT_ENV: &str = "SLUICE_BPF_OBJECT";
+/// The git revision `sluice --version` shows: this variable when set (a build from a source
+/// archive), else `git describe --always` of the tree, else "unknown".
+const REV_ENV: &str = "SLUICE_GIT_REV";
 
 /// Sources the default object is built from (relative to the workspace root); the same list
 /// as `OBJECT_INPUTS` in xtask/src/build.rs.
@@ -32,6 +35,7 @@ fn main() {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("set by cargo"));
 
     println!("cargo::rerun-if-env-changed={OBJECT_ENV}");
+    println!("cargo::rustc-env={REV_ENV}={}", git_rev(workspace));
     for input in INPUTS {
         // A directory is scanned recursively by cargo.
         println!(
@@ -107,6 +111,35 @@ fn newest_mtime(path: &Path, newest: &mut Option<(SystemTime, PathBuf)>) {
             }
         }
     }
+}
+
+/// `git describe --always` of the workspace (the commit checked out; uncommitted edits are
+/// not marked: the script reruns only when HEAD moves).
+fn git_rev(workspace: &Path) -> String {
+    println!("cargo::rerun-if-env-changed={REV_ENV}");
+    if let Some(rev) = env::var_os(REV_ENV).filter(|v| !v.is_empty()) {
+        return rev.to_string_lossy().into_owned();
+    }
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(workspace)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    // A worktree's HEAD and its log live in the worktree's own git directory.
+    for file in ["HEAD", "logs/HEAD"] {
+        if let Some(p) = git(&["rev-parse", "--git-path", file]) {
+            let p = workspace.join(p);
+            if p.exists() {
+                println!("cargo::rerun-if-changed={}", p.display());
+            }
+        }
+    }
+    git(&["describe", "--always", "--abbrev=12"]).unwrap_or_else(|| "unknown".into())
 }
 
 fn fail(msg: &str) -> ! {

@@ -26,8 +26,17 @@ use crate::{
     state::{BackendSpec, HashMode, Protocol, VipSpec},
 };
 
+/// The version `sluice --version` prints: the crate's and the git revision it was built from.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (git ",
+    env!("SLUICE_GIT_REV"),
+    ")"
+);
+
 const EXAMPLES: &str = "\
 Examples:
+  sluice check --config /etc/sluice/sluice.toml
   sluice run --config /etc/sluice/sluice.toml
   sluice status
   sluice vip add chat --address 10.0.0.1 --port 443 --backend 10.1.0.1 --backend 10.1.0.2:50
@@ -35,13 +44,18 @@ Examples:
   sluice backend list chat
   sluice stats --json | jq .global
 
-Commands other than `run`, `completions` and `cleanup` talk to the daemon through its admin
-socket, which is open to root and the members of the socket's group.";
+Commands other than `run`, `check`, `backend-host`, `completions`, `telemetry` and `cleanup`
+talk to the daemon through its admin socket, which is open to root and the members of the
+socket's group.
+
+Exit status: 0 success; 1 failure (a refused configuration or request, an unreachable
+daemon, a DSR problem found by `backend-host check`); 2 bad usage (unknown command or
+option, bad argument).";
 
 #[derive(Parser, Debug)]
 #[command(
     name = "sluice",
-    version,
+    version = VERSION,
     about = "Sluice: an XDP layer-4 load balancer for LLM inference traffic",
     after_help = EXAMPLES,
     propagate_version = true
@@ -84,6 +98,45 @@ Needs root (or CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON) and a bpffs mount.")]
             default_value = "/etc/sluice/sluice.toml"
         )]
         config: PathBuf,
+    },
+
+    /// Validate a configuration without root and without touching the system
+    #[command(after_help = "\
+Examples:
+  sluice check --config /etc/sluice/sluice.toml
+  sluice check -c ./sluice.toml && systemctl reload sluice
+
+Refuses exactly what `sluice run` would refuse at start, with the same messages (one line
+per problem); prints warnings to stderr. Exit status 0 when valid, 1 when refused.")]
+    Check {
+        /// The configuration file (TOML).
+        #[arg(
+            long,
+            short,
+            value_name = "FILE",
+            default_value = "/etc/sluice/sluice.toml"
+        )]
+        config: PathBuf,
+    },
+
+    /// The backend host's side: decapsulation, VIPs on lo, DSR checks and metrics
+    #[command(
+        subcommand,
+        after_help = "\
+Examples:
+  sluice backend-host check --config /etc/sluice/backend-host.toml
+  sluice backend-host run --config /etc/sluice/backend-host.toml
+  sluice backend-host status --config /etc/sluice/backend-host.toml
+
+Run on every accelerator host behind Sluice (the sluice-backend-host service)."
+    )]
+    BackendHost(crate::backend_host::cli::BackendHostCommand),
+
+    /// Write the man pages (sluice.1 and one per subcommand) into a directory
+    #[command(hide = true, after_help = "Example:\n  sluice manpages target/man")]
+    Manpages {
+        /// The directory to write into (created if missing).
+        dir: PathBuf,
     },
 
     /// Show the daemon's version, uptime, interfaces and counts of VIPs and backends
@@ -426,6 +479,9 @@ pub fn execute(cli: &Cli, out: &mut dyn Write) -> Result<()> {
     };
     match &cli.command {
         Command::Run { config } => run_daemon(config),
+        Command::Check { config } => crate::check::command(config, out.json, out.out),
+        Command::BackendHost(cmd) => crate::backend_host::cli::execute(cmd, out.json, out.out),
+        Command::Manpages { dir } => crate::manpages::write(Cli::command(), dir, out.out),
         Command::Status => out.show(&client.call("GET", "/v1/status", None)?, print_status),
         Command::Vip(cmd) => vip(cmd, &client, &mut out),
         Command::Backend(cmd) => backend(cmd, &client, &mut out),

@@ -22,10 +22,11 @@ use tokio::{
 use crate::{
     admin::{self, now_ms, AdminSocket, DaemonInfo},
     apply::MapPlane,
+    check::{check_file, Checked},
     config::{self, Config},
     controller::{Controller, HashKind, Persisted, Settings},
     dataplane::{remove_pinned, Dataplane, LoadOptions, PROG_XDP},
-    limits, metrics,
+    limits, metrics, notify,
     object::BPF_OBJECT,
     policy::Policy,
     state::{BackendSpec, HashMode, Limits, Protocol, State, VipSpec},
@@ -102,20 +103,20 @@ fn same_config(p: &Persisted, text: &str, path: &Path) -> bool {
     }
 }
 
-fn init_logging(cfg: &Config) {
+pub(crate) fn init_logging(level: config::LogLevel, format: config::LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(cfg.daemon.log_level.to_string()));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level.to_string()));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
-    let _ = if cfg.daemon.log_format == config::LogFormat::Json {
+    let _ = if format == config::LogFormat::Json {
         builder.json().try_init()
     } else {
         builder.try_init()
     };
 }
 
-fn ifindex(name: &str) -> Result<u32> {
+pub(crate) fn ifindex(name: &str) -> Result<u32> {
     let c = CString::new(name).map_err(|_| anyhow!("interface name {name:?} contains NUL"))?;
     // SAFETY: a valid C string.
     match unsafe { libc::if_nametoindex(c.as_ptr()) } {
@@ -124,10 +125,16 @@ fn ifindex(name: &str) -> Result<u32> {
     }
 }
 
-/// Attaches to every configured interface; returns (name, mode used).
-fn attach(dp: &mut Dataplane, cfg: &Config, pin_dir: &Path) -> Result<Vec<(String, String)>> {
+/// Attaches `prog` to every interface through a link pinned in `pin_dir` (`link_<name>`),
+/// replacing the program of a link an earlier run pinned; returns (name, ifindex, mode used).
+pub(crate) fn attach_interfaces(
+    dp: &mut Dataplane,
+    prog: &str,
+    interfaces: &[config::InterfaceConfig],
+    pin_dir: &Path,
+) -> Result<Vec<(String, u32, String)>> {
     let mut out = vec![];
-    for itf in &cfg.dataplane.interfaces {
+    for itf in interfaces {
         let idx = ifindex(&itf.name)?;
         let pin = pin_dir.join(format!("link_{}", itf.name));
         let modes: &[(XdpMode, &str)] = match itf.mode {
@@ -137,10 +144,10 @@ fn attach(dp: &mut Dataplane, cfg: &Config, pin_dir: &Path) -> Result<Vec<(Strin
         };
         let mut last = None;
         for (mode, label) in modes {
-            match dp.attach_pinned(PROG_XDP, idx, *mode, &pin) {
+            match dp.attach_pinned(prog, idx, *mode, &pin) {
                 Ok(replaced) => {
-                    tracing::info!(interface = %itf.name, mode = label, replaced, "XDP attached");
-                    out.push((itf.name.clone(), label.to_string()));
+                    tracing::info!(interface = %itf.name, program = prog, mode = label, replaced, "XDP attached");
+                    out.push((itf.name.clone(), idx, label.to_string()));
                     last = None;
                     break;
                 }
@@ -159,9 +166,29 @@ fn attach(dp: &mut Dataplane, cfg: &Config, pin_dir: &Path) -> Result<Vec<(Strin
                 _ => format!("cannot attach XDP to {}", itf.name),
             }));
         }
-        dp.add_tx_port(idx)?;
     }
     Ok(out)
+}
+
+/// Attaches the steering program to every configured interface, each also an egress port
+/// for XDP_REDIRECT; returns (name, mode used).
+fn attach(dp: &mut Dataplane, cfg: &Config, pin_dir: &Path) -> Result<Vec<(String, String)>> {
+    let mut out = vec![];
+    for (name, idx, mode) in attach_interfaces(dp, PROG_XDP, &cfg.dataplane.interfaces, pin_dir)? {
+        dp.add_tx_port(idx)?;
+        out.push((name, mode));
+    }
+    Ok(out)
+}
+
+/// A file removed when dropped: the admin socket goes with the daemon, also when its start
+/// fails after the socket was bound.
+struct RemovedOnDrop(PathBuf);
+
+impl Drop for RemovedOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 fn read_persisted(path: &Path) -> Option<Persisted> {
@@ -328,11 +355,14 @@ fn start_ticker(
 }
 
 pub async fn run(config_path: &Path) -> Result<()> {
-    let text = std::fs::read_to_string(config_path)
-        .with_context(|| format!("reading {}", config_path.display()))?;
-    let (cfg, warnings) = config::parse_with_warnings(&text, &config_path.display().to_string())
-        .map_err(|e| anyhow!("{e}"))?;
-    init_logging(&cfg);
+    // Whatever the file can be refused for is refused here, before anything is attached,
+    // with the messages of `sluice check`.
+    let Checked {
+        config: cfg,
+        text,
+        warnings,
+    } = check_file(config_path)?;
+    init_logging(cfg.daemon.log_level, cfg.daemon.log_format);
     for w in warnings {
         tracing::warn!("{w}");
     }
@@ -348,6 +378,19 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let limits = Limits {
         max_vips: cfg.dataplane.max_vips,
     };
+
+    // What the host can refuse is refused before anything is loaded or attached: a missing
+    // interface, and an admin socket that cannot be bound (or where a daemon answers: a
+    // second daemon must not take over the pinned data plane).
+    for itf in &cfg.dataplane.interfaces {
+        ifindex(&itf.name)?;
+    }
+    let listener = admin::bind(&AdminSocket {
+        path: cfg.admin.socket.clone(),
+        mode: cfg.admin.mode.bits(),
+        group: cfg.admin.group.clone(),
+    })?;
+    let _socket_file = RemovedOnDrop(cfg.admin.socket.clone());
 
     let opts = LoadOptions {
         conn_table_size: cfg.dataplane.conn_table_size,
@@ -422,13 +465,9 @@ pub async fn run(config_path: &Path) -> Result<()> {
     });
     let cfg = Arc::new(cfg);
 
-    // Both listeners are bound before anything is served, so that a socket path or port
-    // that cannot be had stops the start here and rolls the data plane back.
-    let listener = admin::bind(&AdminSocket {
-        path: cfg.admin.socket.clone(),
-        mode: cfg.admin.mode.bits(),
-        group: cfg.admin.group.clone(),
-    })?;
+    // The admin socket was bound before the load; the metrics port is bound before anything
+    // is served, so that a port that cannot be had stops the start here and rolls the data
+    // plane back.
     let metrics_listener = match cfg.metrics.enabled.then_some(cfg.metrics.listen) {
         Some(addr) => Some((addr, metrics::bind(addr)?)),
         None => None,
@@ -464,6 +503,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
     };
     let ticker = start_ticker(settings_rx, &ctl, &hub, epoch);
 
+    // The data plane is attached and the admin socket accepts: a Type=notify unit is up.
+    notify::ready("steering");
     loop {
         tokio::select! {
             _ = term.recv() => break,
@@ -472,6 +513,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         }
     }
     tracing::info!("stopping");
+    notify::stopping();
     let _ = stop_tx.send(true);
     let _ = admin_task.await;
     if let Some(t) = metrics_task {
@@ -480,7 +522,6 @@ pub async fn run(config_path: &Path) -> Result<()> {
     ticker.stop().await;
     live.health.stop().await;
     live.scraper.stop().await;
-    let _ = std::fs::remove_file(&cfg.admin.socket);
     // Drop the maps and programs before unpinning, so nothing of ours holds them.
     drop(ctl);
     if cfg.daemon.keep_dataplane_on_exit {
@@ -549,14 +590,10 @@ async fn reload(
     epoch: Instant,
     live: Live,
 ) -> Live {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) => {
-            tracing::error!(path = %path.display(), error = %e, "reload: cannot read config, nothing changed");
-            return live;
-        }
-    };
-    let new = match config::parse(&text, &path.display().to_string()) {
+    // The same validation as a start and `sluice check`.
+    let Checked {
+        config: new, text, ..
+    } = match check_file(path) {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "reload: configuration rejected, nothing changed");

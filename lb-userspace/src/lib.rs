@@ -3,6 +3,8 @@
 pub mod addr;
 pub mod admin;
 pub mod apply;
+pub mod backend_host;
+pub mod check;
 pub mod cli;
 pub mod client;
 pub mod config;
@@ -11,7 +13,9 @@ pub mod daemon;
 pub mod dataplane;
 pub mod limits;
 pub mod maglev;
+pub mod manpages;
 pub mod metrics;
+pub mod notify;
 pub mod object;
 pub mod policy;
 pub mod private_file;

@@ -3,7 +3,12 @@
 //! The registry is built per scrape from a snapshot taken under the controller lock, so the
 //! metrics always describe one consistent state and encoding never holds the lock.
 
-use std::{convert::Infallible, future::Future, net::SocketAddr, sync::Arc};
+use std::{
+    convert::Infallible,
+    future::Future,
+    net::SocketAddr,
+    sync::{atomic::AtomicU64, Arc},
+};
 
 use anyhow::{Context, Result};
 use http_body_util::Full;
@@ -24,7 +29,7 @@ use crate::{
     state::PlaneState,
 };
 
-type Labels = Vec<(&'static str, String)>;
+pub(crate) type Labels = Vec<(&'static str, String)>;
 
 /// Binds the metrics address; done at start, before anything is served, so a port in use
 /// stops the start (and rolls back the data plane) instead of failing later in a task.
@@ -43,21 +48,45 @@ pub async fn serve<P: Plane + 'static>(
     info: Arc<DaemonInfo>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
+    let refused = Arc::clone(&info.refused);
+    serve_page(
+        listener,
+        &refused.metrics,
+        move || {
+            let (ctl, info) = (Arc::clone(&ctl), Arc::clone(&info));
+            async move { Ok(render(&Snapshot::take(&ctl).await?, &info)) }
+        },
+        shutdown,
+    )
+    .await
+}
+
+/// Serves the exposition text `page` makes, fresh per scrape, as `GET /metrics` on
+/// `listener` until `shutdown` completes (the LB daemon's and the backend host's endpoint),
+/// within the metrics listener's limits; connections over them are counted in `refused`.
+pub(crate) async fn serve_page<F, Fut>(
+    listener: TcpListener,
+    refused: &AtomicU64,
+    page: F,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()>
+where
+    F: Fn() -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<String>> + Send,
+{
     let limits = METRICS;
-    let (listener, ctl, info) = (&listener, &ctl, &info);
+    let (listener, page) = (&listener, &page);
     serve_connections(
         limits,
-        &info.refused.metrics,
+        refused,
         "metrics",
         move || async move {
             let (stream, peer) = listener.accept().await?;
-            let (ctl, info) = (Arc::clone(ctl), Arc::clone(info));
+            let page = page.clone();
             let service = service_fn(move |req| {
-                let (ctl, info) = (Arc::clone(&ctl), Arc::clone(&info));
+                let page = page.clone();
                 async move {
-                    Ok::<_, Infallible>(
-                        within(limits.request_timeout, respond(req, &ctl, &info)).await,
-                    )
+                    Ok::<_, Infallible>(within(limits.request_timeout, respond(req, page)).await)
                 }
             });
             // Counted per source address. Every local user shares 127.0.0.1, so the cap per
@@ -70,11 +99,11 @@ pub async fn serve<P: Plane + 'static>(
     Ok(())
 }
 
-async fn respond<P: Plane, B>(
-    req: Request<B>,
-    ctl: &Mutex<Controller<P>>,
-    info: &DaemonInfo,
-) -> Response<Full<Bytes>> {
+async fn respond<F, Fut, B>(req: Request<B>, page: F) -> Response<Full<Bytes>>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<String>>,
+{
     if req.uri().path() != "/metrics" {
         return text(
             StatusCode::NOT_FOUND,
@@ -87,9 +116,9 @@ async fn respond<P: Plane, B>(
             .insert(header::ALLOW, header::HeaderValue::from_static("GET"));
         return r;
     }
-    match Snapshot::take(ctl).await {
-        Ok(snap) => {
-            let mut r = text(StatusCode::OK, render(&snap, info));
+    match page().await {
+        Ok(body) => {
+            let mut r = text(StatusCode::OK, body);
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
                 header::HeaderValue::from_static(prometheus_text::CONTENT_TYPE),
@@ -106,7 +135,7 @@ fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     r
 }
 
-fn counters(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, u64)>) {
+pub(crate) fn counters(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, u64)>) {
     let family = Family::<Labels, Counter>::default();
     for (labels, v) in samples {
         family.get_or_create(&labels).inc_by(v);
@@ -114,7 +143,7 @@ fn counters(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, u6
     reg.register(name, help, family);
 }
 
-fn gauges(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, i64)>) {
+pub(crate) fn gauges(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, i64)>) {
     let family = Family::<Labels, Gauge>::default();
     for (labels, v) in samples {
         family.get_or_create(&labels).set(v);
@@ -155,6 +184,40 @@ fn dataplane_family(name: &str, kind: Kind) -> (Dataplane, String) {
         None => name.replacen(&format!("_{word}"), "_", 1),
     };
     (family, label)
+}
+
+/// `sluice_dataplane_{drops,passes,events}_total` from (counter index in `lb_common::stat`,
+/// value) pairs.
+pub(crate) fn dataplane_counters(reg: &mut Registry, values: impl Iterator<Item = (u32, u64)>) {
+    let mut drops = vec![];
+    let mut passes = vec![];
+    let mut events = vec![];
+    for (i, v) in values {
+        let i = i as usize;
+        match dataplane_family(stat::NAMES[i], stat::KINDS[i]) {
+            (Dataplane::Drops, r) => drops.push((vec![("reason", r)], v)),
+            (Dataplane::Passes, r) => passes.push((vec![("reason", r)], v)),
+            (Dataplane::Events, e) => events.push((vec![("event", e)], v)),
+        }
+    }
+    counters(
+        reg,
+        "dataplane_drops",
+        "Packets the data plane dropped, by reason",
+        drops,
+    );
+    counters(
+        reg,
+        "dataplane_passes",
+        "Packets the data plane passed to the kernel, by reason",
+        passes,
+    );
+    counters(
+        reg,
+        "dataplane_events",
+        "Data-plane steering events",
+        events,
+    );
 }
 
 /// The exposition text of `snap`.
@@ -342,34 +405,12 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             .collect(),
     );
 
-    let mut drops = vec![];
-    let mut passes = vec![];
-    let mut events = vec![];
-    for (name, kind) in stat::NAMES.into_iter().zip(stat::KINDS) {
-        let v = snap.counters.global.get(name).copied().unwrap_or(0);
-        match dataplane_family(name, kind) {
-            (Dataplane::Drops, r) => drops.push((vec![("reason", r)], v)),
-            (Dataplane::Passes, r) => passes.push((vec![("reason", r)], v)),
-            (Dataplane::Events, e) => events.push((vec![("event", e)], v)),
-        }
-    }
-    counters(
+    dataplane_counters(
         &mut reg,
-        "dataplane_drops",
-        "Packets the data plane dropped, by reason",
-        drops,
-    );
-    counters(
-        &mut reg,
-        "dataplane_passes",
-        "Packets the data plane passed to the kernel, by reason",
-        passes,
-    );
-    counters(
-        &mut reg,
-        "dataplane_events",
-        "Data-plane steering events",
-        events,
+        (0..stat::COUNT).map(|i| {
+            let v = snap.counters.global.get(stat::NAMES[i as usize]);
+            (i, v.copied().unwrap_or(0))
+        }),
     );
     counters(
         &mut reg,

@@ -2,9 +2,10 @@
 //! in the LB namespace, driven through the `sluice` CLI and the admin API as an operator
 //! would.
 //!
-//! [`DaemonLab::start`] builds the [`Topology`] (see `netns`), attaches the lab's other data
-//! planes ([`Edges`]: `sluice_pass` on the LB's switch port, `sluice_decap` on every
-//! backend), starts a token server on every backend (on the VIPs, and on the backend's own
+//! [`DaemonLab::start`] builds the [`Topology`] (see `netns`), attaches `sluice_pass` to the
+//! LB's switch port ([`switch_port`]), starts `sluice backend-host run` on every backend as its
+//! systemd unit would ([`BackendHost`]: decapsulation on eth0, the VIPs on lo, readiness
+//! through `$NOTIFY_SOCKET`), starts a token server on every backend (on the VIPs, and on the backend's own
 //! addresses for the health checks), optionally a fake Prometheus exporter per backend
 //! (`sluice-testsrv serve --metrics`, whose page a test rewrites at run time), writes a
 //! configuration and starts the daemon with `nsenter --net=/run/netns/<lb>` (not
@@ -42,8 +43,9 @@ use serde_json::Value;
 use sluice::{client::Client, dataplane::remove_pinned};
 
 use crate::{
+    backend_host::{start_all, BackendHost, NotifySocket},
     netns::{
-        mac_string, run_output, tool, CmdOutput, Edges, ProcId, Topology, TopologySpec, DEV,
+        mac_string, run_output, switch_port, tool, CmdOutput, ProcId, Topology, TopologySpec, DEV,
         ENCAP_SRC_V4, ENCAP_SRC_V6, SEED, TCP_PORT, VIP4, VIP6,
     },
     stream::TokenStream,
@@ -115,6 +117,12 @@ pub struct DaemonLabOptions {
     pub server: PathBuf,
     /// Configuration keys by section, as raw TOML values; [`DaemonLabOptions::set`].
     pub settings: BTreeMap<String, BTreeMap<String, String>>,
+    /// The `sluice` binary of both daemons and the CLI; default: the one built next to the
+    /// tests ([`sluice_binary`]). The package test names the installed one.
+    pub sluice: Option<PathBuf>,
+    /// Put before the binary when a daemon (LB or backend host) starts, e.g. `setpriv` with
+    /// a systemd unit's capabilities; empty by default.
+    pub prefix: Vec<String>,
 }
 
 impl DaemonLabOptions {
@@ -132,6 +140,8 @@ impl DaemonLabOptions {
             server_lifetime: Duration::from_secs(180),
             server: server.into(),
             settings: BTreeMap::new(),
+            sluice: None,
+            prefix: Vec::new(),
         };
         for (section, key, value) in [
             ("daemon", "keep_dataplane_on_exit", "false"),
@@ -339,20 +349,37 @@ pub fn sweep_stale() {
     }
 }
 
-/// Fails with what is missing: the `sluice` binary, `nsenter`, a bpffs at /sys/fs/bpf (the
-/// namespace prerequisites are checked by [`Topology::build`]).
+/// A fresh lab id, `sluice-lab-<pid>-<n>`: its pin and temporary directories are swept by
+/// [`sweep_stale`] once this process is gone.
+pub fn next_lab_id() -> String {
+    format!(
+        "{PREFIX}{}-{}",
+        std::process::id(),
+        LAB_COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Fails with what is missing: the `sluice` binary, `nsenter`, a bpffs at /sys/fs/bpf, the
+/// test server (the namespace prerequisites are checked by [`Topology::build`]).
 pub fn require_daemon_prerequisites(server: &Path) -> Result<PathBuf> {
+    let sluice = require_sluice_daemon_prerequisites()?;
+    if !server.is_file() {
+        bail!("the test server {} does not exist", server.display());
+    }
+    Ok(sluice)
+}
+
+/// What running the `sluice` daemons in the lab needs (also the backend hosts of the
+/// namespace lab): the binary, `nsenter`, a bpffs at /sys/fs/bpf.
+pub fn require_sluice_daemon_prerequisites() -> Result<PathBuf> {
     crate::netns::require_lab_prerequisites()?;
-    tool("nsenter").context("the daemon lab starts the daemon with nsenter (util-linux)")?;
+    tool("nsenter").context("the labs start the sluice daemons with nsenter (util-linux)")?;
     let mounts = fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
     if !mounts
         .lines()
         .any(|l| l.split_whitespace().nth(1) == Some("/sys/fs/bpf") && l.contains(" bpf "))
     {
         bail!("no bpffs at /sys/fs/bpf: `mount -t bpf bpf /sys/fs/bpf` (cargo xtask setup does)");
-    }
-    if !server.is_file() {
-        bail!("the test server {} does not exist", server.display());
     }
     sluice_binary()
 }
@@ -379,31 +406,37 @@ pub struct DaemonLab {
     pub servers: Vec<ProcId>,
     /// The fake exporter of each backend (with [`DaemonLabOptions::exporters`]).
     pub exporters: Vec<ProcId>,
-    pub edges: Edges,
+    /// `sluice backend-host run` per backend (index as in `topo.backends`).
+    pub backend_hosts: Vec<BackendHost>,
+    /// `sluice_pass` on the LB's switch port.
+    pub edge_dp: sluice::dataplane::Dataplane,
     pub topo: Topology,
 }
 
 impl DaemonLab {
     pub fn start(opts: DaemonLabOptions) -> Result<DaemonLab> {
         let t = Instant::now();
-        let sluice = require_daemon_prerequisites(&opts.server)?;
+        let built = require_daemon_prerequisites(&opts.server)?;
+        let sluice = opts.sluice.clone().unwrap_or(built);
         sweep_stale();
         let topo = Topology::build(&opts.topology)?;
-        for b in &topo.backends {
-            for a in &opts.backend_vips {
-                topo.add_backend_vip(b, *a)?;
-            }
-        }
-        let edges = Edges::attach(&topo)?;
-        let id = format!(
-            "{PREFIX}{}-{}",
-            std::process::id(),
-            LAB_COUNTER.fetch_add(1, Ordering::Relaxed)
-        );
+        let edge_dp = switch_port(&topo)?;
+        let id = next_lab_id();
         let dir = std::env::temp_dir().join(&id);
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let bpffs = Path::new("/sys/fs/bpf").join(&id);
+        // Each backend host puts the lab's VIPs on its lo (Topology put VIP4 and VIP6 there
+        // already; the daemon keeps an address that is there).
+        let mut vips = vec![IpAddr::from(VIP4), IpAddr::from(VIP6)];
+        vips.extend(opts.backend_vips.iter().copied());
+        let backend_hosts = match start_all(&topo, &sluice, &opts.prefix, &vips, &id, &dir) {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
         let port = topo
             .lb
             .ns
@@ -425,7 +458,8 @@ impl DaemonLab {
             dir,
             bpffs,
             opts,
-            edges,
+            backend_hosts,
+            edge_dp,
             topo,
         };
         lab.start_servers()?;
@@ -611,7 +645,8 @@ impl DaemonLab {
         strip_ansi(&fs::read_to_string(self.log_path()).unwrap_or_default())
     }
 
-    /// Starts `sluice run --config` in the LB namespace and waits until it answers on the
+    /// Starts `sluice run --config` in the LB namespace and waits until it has sent
+    /// `READY=1` over `$NOTIFY_SOCKET` (as for its Type=notify unit) and answers on the
     /// admin socket.
     pub fn start_daemon(&mut self) -> Result<()> {
         if self.daemon_running() {
@@ -621,12 +656,16 @@ impl DaemonLab {
         self.starts += 1;
         let log =
             File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+        // The daemon's readiness, as a Type=notify unit reports it.
+        let mut notify = NotifySocket::bind(self.dir.join("notify-lb.sock"))?;
         let mut cmd = Command::new(tool("nsenter")?);
         cmd.arg(format!("--net={}", self.topo.lb.ns.path().display()))
             .arg("--")
+            .args(&self.opts.prefix)
             .arg(&self.sluice)
             .args(["run", "--config"])
             .arg(&self.config)
+            .env("NOTIFY_SOCKET", &notify.path)
             .env("NO_COLOR", "1")
             .env_remove("RUST_LOG")
             .stdin(Stdio::null())
@@ -647,7 +686,8 @@ impl DaemonLab {
         self.daemon = Some(child);
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            if let Ok((200, _)) = self.api("GET", "/v1/status", None) {
+            // Ready only once it told "systemd" so and answers on its admin socket.
+            if notify.ready() && matches!(self.api("GET", "/v1/status", None), Ok((200, _))) {
                 return Ok(());
             }
             if let Some(status) = self
@@ -664,7 +704,9 @@ impl DaemonLab {
             }
             if Instant::now() >= deadline {
                 bail!(
-                    "the daemon did not answer on {} within {START_TIMEOUT:?}; its log:\n{}",
+                    "the daemon did not send READY=1 (got it: {}) and answer on {} within \
+                     {START_TIMEOUT:?}; its log:\n{}",
+                    notify.ready(),
                     self.socket.display(),
                     tail(&self.log(), 40)
                 );
@@ -966,6 +1008,8 @@ impl Drop for DaemonLab {
         if let Err(e) = remove_pinned(&self.bpffs) {
             eprintln!("daemon lab {}: {e:#}", self.id);
         }
+        // Stopped (and their logs shown) while their directory is still there.
+        self.backend_hosts.clear();
         if let Err(e) = fs::remove_dir_all(&self.dir) {
             eprintln!(
                 "daemon lab {}: removing {}: {e}",

@@ -1,6 +1,7 @@
 //! Shared helpers for the packet (BPF_PROG_TEST_RUN) and namespace tests. Both need root and
 //! the eBPF object built by `cargo xtask build`; they fail, never skip, when either is missing.
 
+pub mod backend_host;
 pub mod daemon_lab;
 pub mod frames;
 pub mod fuzz;

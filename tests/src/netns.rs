@@ -52,6 +52,10 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::{
+    backend_host::{start_all, BackendHost, TempDir},
+    daemon_lab,
+};
 use anyhow::{anyhow, bail, Context, Result};
 use aya::programs::XdpMode;
 use lb_common::{
@@ -59,7 +63,7 @@ use lb_common::{
 };
 use sluice::{
     addr::to_words,
-    dataplane::{Dataplane, LoadOptions, PROG_DECAP, PROG_PASS, PROG_XDP},
+    dataplane::{Dataplane, LoadOptions, PROG_PASS, PROG_XDP},
     maglev::{self, MaglevBackend},
     object::BPF_OBJECT,
 };
@@ -1233,11 +1237,13 @@ pub fn backend_id(vip_id: u32, index: usize) -> u32 {
 }
 
 /// The topology plus Sluice: `sluice_xdp` (native) on the LB's eth0, `sluice_pass` (native) on
-/// the LB's switch port, `sluice_decap` (native) on every backend's eth0, the default VIPs
-/// (TCP and UDP on [`VIP4`] and [`VIP6`], every backend, equal weights), the servers, and the
-/// LB's neighbour entries for every backend.
+/// the LB's switch port, `sluice backend-host run` on every backend (`sluice_decap`, native,
+/// on eth0; see [`BackendHost`]), the default VIPs (TCP and UDP on [`VIP4`] and [`VIP6`],
+/// every backend, equal weights), the servers, and the LB's neighbour entries for every
+/// backend.
 ///
-/// Fields drop in order: the data planes (detaching XDP), then the topology.
+/// Fields drop in order: the data planes (detaching XDP) and backend hosts, their
+/// directory, then the topology.
 pub struct NetLab {
     /// Sluice on the LB.
     pub lb_dp: Dataplane,
@@ -1245,9 +1251,11 @@ pub struct NetLab {
     /// `sluice_pass` on the LB's switch port: accepts the LB's XDP_TX frames, and its `RX`
     /// counter counts every frame the LB namespace sends.
     pub edge_dp: Dataplane,
-    /// `sluice_decap` per backend (index as in `topo.backends`): `DECAP_OK` counts the
-    /// encapsulated packets each one received.
-    pub decap_dps: Vec<Dataplane>,
+    /// The backend host daemon per backend (index as in `topo.backends`): its `DECAP_OK`
+    /// counts the encapsulated packets the backend received.
+    pub backend_hosts: Vec<BackendHost>,
+    /// The backend hosts' configurations and logs.
+    pub dir: TempDir,
     /// tcp4, tcp6, udp4, udp6 (VIP ids 0 to 3).
     pub services: Vec<Service>,
     /// The server process of each backend (if started).
@@ -1267,30 +1275,13 @@ pub fn attach_native(dp: &mut Dataplane, prog: &str, ns: &Netns, dev: &str) -> R
         .with_context(|| format!("attaching {prog} to {}/{dev}", ns.name()))
 }
 
-/// The lab's data planes besides the LB's own: `sluice_pass` (native) on the LB's switch port
-/// (native XDP_TX frames on a veth are delivered only when the peer runs XDP) and
-/// `sluice_decap` (native) on every backend's eth0. Dropping it detaches them.
-pub struct Edges {
-    /// `RX` counts every frame the LB namespace sends.
-    pub edge_dp: Dataplane,
-    /// Per backend (index as in `topo.backends`): `DECAP_OK` counts what each decapsulated.
-    pub decap_dps: Vec<Dataplane>,
-}
-
-impl Edges {
-    pub fn attach(topo: &Topology) -> Result<Edges> {
-        let mut edge_dp = Dataplane::load(BPF_OBJECT, &LoadOptions::decap_only())
-            .context("loading the switch port's data plane")?;
-        attach_native(&mut edge_dp, PROG_PASS, &topo.switch, &topo.lb.port)?;
-        let mut decap_dps = Vec::new();
-        for b in &topo.backends {
-            let mut dp = Dataplane::load(BPF_OBJECT, &LoadOptions::decap_only())
-                .with_context(|| format!("loading {}'s decap data plane", b.name))?;
-            attach_native(&mut dp, PROG_DECAP, &b.ns, DEV)?;
-            decap_dps.push(dp);
-        }
-        Ok(Edges { edge_dp, decap_dps })
-    }
+/// `sluice_pass` (native) on the LB's switch port: native XDP_TX frames on a veth are
+/// delivered only when the peer runs XDP. Its `RX` counts every frame the LB namespace sends.
+pub fn switch_port(topo: &Topology) -> Result<Dataplane> {
+    let mut edge_dp = Dataplane::load(BPF_OBJECT, &LoadOptions::decap_only())
+        .context("loading the switch port's data plane")?;
+    attach_native(&mut edge_dp, PROG_PASS, &topo.switch, &topo.lb.port)?;
+    Ok(edge_dp)
 }
 
 impl NetLab {
@@ -1318,14 +1309,27 @@ impl NetLab {
         };
         lb_dp.set_config(&cfg)?;
 
-        let Edges { edge_dp, decap_dps } = Edges::attach(&topo)?;
+        let edge_dp = switch_port(&topo)?;
+        let sluice = daemon_lab::require_sluice_daemon_prerequisites()?;
+        daemon_lab::sweep_stale();
+        let id = daemon_lab::next_lab_id();
+        let dir = TempDir::create(std::env::temp_dir().join(&id))?;
+        let backend_hosts = start_all(
+            &topo,
+            &sluice,
+            &[],
+            &[IpAddr::from(VIP4), IpAddr::from(VIP6)],
+            &id,
+            &dir.0,
+        )?;
         attach_native(&mut lb_dp, PROG_XDP, &topo.lb.ns, DEV)?;
 
         let mut lab = NetLab {
             lb_dp,
             cfg,
             edge_dp,
-            decap_dps,
+            backend_hosts,
+            dir,
             services: Vec::new(),
             servers: Vec::new(),
             topo,
@@ -1463,8 +1467,8 @@ impl NetLab {
         let lb = self.lb_dp.stats()?;
         let edge = self.edge_dp.stats()?;
         let mut decap = Vec::new();
-        for d in &mut self.decap_dps {
-            decap.push(d.stats()?);
+        for h in &self.backend_hosts {
+            decap.push(h.stats()?);
         }
         let mut vip_packets = 0;
         for s in &self.services {
@@ -1488,7 +1492,7 @@ pub struct Counters {
     pub lb: Vec<u64>,
     /// `sluice_pass` on the LB's switch port: `stat::RX` = frames the LB namespace sent.
     pub edge: Vec<u64>,
-    /// `sluice_decap` per backend.
+    /// `sluice_decap` per backend (its backend host's pinned counters).
     pub decap: Vec<Vec<u64>>,
     /// Packets of every lab VIP seen by the LB (sum of VIP_STATS).
     pub vip_packets: u64,

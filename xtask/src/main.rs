@@ -8,6 +8,7 @@ mod demo;
 mod exports;
 mod fuzz;
 mod lint;
+mod package;
 mod setup;
 mod test;
 #[cfg(test)]
@@ -44,6 +45,9 @@ enum Cmd {
     Test,
     /// rustfmt --check and clippy -D warnings, for the workspace and the eBPF crate.
     Lint,
+    /// Build (release), then the Debian package target/package/sluice_<version>_<arch>.deb
+    /// (cargo-deb): the binary, systemd units, default configurations, man pages, completions.
+    Package,
     /// Build (release), then run `sluice-bench <name> [args...]` as root.
     Bench {
         /// The benchmark to run.
@@ -84,6 +88,7 @@ fn main() -> ExitCode {
         }),
         Cmd::Test => test::run(),
         Cmd::Lint => lint::run(),
+        Cmd::Package => package::run().map(drop),
         Cmd::Bench { name, args } => bench::run(&name, &args),
         Cmd::Demo { seconds } => demo::run(seconds),
         Cmd::Fuzz {

@@ -2,6 +2,7 @@
 //! everything already in place is reported as present and left alone.
 //!
 //! - bpf-linker, built against rustc's own LLVM (see [`ensure_bpf_linker`]);
+//! - cargo-deb, which `cargo xtask package` builds the Debian package with;
 //! - bpffs mounted at /sys/fs/bpf (pinned maps);
 //! - the Debian packages the tests and the demo call ([`DEB_PACKAGES`]);
 //! - a check that we run as root (loading BPF programs and creating namespaces need it).
@@ -31,7 +32,16 @@ pub const DEB_PACKAGES: &[&str] = &[
     "util-linux",
     // The README's admin-API examples (`curl --unix-socket`).
     "curl",
+    // `systemd-analyze verify` of the packaged units (the package test).
+    "systemd",
+    // `man`: systemd-analyze verify resolves the units' `Documentation=man:...` pages.
+    "man-db",
+    // `gzip -9n` of the man pages (`cargo xtask package`).
+    "gzip",
 ];
+
+/// cargo-deb builds the .deb (`cargo xtask package`); the version that was tested.
+const CARGO_DEB_VERSION: &str = "3.8.0";
 
 const BPFFS: &str = "/sys/fs/bpf";
 
@@ -75,6 +85,7 @@ pub fn run() -> Result<()> {
     ensure_packages(root, &mut report)?;
     ensure_bpffs(root, &mut report)?;
     ensure_bpf_linker(&mut report)?;
+    ensure_cargo_deb(&mut report)?;
 
     println!();
     if report.done.is_empty() {
@@ -189,6 +200,31 @@ pub fn find_bpf_linker() -> Option<PathBuf> {
 /// An installed bpf-linker is kept if `--version` runs and, when it links libLLVM
 /// dynamically, it is the same library file name rustc ships now (a rustc update that changes
 /// LLVM triggers a rebuild).
+fn ensure_cargo_deb(report: &mut Report) -> Result<()> {
+    let installed = cmd::cargo_home()
+        .map(|h| h.join("bin/cargo-deb"))
+        .filter(|p| cmd::is_executable(p))
+        .or_else(|| cmd::find_on_path("cargo-deb"));
+    if let Some(path) = installed {
+        if let Ok(out) = Command::new(&path).arg("--version").output() {
+            if out.status.success() {
+                let v = String::from_utf8_lossy(&out.stdout).trim().to_string();
+                report.present(format!("{v} at {}", path.display()));
+                return Ok(());
+            }
+        }
+    }
+    cmd::run(cmd::clean_cargo().args([
+        "install",
+        "--locked",
+        "cargo-deb",
+        "--version",
+        CARGO_DEB_VERSION,
+    ]))?;
+    report.done(format!("installed cargo-deb {CARGO_DEB_VERSION}"));
+    Ok(())
+}
+
 fn ensure_bpf_linker(report: &mut Report) -> Result<()> {
     // Needed to install; for an installed bpf-linker only to compare LLVMs.
     let llvm = RustcLlvm::detect();

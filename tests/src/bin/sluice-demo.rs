@@ -484,7 +484,7 @@ fn print_topology(lab: &DaemonLab, took: Duration) {
     );
     for b in &t.backends {
         println!(
-            "  {:<7} {:<18} {:<13} {:<15} sluice_decap on {DEV}, VIPs on lo, token server, \
+            "  {:<7} {:<18} {:<13} {:<15} sluice backend-host (decap on {DEV}, VIPs on lo), token server, \
              fake exporter :9400",
             b.name,
             b.ns.name(),
