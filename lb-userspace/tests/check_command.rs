@@ -68,9 +68,10 @@ backend = [{{ address = "10.1.0.1", dcgm = {{ url = "https://10.1.0.1:9400/metri
     let check = sluice(&["check", "--config", &file]);
     let run = sluice(&["run", "--config", &file]);
     let expected = format!(
-        "error: {file}: vip[0].backend[0].dcgm.url: \"https://10.1.0.1:9400/metrics\": https is \
-         not supported by the telemetry scraper; use an http:// endpoint (a sidecar or a local \
-         exporter port)\n"
+        "error: {file}:11:51: vip[0].backend[0].dcgm.url: \"https://10.1.0.1:9400/metrics\" is \
+         https, which the telemetry scraper does not speak; allowed: an http:// URL such as \
+         \"http://10.1.0.1:9400/metrics\" (the exporter's plain-HTTP port, or a local proxy in \
+         front of a TLS one)\n"
     );
     assert_eq!(check.status.code(), Some(1), "{check:?}");
     assert_eq!(String::from_utf8_lossy(&check.stderr), expected);

@@ -320,21 +320,21 @@ fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_b
     }
     assert_eq!(lab.cli_json(&["status"])["backends"], 3);
 
-    // Stop (unpins), then a start that fails after the attach: the admin socket's group
-    // does not exist.
+    // Stop (unpins), then a start that fails after the attach: the metrics port is taken
+    // (the admin socket and the interfaces are checked before the load; the metrics port is
+    // bound after the attach, before anything is served).
     assert!(lab.stop().unwrap().success());
     assert!(!lab.bpffs.join("link_eth0").exists());
-    lab.reconfigure(|o| {
-        o.set("admin", "mode", "\"0660\"");
-        o.set("admin", "group", "\"no-such-group-sluice\"");
-    })
-    .unwrap();
+    let addr = lab.metrics;
+    let _taken = lab
+        .topo
+        .lb
+        .ns
+        .run(move || std::net::TcpListener::bind(addr))
+        .unwrap()
+        .unwrap();
     let e = format!("{:#}", lab.start_daemon().unwrap_err());
-    assert!(
-        e.contains("group \\\"no-such-group-sluice\\\" does not exist")
-            || e.contains("no-such-group-sluice"),
-        "{e}"
-    );
+    assert!(e.contains("binding the metrics address"), "{e}");
     let log = lab.log();
     assert!(
         log.contains("XDP attached"),
