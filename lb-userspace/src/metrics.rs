@@ -35,6 +35,17 @@ pub async fn serve<P: Plane + 'static>(
     let listener = TcpListener::bind(addr).await.with_context(|| {
         format!("binding the metrics address {addr}: is it in use, or not an address of this host?")
     })?;
+    serve_on(listener, ctl, info, shutdown).await;
+    Ok(())
+}
+
+/// [`serve`] on a bound listener (a test binds port 0 and keeps it: no free-port race).
+async fn serve_on<P: Plane + 'static>(
+    listener: TcpListener,
+    ctl: Arc<Mutex<Controller<P>>>,
+    info: Arc<DaemonInfo>,
+    shutdown: impl Future<Output = ()>,
+) {
     let (listener, ctl, info) = (&listener, &ctl, &info);
     serve_connections(
         move || async move {
@@ -49,7 +60,6 @@ pub async fn serve<P: Plane + 'static>(
         shutdown,
     )
     .await;
-    Ok(())
 }
 
 async fn respond<P: Plane, B>(
@@ -550,25 +560,19 @@ mod tests {
 
     #[tokio::test]
     async fn serves_metrics_and_nothing_else() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        // Bound before the server task starts: connections queue in its backlog.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
         let ctl = Arc::new(Mutex::new(controller()));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(serve(addr, ctl, Arc::new(info()), async {
+        let task = tokio::spawn(serve_on(listener, ctl, Arc::new(info()), async {
             let _ = stopped.await;
         }));
         let get = |path: &'static str| {
             tokio::task::spawn_blocking(move || {
-                let mut s = loop {
-                    match std::net::TcpStream::connect(addr) {
-                        Ok(s) => break s,
-                        Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
-                    }
-                };
+                let t = std::time::Duration::from_secs(5);
+                let mut s = std::net::TcpStream::connect_timeout(&addr, t).unwrap();
+                s.set_read_timeout(Some(t)).unwrap();
                 write!(
                     s,
                     "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
@@ -585,6 +589,6 @@ mod tests {
         assert!(r.contains(r#"sluice_build_info{version="test"} 1"#), "{r}");
         assert!(get("/").await.unwrap().starts_with("HTTP/1.1 404"));
         stop.send(()).unwrap();
-        task.await.unwrap().unwrap();
+        task.await.unwrap();
     }
 }
