@@ -202,7 +202,7 @@ fn congested_backend_gets_no_new_sessions_while_its_streams_finish_and_returns_a
         "the metrics do not show {series}:\n{page}"
     );
 
-    // 90 new sessions: b0 gets far fewer than its share (none, while moved away).
+    // 90 new sessions: b0 gets none while moved away.
     let results = lab.greet_many(vip(), 90, 6);
     let errors: Vec<String> = results
         .iter()
@@ -213,9 +213,14 @@ fn congested_backend_gets_no_new_sessions_while_its_streams_finish_and_returns_a
     let fair = 90 / BACKENDS;
     let got = new.get(&hot.name).copied().unwrap_or(0);
     eprintln!("90 sessions while b0 is congested: {new:?}");
-    assert!(
-        got * 3 < fair,
-        "the congested backend got {got} of 90 new sessions (fair share {fair}): {new:?}"
+    assert_eq!(
+        got, 0,
+        "the moved-away backend got {got} of 90 new sessions (fair share {fair}): {new:?}"
+    );
+    let still = lab.backend(VIP, hot.v4.into()).expect("listed");
+    assert_eq!(
+        still["steering"]["state"], "moved-away",
+        "b0 came back during the sessions: {still}"
     );
 
     // Its established streams stay and complete on it.
@@ -347,8 +352,28 @@ fn fill(lab: &DaemonLab) -> Vec<Running> {
             // Full between the check and the SYN: refused, which is what comes next.
             Err(e) => eprintln!("a filling stream was refused: {e:#}"),
         }
-        // A policy step (250 ms) sees the new session.
-        thread::sleep(Duration::from_millis(300));
+        // Wait until a policy step has counted every admitted session (or marked all full).
+        let want = streams.len() as u64;
+        wait_for(
+            "the policy to count the new session",
+            Duration::from_secs(10),
+            || {
+                let bs = lab.backends(VIP);
+                let counted: u64 = bs
+                    .iter()
+                    .map(|b| b["steering"]["sessions"].as_u64().unwrap_or(0))
+                    .sum();
+                if counted >= want || all_full(lab) {
+                    Ok(Some(()))
+                } else {
+                    Err(format!(
+                        "{counted} of {want} sessions counted: {:?}",
+                        steering(&bs)
+                    ))
+                }
+            },
+        )
+        .unwrap();
     }
     wait_for("every backend full", Duration::from_secs(5), || {
         if all_full(lab) {
@@ -456,7 +481,6 @@ fn saturated_pool_answers_new_syns_with_rst_in_rst_mode_while_established_stream
             "shed = \"rst\": a shed SYN must be refused at once, not {e}"
         );
     }
-    assert!(took < Duration::from_secs(1), "refusals took {took:?}");
     let after = shed_counters(&lab);
     eprintln!("shed_full, shed_priority, shed_rst_sent: {before:?} -> {after:?}");
     assert!(after.0 >= before.0 + 6, "shed_full {before:?} -> {after:?}");

@@ -9,6 +9,7 @@
 use std::{
     collections::BTreeMap,
     fs,
+    io::ErrorKind,
     net::{IpAddr, SocketAddr},
     path::Path,
     thread,
@@ -19,6 +20,7 @@ use serde_json::json;
 use sluice_tests::{
     daemon_lab::{tally, wait_for, DaemonLab, DaemonLabOptions, Running, VipDef},
     netns::{lab_namespaces, TCP_PORT, VIP4, VIP6},
+    stream::io_kind,
 };
 
 const SERVER: &str = env!("CARGO_BIN_EXE_sluice-testsrv");
@@ -313,10 +315,18 @@ fn removing_a_backend_resteers_its_flows_and_new_sessions_to_the_others() {
     let cut = theirs.len();
     for s in theirs {
         let local = s.local;
-        assert!(
-            s.finish().is_err(),
-            "stream {local} on the removed backend completed: its packets still reach it"
-        );
+        match s.finish() {
+            Ok(n) => panic!(
+                "stream {local} on the removed backend completed ({n} tokens): its packets \
+                 still reach it"
+            ),
+            Err(e) => assert_eq!(
+                io_kind(&e),
+                Some(ErrorKind::ConnectionReset),
+                "stream {local} on the removed backend ended otherwise than by a reset from \
+                 the backend its packets went to: {e:#}"
+            ),
+        }
     }
     finish_all(others, "streams on the remaining backends");
     let resteered = lab.counters()["conn_resteer_down"] - before;
@@ -458,15 +468,21 @@ fn sigterm_detaches_and_unpins_unless_keep_dataplane_on_exit() {
         "{} is still there after SIGTERM",
         lab.bpffs.display()
     );
-    let link = lab.topo.lb.ns.ip(&["link", "show", "eth0"]).unwrap();
     assert!(
-        !link.contains("xdp"),
-        "XDP still attached after SIGTERM:\n{link}"
+        !lab.lb_has_xdp().unwrap(),
+        "XDP still attached after SIGTERM:\n{}",
+        lab.topo.lb.ns.ip(&["link", "show", "eth0"]).unwrap()
     );
     assert!(lab.log().contains("data plane detached and unpinned"));
     // Nothing steers the VIP any more.
-    thread::sleep(Duration::from_millis(100));
-    assert!(lab.connect(vip(), Duration::from_millis(500)).is_err());
+    let e = lab
+        .connect(vip(), Duration::from_millis(500))
+        .expect_err("a connection to the VIP was answered with the data plane gone");
+    eprintln!(
+        "connect to the VIP with the data plane gone: {e} ({:?})",
+        e.kind()
+    );
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
 }
 
 #[test]

@@ -12,7 +12,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lb_common::{stat, PROTO_TCP, PROTO_UDP};
+use lb_common::{stat, PROTO_TCP};
 use sluice_tests::{
     netns::{
         lab_namespaces, Counters, LabOptions, NetLab, TopologySpec, TCP_PORT, UDP_PORT, VIP4, VIP6,
@@ -38,6 +38,38 @@ fn start_lab() -> NetLab {
 /// port during a test: ARP and neighbour discovery, and a bridge flooding a frame before it
 /// has learnt a MAC. Replies through the LB would be thousands.
 const OTHER_FRAMES_SLACK: u64 = 40;
+
+/// The counters since `before` once a traffic phase's last packets (the closes) have landed:
+/// read every 50 ms until two reads agree and every VIP packet is counted as sent and
+/// decapsulated, at most 10 s. Past the deadline the last read comes back, for
+/// [`assert_dsr`] to report.
+fn settled_counters(lab: &mut NetLab, before: &Counters) -> Counters {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let key = |d: &Counters| {
+        let decapped: u64 = d.decap.iter().map(|s| s[stat::DECAP_OK as usize]).sum();
+        (
+            d.vip_packets,
+            d.lb[stat::TX as usize],
+            decapped,
+            d.lb[stat::RX as usize],
+        )
+    };
+    let mut last = key(&lab.counters().unwrap().since(before));
+    loop {
+        thread::sleep(Duration::from_millis(50));
+        let d = lab.counters().unwrap().since(before);
+        let now = key(&d);
+        let (vip, tx, decapped, _) = now;
+        if now == last && vip > 0 && tx == vip && decapped >= tx {
+            return d;
+        }
+        if Instant::now() >= deadline {
+            eprintln!("counters did not settle within 10 s: last two reads {last:?}, {now:?}");
+            return d;
+        }
+        last = now;
+    }
+}
 
 /// Direct server return, from the counters of one traffic phase: the LB's port saw the
 /// client->VIP packets and nothing else (up to neighbour chatter), every one of them left
@@ -142,9 +174,7 @@ fn tcp_token_streams_through_native_xdp_lb_return_directly_from_three_backends()
         V4_STREAMS + V6_STREAMS,
         failures.join("\n")
     );
-    // Let the closes' last packets land before the counters are read.
-    thread::sleep(Duration::from_millis(300));
-    let d = lab.counters().unwrap().since(&before);
+    let d = settled_counters(&mut lab, &before);
     eprintln!(
         "{} streams of {TOKENS} tokens in {elapsed:?}",
         V4_STREAMS + V6_STREAMS
@@ -239,12 +269,7 @@ fn udp_echo_through_native_xdp_lb_is_answered_by_the_pinned_backend() {
         per_backend.len() >= 2,
         "30 UDP flows all went to one backend: {per_backend:?}"
     );
-    let udp4 = lab
-        .service(SocketAddr::new(VIP4.into(), UDP_PORT), PROTO_UDP)
-        .unwrap();
-    assert_eq!(udp4.backend_ids.len(), 3);
-    thread::sleep(Duration::from_millis(100));
-    let d = lab.counters().unwrap().since(&before);
+    let d = settled_counters(&mut lab, &before);
     assert_dsr(&d, "UDP echo");
 }
 
@@ -304,7 +329,21 @@ fn namespaces_of_a_dead_run_are_swept_and_their_processes_killed() {
         .arg("30")
         .spawn()
         .expect("start a process in the stale namespace");
-    thread::sleep(Duration::from_millis(200));
+    // `ip netns exec` enters the namespace, then execs sleep: once the pid runs sleep, it is
+    // inside.
+    let comm = format!("/proc/{}/comm", straggler.id());
+    let end = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = std::fs::read_to_string(&comm).unwrap_or_default();
+        if now.trim() == "sleep" {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "the straggler did not exec sleep within 5 s; {comm}: {now:?}"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
 
     let swept = sluice_tests::netns::sweep_stale();
     let remaining = lab_namespaces();
