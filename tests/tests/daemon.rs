@@ -177,6 +177,61 @@ fn drain_mid_stream_finishes_the_backends_streams_sends_new_sessions_elsewhere_t
     assert!(!list.contains(&addr), "{list}");
 }
 
+/// A drain whose deadline passes with flows left: at the deadline the backend is removed
+/// with a drain-deadline event, its remaining streams re-steer to the others (which know
+/// nothing of them and reset them), and the other streams complete.
+#[test]
+fn drain_deadline_reached_with_flows_left_removes_the_backend_and_resteers_its_flows() {
+    let lab = start(options());
+    let drained = lab.topo.backends[2].clone();
+    let addr = drained.v4.to_string();
+    // 10 s streams, far past the 2 s deadline; at least one on every backend.
+    let streams = open_spread(&lab, 1, 200, 50);
+    let before = lab.counters()["conn_resteer_down"];
+    let out = lab.cli_ok(&["backend", "drain", VIP, &addr, "--deadline", "2s"]);
+    assert!(out.contains("draining backend"), "drain said: {out}");
+
+    wait_for(
+        "the drained backend to be removed at its deadline",
+        Duration::from_secs(15),
+        || match lab.backend(VIP, drained.v4.into()) {
+            None => Ok(Some(())),
+            Some(b) => Err(format!("{b}")),
+        },
+    )
+    .unwrap();
+    assert!(
+        has_event(&lab, "drain-deadline", &addr),
+        "no drain-deadline event for {addr}: {}",
+        lab.cli_ok(&["events"])
+    );
+
+    let (theirs, others): (Vec<Running>, Vec<Running>) =
+        streams.into_iter().partition(|s| s.backend == drained.name);
+    let cut = theirs.len();
+    for s in theirs {
+        let local = s.local;
+        match s.finish() {
+            Ok(n) => panic!(
+                "stream {local} on the drained backend completed ({n} tokens) past the \
+                 deadline: its flows did not re-steer"
+            ),
+            Err(e) => assert_eq!(
+                io_kind(&e),
+                Some(ErrorKind::ConnectionReset),
+                "stream {local} on the drained backend: {e:#}"
+            ),
+        }
+    }
+    finish_all(others, "streams on the other backends");
+    let resteered = lab.counters()["conn_resteer_down"] - before;
+    eprintln!("{cut} streams cut at the drain deadline; conn_resteer_down +{resteered}");
+    assert!(
+        resteered >= cut as u64,
+        "conn_resteer_down grew by {resteered}, fewer than the {cut} flows left at the deadline"
+    );
+}
+
 #[test]
 fn undrain_puts_a_draining_backend_back_into_rotation() {
     let lab = start(options());

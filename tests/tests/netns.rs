@@ -273,6 +273,122 @@ fn udp_echo_through_native_xdp_lb_is_answered_by_the_pinned_backend() {
     assert_dsr(&d, "UDP echo");
 }
 
+/// Sends `n` TCP SYNs from `src` ports `first_port..` to `vip` through a raw socket in `ns`
+/// (the kernel fills in the IP checksum; the TCP checksum stays zero, so backends drop them
+/// after the LB steered them): a bounded SYN flood. At most 10 s; returns how many were sent.
+fn syn_flood(
+    ns: &sluice_tests::netns::Netns,
+    src: std::net::Ipv4Addr,
+    vip: SocketAddr,
+    first_port: u16,
+    n: u16,
+) -> usize {
+    use sluice_tests::frames::{tcp, SYN, V4};
+    let SocketAddr::V4(vip) = vip else {
+        panic!("{vip}: an IPv4 VIP")
+    };
+    ns.run(move || {
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+        assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+        let to = libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: 0,
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_ne_bytes(vip.ip().octets()),
+            },
+            sin_zero: [0; 8],
+        };
+        let end = Instant::now() + Duration::from_secs(10);
+        let mut sent = 0;
+        for k in 0..n {
+            let mut h = V4::new("0.0.0.0", "0.0.0.0", PROTO_TCP);
+            (h.src, h.dst) = (src, *vip.ip());
+            let pkt = h.build(&tcp(first_port + k, vip.port(), SYN, b""));
+            let r = unsafe {
+                libc::sendto(
+                    fd,
+                    pkt.as_ptr().cast(),
+                    pkt.len(),
+                    0,
+                    (&to as *const libc::sockaddr_in).cast(),
+                    std::mem::size_of::<libc::sockaddr_in>() as u32,
+                )
+            };
+            if r == pkt.len() as isize {
+                sent += 1;
+            }
+            if Instant::now() >= end {
+                break;
+            }
+        }
+        unsafe { libc::close(fd) };
+        sent
+    })
+    .unwrap()
+}
+
+/// A SYN flood cannot evict established flows: with the flood guard on, 20,000 SYNs from
+/// fresh source ports (five times the connection table) cross the LB while streams run;
+/// every stream keeps its connection entry and completes.
+#[test]
+fn a_syn_flood_does_not_evict_the_entries_of_running_streams() {
+    let mut lab = NetLab::start(&LabOptions {
+        server: Some(PathBuf::from(SERVER)),
+        server_lifetime: Duration::from_secs(120),
+        conn_table_size: 4096,
+        ..Default::default()
+    })
+    .unwrap_or_else(|e| panic!("building the namespace lab: {e:#}"));
+    lab.cfg.flood_new_flows_per_sec = 200;
+    let cfg = lab.cfg;
+    lab.lb_dp.set_config(&cfg).unwrap();
+    let client = lab.topo.client.clone();
+    let vip = SocketAddr::new(VIP4.into(), TCP_PORT);
+    // 20 streams of 150 tokens every 40 ms: 6 s, read on their own threads.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut flows = Vec::new();
+    let mut readers = Vec::new();
+    for _ in 0..20 {
+        let mut s = TokenStream::open(&client.ns, vip, 150, 40, Duration::from_secs(5)).unwrap();
+        flows.push((s.flow_key(), s.backend.clone(), s.local));
+        readers.push(thread::spawn(move || {
+            let r = s.read_to_end(deadline);
+            s.close();
+            r
+        }));
+    }
+    let before = lab.counters().unwrap();
+    let sent = syn_flood(&client.ns, client.v4, vip, 1024, 20_000);
+    let d = lab.counters().unwrap().since(&before);
+    let bypass = d.lb[stat::FLOOD_BYPASS as usize];
+    eprintln!(
+        "{sent} SYNs sent; flood_bypass +{bypass}, VIP packets +{}",
+        d.vip_packets
+    );
+    assert!(sent >= 19_000, "only {sent} of 20000 SYNs sent");
+    assert!(
+        bypass >= 15_000,
+        "the flood guard let {} of {sent} SYNs into the table",
+        sent as u64 - bypass
+    );
+    for (flow, backend, local) in &flows {
+        assert_eq!(
+            lab.conn_backend(flow).unwrap().as_deref(),
+            Some(backend.as_str()),
+            "stream {local} lost its connection entry to the flood"
+        );
+    }
+    let failures: Vec<String> = readers
+        .into_iter()
+        .filter_map(|h| h.join().unwrap().err().map(|e| format!("{e:#}")))
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "streams failed:\n{}",
+        failures.join("\n")
+    );
+}
+
 /// A lab leaves nothing behind once dropped, also when the test using it panics: its
 /// namespaces are gone and its server processes are dead.
 #[test]
