@@ -344,12 +344,13 @@ fn a_syn_flood_does_not_evict_the_entries_of_running_streams() {
     lab.lb_dp.set_config(&cfg).unwrap();
     let client = lab.topo.client.clone();
     let vip = SocketAddr::new(VIP4.into(), TCP_PORT);
-    // 20 streams of 150 tokens every 40 ms: 6 s, read on their own threads.
+    // 20 streams of 4 tokens every 2 s, read on their own threads: the flood falls in their
+    // quiet gaps, when an LRU table would find their entries the least recently used.
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut flows = Vec::new();
     let mut readers = Vec::new();
     for _ in 0..20 {
-        let mut s = TokenStream::open(&client.ns, vip, 150, 40, Duration::from_secs(5)).unwrap();
+        let mut s = TokenStream::open(&client.ns, vip, 4, 2000, Duration::from_secs(5)).unwrap();
         flows.push((s.flow_key(), s.backend.clone(), s.local));
         readers.push(thread::spawn(move || {
             let r = s.read_to_end(deadline);
