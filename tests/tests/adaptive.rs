@@ -340,20 +340,22 @@ fn all_full(lab: &DaemonLab) -> bool {
         .all(|b| b["steering"]["full"] == true)
 }
 
-/// Opens 5 s streams one at a time until the policy marks every backend full.
+/// Opens 12 s streams one at a time until the policy marks every backend full (long enough
+/// that the first ones still run when a loaded machine has opened the last).
 fn fill(lab: &DaemonLab) -> Vec<Running> {
     let mut streams = Vec::new();
     for _ in 0..15 {
         if all_full(lab) {
             break;
         }
-        match lab.stream(vip(), 50, 100) {
+        match lab.stream(vip(), 120, 100) {
             Ok(s) => streams.push(s),
             // Full between the check and the SYN: refused, which is what comes next.
             Err(e) => eprintln!("a filling stream was refused: {e:#}"),
         }
         // Wait until a policy step has counted every admitted session (or marked all full).
-        let want = streams.len() as u64;
+        // Every running stream counted (an ended one may linger until its flow idles out).
+        let want = streams.iter().filter(|s| !s.is_finished()).count() as u64;
         wait_for(
             "the policy to count the new session",
             Duration::from_secs(10),
