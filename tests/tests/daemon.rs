@@ -185,15 +185,16 @@ fn drain_deadline_reached_with_flows_left_removes_the_backend_and_resteers_its_f
     let lab = start(options());
     let drained = lab.topo.backends[2].clone();
     let addr = drained.v4.to_string();
-    // 10 s streams, far past the 2 s deadline; at least one on every backend.
-    let streams = open_spread(&lab, 1, 200, 50);
+    // 15 s streams, far past the 2 s deadline and the 10 s wait below (so the drain cannot
+    // complete by its flows ending); at least one on every backend.
+    let streams = open_spread(&lab, 1, 300, 50);
     let before = lab.counters()["conn_resteer_down"];
     let out = lab.cli_ok(&["backend", "drain", VIP, &addr, "--deadline", "2s"]);
     assert!(out.contains("draining backend"), "drain said: {out}");
 
     wait_for(
         "the drained backend to be removed at its deadline",
-        Duration::from_secs(15),
+        Duration::from_secs(10),
         || match lab.backend(VIP, drained.v4.into()) {
             None => Ok(Some(())),
             Some(b) => Err(format!("{b}")),
