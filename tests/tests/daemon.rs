@@ -238,11 +238,17 @@ fn undrain_puts_a_draining_backend_back_into_rotation() {
     let lab = start(options());
     let b = lab.topo.backends[0].clone();
     let addr = b.v4.to_string();
-    // A stream keeps the drain from completing while the test runs.
-    let keep = open_spread(&lab, 1, 60, 100);
+    // Streams keep the drain from completing while the test runs: 20 s, far more than the
+    // drain-to-undrain steps take on a loaded machine (checked below, not assumed).
+    let keep = open_spread(&lab, 1, 200, 100);
     lab.cli_ok(&["backend", "drain", VIP, &addr]);
     let during = sessions(&lab, 12);
     assert_eq!(during.get(&b.name), None, "{during:?}");
+    assert!(
+        keep.iter().any(|s| s.backend == b.name && !s.is_finished()),
+        "no stream of {} runs any more: the drain could have completed",
+        b.name
+    );
     let out = lab.cli_ok(&["backend", "undrain", VIP, &addr]);
     assert!(out.contains("takes new flows again"), "{out}");
     assert_eq!(lab.backend(VIP, b.v4.into()).unwrap()["state"], "active");
