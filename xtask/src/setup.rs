@@ -31,6 +31,8 @@ pub const DEB_PACKAGES: &[&str] = &[
     "util-linux",
     // The README's admin-API examples (`curl --unix-socket`).
     "curl",
+    // CPU load beside the suite, to show it passes on a loaded machine (docs/tests.md).
+    "stress-ng",
 ];
 
 const BPFFS: &str = "/sys/fs/bpf";
