@@ -620,25 +620,19 @@ mod tests {
 
     #[tokio::test]
     async fn serves_metrics_and_nothing_else() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        // Bound before the server task starts: connections queue in its backlog.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
         let ctl = Arc::new(Mutex::new(controller()));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(serve(bind(addr).unwrap(), ctl, Arc::new(info()), async {
+        let task = tokio::spawn(serve(listener, ctl, Arc::new(info()), async {
             let _ = stopped.await;
         }));
         let get = |path: &'static str| {
             tokio::task::spawn_blocking(move || {
-                let mut s = loop {
-                    match std::net::TcpStream::connect(addr) {
-                        Ok(s) => break s,
-                        Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
-                    }
-                };
+                let t = std::time::Duration::from_secs(5);
+                let mut s = std::net::TcpStream::connect_timeout(&addr, t).unwrap();
+                s.set_read_timeout(Some(t)).unwrap();
                 write!(
                     s,
                     "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"

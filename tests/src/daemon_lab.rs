@@ -892,10 +892,11 @@ impl DaemonLab {
         self.topo.backends[i].addr(vip.is_ipv6())
     }
 
-    /// Whether any XDP program is attached to the LB's eth0 (`ip -n <lb> link show eth0`).
+    /// Whether an XDP program is attached to the LB's eth0: `ip link show` prints a
+    /// `prog/xdp id N` line (`prog/xdpgeneric` in generic mode) for an attached program.
     pub fn lb_has_xdp(&self) -> Result<bool> {
         let out = self.topo.lb.ns.ip(&["link", "show", DEV])?;
-        Ok(out.contains("xdp"))
+        Ok(out.lines().any(|l| l.trim_start().starts_with("prog/xdp")))
     }
 
     /// Opens a token stream from the client to `vip` (`tokens` tokens, one every
@@ -919,8 +920,9 @@ impl DaemonLab {
             let r = s.read_to_end(deadline);
             let received = s.received;
             s.close();
+            // Context, not a new error: a caller can still find the io::Error (a reset).
             r.map(|_| received)
-                .map_err(|e| anyhow!("{e:#} ({received} tokens received)"))
+                .with_context(|| format!("{received} tokens received"))
         });
         Ok(Running {
             backend,

@@ -315,6 +315,14 @@ fn read_line(r: &mut BufReader<TcpStream>) -> Result<String> {
     Ok(line.trim_end_matches(['\r', '\n']).to_string())
 }
 
+/// The io::Error kind at the root of `e`'s chain, if an io::Error caused it: tells a stream
+/// the peer reset (`ConnectionReset`) from one that timed out or closed early.
+pub fn io_kind(e: &anyhow::Error) -> Option<std::io::ErrorKind> {
+    e.chain()
+        .find_map(|c| c.downcast_ref::<std::io::Error>())
+        .map(|io| io.kind())
+}
+
 /// A UDP socket made inside `ns` and connected to `vip`.
 pub fn udp_socket_in(ns: &Netns, vip: SocketAddr) -> Result<UdpSocket> {
     ns.run(move || -> Result<UdpSocket> {

@@ -9,6 +9,7 @@
 use std::{
     collections::BTreeMap,
     fs,
+    io::ErrorKind,
     net::{IpAddr, SocketAddr},
     path::Path,
     thread,
@@ -19,6 +20,7 @@ use serde_json::json;
 use sluice_tests::{
     daemon_lab::{tally, wait_for, DaemonLab, DaemonLabOptions, Running, VipDef},
     netns::{lab_namespaces, TCP_PORT, VIP4, VIP6},
+    stream::io_kind,
 };
 
 const SERVER: &str = env!("CARGO_BIN_EXE_sluice-testsrv");
@@ -175,16 +177,78 @@ fn drain_mid_stream_finishes_the_backends_streams_sends_new_sessions_elsewhere_t
     assert!(!list.contains(&addr), "{list}");
 }
 
+/// A drain whose deadline passes with flows left: at the deadline the backend is removed
+/// with a drain-deadline event, its remaining streams re-steer to the others (which know
+/// nothing of them and reset them), and the other streams complete.
+#[test]
+fn drain_deadline_reached_with_flows_left_removes_the_backend_and_resteers_its_flows() {
+    let lab = start(options());
+    let drained = lab.topo.backends[2].clone();
+    let addr = drained.v4.to_string();
+    // 15 s streams, far past the 2 s deadline and the 10 s wait below (so the drain cannot
+    // complete by its flows ending); at least one on every backend.
+    let streams = open_spread(&lab, 1, 300, 50);
+    let before = lab.counters()["conn_resteer_down"];
+    let out = lab.cli_ok(&["backend", "drain", VIP, &addr, "--deadline", "2s"]);
+    assert!(out.contains("draining backend"), "drain said: {out}");
+
+    wait_for(
+        "the drained backend to be removed at its deadline",
+        Duration::from_secs(10),
+        || match lab.backend(VIP, drained.v4.into()) {
+            None => Ok(Some(())),
+            Some(b) => Err(format!("{b}")),
+        },
+    )
+    .unwrap();
+    assert!(
+        has_event(&lab, "drain-deadline", &addr),
+        "no drain-deadline event for {addr}: {}",
+        lab.cli_ok(&["events"])
+    );
+
+    let (theirs, others): (Vec<Running>, Vec<Running>) =
+        streams.into_iter().partition(|s| s.backend == drained.name);
+    let cut = theirs.len();
+    for s in theirs {
+        let local = s.local;
+        match s.finish() {
+            Ok(n) => panic!(
+                "stream {local} on the drained backend completed ({n} tokens) past the \
+                 deadline: its flows did not re-steer"
+            ),
+            Err(e) => assert_eq!(
+                io_kind(&e),
+                Some(ErrorKind::ConnectionReset),
+                "stream {local} on the drained backend: {e:#}"
+            ),
+        }
+    }
+    finish_all(others, "streams on the other backends");
+    let resteered = lab.counters()["conn_resteer_down"] - before;
+    eprintln!("{cut} streams cut at the drain deadline; conn_resteer_down +{resteered}");
+    assert!(
+        resteered >= cut as u64,
+        "conn_resteer_down grew by {resteered}, fewer than the {cut} flows left at the deadline"
+    );
+}
+
 #[test]
 fn undrain_puts_a_draining_backend_back_into_rotation() {
     let lab = start(options());
     let b = lab.topo.backends[0].clone();
     let addr = b.v4.to_string();
-    // A stream keeps the drain from completing while the test runs.
-    let keep = open_spread(&lab, 1, 60, 100);
+    // Streams keep the drain from completing while the test runs: 20 s, far more than the
+    // drain-to-undrain steps take on a loaded machine (checked below, not assumed).
+    let keep = open_spread(&lab, 1, 200, 100);
     lab.cli_ok(&["backend", "drain", VIP, &addr]);
     let during = sessions(&lab, 12);
     assert_eq!(during.get(&b.name), None, "{during:?}");
+    assert!(
+        keep.iter().any(|s| s.backend == b.name && !s.is_finished()),
+        "no stream of {} runs any more: the drain could have completed",
+        b.name
+    );
     let out = lab.cli_ok(&["backend", "undrain", VIP, &addr]);
     assert!(out.contains("takes new flows again"), "{out}");
     assert_eq!(lab.backend(VIP, b.v4.into()).unwrap()["state"], "active");
@@ -313,10 +377,18 @@ fn removing_a_backend_resteers_its_flows_and_new_sessions_to_the_others() {
     let cut = theirs.len();
     for s in theirs {
         let local = s.local;
-        assert!(
-            s.finish().is_err(),
-            "stream {local} on the removed backend completed: its packets still reach it"
-        );
+        match s.finish() {
+            Ok(n) => panic!(
+                "stream {local} on the removed backend completed ({n} tokens): its packets \
+                 still reach it"
+            ),
+            Err(e) => assert_eq!(
+                io_kind(&e),
+                Some(ErrorKind::ConnectionReset),
+                "stream {local} on the removed backend ended otherwise than by a reset from \
+                 the backend its packets went to: {e:#}"
+            ),
+        }
     }
     finish_all(others, "streams on the remaining backends");
     let resteered = lab.counters()["conn_resteer_down"] - before;
@@ -387,6 +459,9 @@ fn readme_worked_example_runs_against_the_daemon() {
     opts.serve.sort();
     opts.serve.dedup();
     let lab = start(opts);
+    // What the example's commands should have set up so far: per VIP, backend address ->
+    // (weight, state), kept from the commands themselves so the README can change.
+    let mut want: BTreeMap<String, BTreeMap<String, (u64, &str)>> = BTreeMap::new();
     for line in &commands {
         let words: Vec<&str> = line.split_whitespace().skip(1).collect();
         assert!(
@@ -397,6 +472,71 @@ fn readme_worked_example_runs_against_the_daemon() {
         eprintln!("$ {line}\n{out}{err}");
         assert_eq!(code, 0, "`{line}` failed: {err}{out}");
         assert!(!out.trim().is_empty(), "`{line}` printed nothing");
+        let flag = |f: &str| words.iter().position(|w| *w == f).map(|i| words[i + 1]);
+        match words[..] {
+            ["vip", "add", name, ..] => {
+                let bs = want.entry(name.to_string()).or_default();
+                for (i, _) in words.iter().enumerate().filter(|(_, w)| **w == "--backend") {
+                    let (a, w) = words[i + 1]
+                        .split_once(':')
+                        .unwrap_or((words[i + 1], "100"));
+                    bs.insert(a.to_string(), (w.parse().unwrap(), "active"));
+                }
+            }
+            ["backend", "add", name, addr, ..] => {
+                let w = flag("--weight").map_or(100, |w| w.parse().unwrap());
+                want.entry(name.to_string())
+                    .or_default()
+                    .insert(addr.to_string(), (w, "active"));
+            }
+            ["backend", "drain", name, addr, ..] => {
+                want.get_mut(name).unwrap().get_mut(addr).unwrap().1 = "draining";
+            }
+            // The printed table: a row per backend so far, with its weight and state. A
+            // drained backend without flows is removed at the daemon's next step (a
+            // drain-complete event), so its row may be gone already.
+            ["backend", "list", name] => {
+                let bs = &want[name];
+                let rows: Vec<Vec<&str>> = out
+                    .lines()
+                    .skip(1)
+                    .map(|l| l.split_whitespace().collect())
+                    .collect();
+                for (addr, (_, st)) in bs {
+                    if !rows.iter().any(|r| r[0] == addr) {
+                        assert!(
+                            *st == "draining" && has_event(&lab, "drain-complete", addr),
+                            "`{line}`: no row for {addr}, which is not a completed drain:\n{out}"
+                        );
+                    }
+                }
+                for r in &rows {
+                    let (w, st) = bs
+                        .get(r[0])
+                        .unwrap_or_else(|| panic!("`{line}`: unexpected row {r:?}"));
+                    assert_eq!((r[2], r[4]), (w.to_string().as_str(), *st), "{out}");
+                }
+            }
+            _ => {}
+        }
+    }
+    // The same state through the API, with the drain deadline (a completed drain: gone).
+    for (name, bs) in &want {
+        for (addr, (w, st)) in bs {
+            let Some(b) = lab.backend(name, addr.parse().unwrap()) else {
+                assert!(
+                    *st == "draining" && has_event(&lab, "drain-complete", addr),
+                    "{name}: backend {addr} missing"
+                );
+                continue;
+            };
+            assert_eq!((&b["weight"], &b["state"]), (&json!(w), &json!(st)), "{b}");
+            if *st == "draining" {
+                let span = b["drain_deadline_ms"].as_u64().unwrap()
+                    - b["drain_since_ms"].as_u64().unwrap();
+                assert_eq!(span, 600_000, "--deadline 10m: {b}");
+            }
+        }
     }
     // What it set up serves: a session through the VIP it added.
     let vips = lab.cli_json(&["vip", "list"]);
@@ -458,15 +598,23 @@ fn sigterm_detaches_and_unpins_unless_keep_dataplane_on_exit() {
         "{} is still there after SIGTERM",
         lab.bpffs.display()
     );
-    let link = lab.topo.lb.ns.ip(&["link", "show", "eth0"]).unwrap();
     assert!(
-        !link.contains("xdp"),
-        "XDP still attached after SIGTERM:\n{link}"
+        !lab.lb_has_xdp().unwrap(),
+        "XDP still attached after SIGTERM:\n{}",
+        lab.topo.lb.ns.ip(&["link", "show", "eth0"]).unwrap()
     );
     assert!(lab.log().contains("data plane detached and unpinned"));
     // Nothing steers the VIP any more.
-    thread::sleep(Duration::from_millis(100));
-    assert!(lab.connect(vip(), Duration::from_millis(500)).is_err());
+    let e = lab
+        .connect(vip(), Duration::from_millis(500))
+        .expect_err("a connection to the VIP was answered with the data plane gone");
+    // The LB's kernel routes the SYN like any packet; no router of the lab knows the VIP,
+    // so an ICMP network-unreachable comes back (not a backend's answer, not a timeout).
+    assert_eq!(
+        e.kind(),
+        ErrorKind::NetworkUnreachable,
+        "connect to the VIP with the data plane gone: {e}"
+    );
 }
 
 #[test]

@@ -12,7 +12,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use lb_common::{stat, PROTO_TCP, PROTO_UDP};
+use lb_common::{stat, PROTO_TCP};
 use sluice_tests::{
     netns::{
         lab_namespaces, Counters, LabOptions, NetLab, TopologySpec, TCP_PORT, UDP_PORT, VIP4, VIP6,
@@ -38,6 +38,38 @@ fn start_lab() -> NetLab {
 /// port during a test: ARP and neighbour discovery, and a bridge flooding a frame before it
 /// has learnt a MAC. Replies through the LB would be thousands.
 const OTHER_FRAMES_SLACK: u64 = 40;
+
+/// The counters since `before` once a traffic phase's last packets (the closes) have landed:
+/// read every 50 ms until two reads agree and every VIP packet is counted as sent and
+/// decapsulated, at most 10 s. Past the deadline the last read comes back, for
+/// [`assert_dsr`] to report.
+fn settled_counters(lab: &mut NetLab, before: &Counters) -> Counters {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let key = |d: &Counters| {
+        let decapped: u64 = d.decap.iter().map(|s| s[stat::DECAP_OK as usize]).sum();
+        (
+            d.vip_packets,
+            d.lb[stat::TX as usize],
+            decapped,
+            d.lb[stat::RX as usize],
+        )
+    };
+    let mut last = key(&lab.counters().unwrap().since(before));
+    loop {
+        thread::sleep(Duration::from_millis(50));
+        let d = lab.counters().unwrap().since(before);
+        let now = key(&d);
+        let (vip, tx, decapped, _) = now;
+        if now == last && vip > 0 && tx == vip && decapped >= tx {
+            return d;
+        }
+        if Instant::now() >= deadline {
+            eprintln!("counters did not settle within 10 s: last two reads {last:?}, {now:?}");
+            return d;
+        }
+        last = now;
+    }
+}
 
 /// Direct server return, from the counters of one traffic phase: the LB's port saw the
 /// client->VIP packets and nothing else (up to neighbour chatter), every one of them left
@@ -142,9 +174,7 @@ fn tcp_token_streams_through_native_xdp_lb_return_directly_from_three_backends()
         V4_STREAMS + V6_STREAMS,
         failures.join("\n")
     );
-    // Let the closes' last packets land before the counters are read.
-    thread::sleep(Duration::from_millis(300));
-    let d = lab.counters().unwrap().since(&before);
+    let d = settled_counters(&mut lab, &before);
     eprintln!(
         "{} streams of {TOKENS} tokens in {elapsed:?}",
         V4_STREAMS + V6_STREAMS
@@ -239,13 +269,125 @@ fn udp_echo_through_native_xdp_lb_is_answered_by_the_pinned_backend() {
         per_backend.len() >= 2,
         "30 UDP flows all went to one backend: {per_backend:?}"
     );
-    let udp4 = lab
-        .service(SocketAddr::new(VIP4.into(), UDP_PORT), PROTO_UDP)
-        .unwrap();
-    assert_eq!(udp4.backend_ids.len(), 3);
-    thread::sleep(Duration::from_millis(100));
-    let d = lab.counters().unwrap().since(&before);
+    let d = settled_counters(&mut lab, &before);
     assert_dsr(&d, "UDP echo");
+}
+
+/// Sends `n` TCP SYNs from `src` ports `first_port..` to `vip` through a raw socket in `ns`
+/// (the kernel fills in the IP checksum; the TCP checksum stays zero, so backends drop them
+/// after the LB steered them): a bounded SYN flood. At most 10 s; returns how many were sent.
+fn syn_flood(
+    ns: &sluice_tests::netns::Netns,
+    src: std::net::Ipv4Addr,
+    vip: SocketAddr,
+    first_port: u16,
+    n: u16,
+) -> usize {
+    use sluice_tests::frames::{tcp, SYN, V4};
+    let SocketAddr::V4(vip) = vip else {
+        panic!("{vip}: an IPv4 VIP")
+    };
+    ns.run(move || {
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+        assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+        let to = libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: 0,
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_ne_bytes(vip.ip().octets()),
+            },
+            sin_zero: [0; 8],
+        };
+        let end = Instant::now() + Duration::from_secs(10);
+        let mut sent = 0;
+        for k in 0..n {
+            let mut h = V4::new("0.0.0.0", "0.0.0.0", PROTO_TCP);
+            (h.src, h.dst) = (src, *vip.ip());
+            let pkt = h.build(&tcp(first_port + k, vip.port(), SYN, b""));
+            let r = unsafe {
+                libc::sendto(
+                    fd,
+                    pkt.as_ptr().cast(),
+                    pkt.len(),
+                    0,
+                    (&to as *const libc::sockaddr_in).cast(),
+                    std::mem::size_of::<libc::sockaddr_in>() as u32,
+                )
+            };
+            if r == pkt.len() as isize {
+                sent += 1;
+            }
+            if Instant::now() >= end {
+                break;
+            }
+        }
+        unsafe { libc::close(fd) };
+        sent
+    })
+    .unwrap()
+}
+
+/// A SYN flood cannot evict established flows: with the flood guard on, 20,000 SYNs from
+/// fresh source ports (five times the connection table) cross the LB while streams run;
+/// every stream keeps its connection entry and completes.
+#[test]
+fn a_syn_flood_does_not_evict_the_entries_of_running_streams() {
+    let mut lab = NetLab::start(&LabOptions {
+        server: Some(PathBuf::from(SERVER)),
+        server_lifetime: Duration::from_secs(120),
+        conn_table_size: 4096,
+        ..Default::default()
+    })
+    .unwrap_or_else(|e| panic!("building the namespace lab: {e:#}"));
+    lab.cfg.flood_new_flows_per_sec = 200;
+    let cfg = lab.cfg;
+    lab.lb_dp.set_config(&cfg).unwrap();
+    let client = lab.topo.client.clone();
+    let vip = SocketAddr::new(VIP4.into(), TCP_PORT);
+    // 20 streams of 4 tokens every 2 s, read on their own threads: the flood falls in their
+    // quiet gaps, when an LRU table would find their entries the least recently used.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut flows = Vec::new();
+    let mut readers = Vec::new();
+    for _ in 0..20 {
+        let mut s = TokenStream::open(&client.ns, vip, 4, 2000, Duration::from_secs(5)).unwrap();
+        flows.push((s.flow_key(), s.backend.clone(), s.local));
+        readers.push(thread::spawn(move || {
+            let r = s.read_to_end(deadline);
+            s.close();
+            r
+        }));
+    }
+    let before = lab.counters().unwrap();
+    let sent = syn_flood(&client.ns, client.v4, vip, 1024, 20_000);
+    let d = lab.counters().unwrap().since(&before);
+    let bypass = d.lb[stat::FLOOD_BYPASS as usize];
+    eprintln!(
+        "{sent} SYNs sent; flood_bypass +{bypass}, VIP packets +{}",
+        d.vip_packets
+    );
+    assert!(sent >= 19_000, "only {sent} of 20000 SYNs sent");
+    assert!(
+        bypass >= 15_000,
+        "the flood guard let {} of {sent} SYNs into the table",
+        sent as u64 - bypass
+    );
+    for (flow, backend, local) in &flows {
+        assert_eq!(
+            lab.conn_backend(flow).unwrap().as_deref(),
+            Some(backend.as_str()),
+            "stream {local} lost its connection entry to the flood"
+        );
+    }
+    let failures: Vec<String> = readers
+        .into_iter()
+        .filter_map(|h| h.join().unwrap().err().map(|e| format!("{e:#}")))
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "streams failed:\n{}",
+        failures.join("\n")
+    );
 }
 
 /// A lab leaves nothing behind once dropped, also when the test using it panics: its
@@ -304,7 +446,21 @@ fn namespaces_of_a_dead_run_are_swept_and_their_processes_killed() {
         .arg("30")
         .spawn()
         .expect("start a process in the stale namespace");
-    thread::sleep(Duration::from_millis(200));
+    // `ip netns exec` enters the namespace, then execs sleep: once the pid runs sleep, it is
+    // inside.
+    let comm = format!("/proc/{}/comm", straggler.id());
+    let end = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = std::fs::read_to_string(&comm).unwrap_or_default();
+        if now.trim() == "sleep" {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "the straggler did not exec sleep within 5 s; {comm}: {now:?}"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
 
     let swept = sluice_tests::netns::sweep_stale();
     let remaining = lab_namespaces();

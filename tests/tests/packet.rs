@@ -330,6 +330,99 @@ fn down_backend_flow_is_resteered_to_the_current_table_choice() {
     assert_eq!(lab.dp.conn(&key).unwrap().unwrap().backend, want);
 }
 
+/// A connection entry whose backend id was freed and reused for another VIP (a new backend
+/// elsewhere) is not followed: the flow re-steers within its own VIP, never reaching the
+/// other VIP's backend.
+#[test]
+fn a_stale_backend_id_reused_by_another_vip_is_never_reached() {
+    let (mut lab, vip) = lab_v4();
+    let p = port_on(&mut lab, &vip, 3, 1000);
+    lab.run(&on_wire(&v4_tcp(CLIENT4, p, VIP4, 443, SYN, 0)));
+    let key = flow(CLIENT4, p, VIP4, 443, PROTO_TCP);
+    assert_eq!(lab.dp.conn(&key).unwrap().unwrap().backend, 3);
+    // Backend 3 leaves VIP 0 and its id goes to a backend of VIP 1, still active.
+    lab.backends(&vip, &BACKENDS4[..2]);
+    let other = lab.vip(1, "10.200.0.2", 443, PROTO_TCP, 0, 0);
+    lab.backends(&other, &[(3, "10.9.0.3", 1)]);
+    let want = lab.ring_choice(&vip, &key, false);
+    assert!(want == 1 || want == 2, "{want}");
+    let h = lab.flow_hash(&key, false);
+    assert_steered(&mut lab, &v4_tcp(CLIENT4, p, VIP4, 443, ACK, 0), want, h);
+    assert_eq!(lab.stat(stat::CONN_RESTEER_DOWN), 1);
+    assert_eq!(lab.dp.conn(&key).unwrap().unwrap().backend, want);
+    assert_eq!(
+        lab.dp.backend_stats(3).unwrap().new_flows,
+        1,
+        "only the SYN"
+    );
+}
+
+/// An IPv6 client packet cannot ride an IPv4 tunnel: a VIP given an IPv4 backend for IPv6
+/// traffic (the control plane refuses it; the maps could still hold it) drops and counts.
+#[test]
+fn ipv6_traffic_to_an_ipv4_backend_is_dropped_as_a_bad_backend() {
+    let mut lab = Lab::new();
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip6, &[(11, "10.1.0.1", 1)]);
+    let syn6 = on_wire(&ipv6(
+        CLIENT6,
+        VIP6,
+        PROTO_TCP,
+        0,
+        0,
+        &tcp(41000, 443, SYN, b""),
+    ));
+    assert_eq!(lab.run(&syn6).0, XDP_DROP);
+    assert_eq!(lab.stat(stat::DROP_BAD_BACKEND), 1);
+    assert_eq!(lab.stat(stat::TX), 0);
+}
+
+/// Without a FIB route to the backend and without a fallback router MAC there is nowhere to
+/// send the encapsulated packet: dropped and counted.
+#[test]
+fn no_fib_route_and_no_fallback_mac_drops_as_no_next_hop() {
+    let (mut lab, _vip) = lab_v4();
+    lab.cfg.fallback_mac = [0; 6];
+    let cfg = lab.cfg;
+    lab.dp.set_config(&cfg).unwrap();
+    let syn = on_wire(&v4_tcp(CLIENT4, 41001, VIP4, 443, SYN, 0));
+    assert_eq!(lab.run(&syn).0, XDP_DROP);
+    assert_eq!(lab.stat(stat::DROP_NO_NEXTHOP), 1);
+    assert_eq!(
+        (lab.stat(stat::TX), lab.stat(stat::FIB_FALLBACK_MAC)),
+        (0, 0)
+    );
+}
+
+/// A VIP shed by priority refuses new sessions only: a mid-stream packet whose connection
+/// entry was lost (evicted, or the LB restarted without its pins) is steered, not cut.
+#[test]
+fn shedding_by_priority_never_cuts_a_stream_whose_entry_was_lost() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_SHED | VIP_F_SHED_RST, 0);
+    lab.backends(&vip, &BACKENDS4);
+    // ACK, ACK+PSH and FIN+ACK (0x01 is FIN).
+    for (k, flags) in [ACK, ACK | PSH, 0x01 | ACK].into_iter().enumerate() {
+        let sport = 42000 + k as u16;
+        let key = flow(CLIENT4, sport, VIP4, 443, PROTO_TCP);
+        let want = lab.ring_choice(&vip, &key, false);
+        let h = lab.flow_hash(&key, false);
+        assert_steered(
+            &mut lab,
+            &v4_tcp(CLIENT4, sport, VIP4, 443, flags, 0),
+            want,
+            h,
+        );
+    }
+    assert_eq!(
+        (lab.stat(stat::SHED_PRIORITY), lab.stat(stat::SHED_RST_SENT)),
+        (0, 0)
+    );
+    // A SYN of the same VIP is shed: the flag is in force.
+    let (a, _) = lab.run(&on_wire(&v4_tcp(CLIENT4, 42010, VIP4, 443, SYN, 0)));
+    assert_eq!((a, lab.stat(stat::SHED_PRIORITY)), (XDP_TX, 1));
+}
+
 #[test]
 fn vip_without_backends_drops_and_counts() {
     let mut lab = Lab::new();

@@ -38,6 +38,8 @@ pub const DEB_PACKAGES: &[&str] = &[
     "man-db",
     // `gzip -9n` of the man pages (`cargo xtask package`).
     "gzip",
+    // CPU load beside the suite, to show it passes on a loaded machine (docs/tests.md).
+    "stress-ng",
 ];
 
 /// cargo-deb builds the .deb (`cargo xtask package`); the version that was tested.
@@ -489,12 +491,16 @@ mod tests {
 
     #[test]
     fn reads_the_llvm_dependency_of_the_installed_bpf_linker() {
-        // Only meaningful where bpf-linker was installed by setup (dynamically linked).
-        let Some(linker) = find_bpf_linker() else {
-            return;
-        };
-        if let Some(linked) = linked_llvm(&linker) {
-            assert!(linked.starts_with("libLLVM.so."), "{linked}");
-        }
+        // setup installs bpf-linker linked against rustc's shared libLLVM; a missing or
+        // statically linked one is a machine setup has not prepared.
+        let linker = find_bpf_linker()
+            .expect("bpf-linker is not on PATH nor in cargo's bin: run `cargo xtask setup`");
+        let linked = linked_llvm(&linker).unwrap_or_else(|| {
+            panic!(
+                "{} links no libLLVM dynamically: not the one `cargo xtask setup` builds",
+                linker.display()
+            )
+        });
+        assert!(linked.starts_with("libLLVM.so."), "{linked}");
     }
 }

@@ -183,6 +183,7 @@ mod tests {
     use tokio::{
         io::{AsyncReadExt, AsyncWriteExt},
         net::TcpListener,
+        sync::oneshot,
     };
 
     use super::*;
@@ -282,20 +283,33 @@ mod tests {
         assert!(matches!(err, Err(CheckError::Connect(_))), "{err:?}");
     }
 
-    /// Answers one request with `status`, after `delay`.
-    async fn serve(status: u16, delay: Duration) -> u16 {
+    /// Answers one request with `status`, after `delay`. The request it read comes back
+    /// through the receiver, for the test to check (a panic in the spawned task would not
+    /// reach the test).
+    async fn serve(status: u16, delay: Duration) -> (u16, oneshot::Receiver<Vec<u8>>) {
         let l = TcpListener::bind((LOCAL, 0)).await.unwrap();
         let port = l.local_addr().unwrap().port();
+        let (tx, rx) = oneshot::channel();
         tokio::spawn(async move {
             let (mut s, _) = l.accept().await.unwrap();
             let mut buf = [0; 1024];
             let n = s.read(&mut buf).await.unwrap();
-            assert!(buf[..n].starts_with(b"GET /health HTTP/1.1\r\n"));
+            let _ = tx.send(buf[..n].to_vec());
             tokio::time::sleep(delay).await;
             let resp = format!("HTTP/1.1 {status} X\r\ncontent-length: 0\r\n\r\n");
             let _ = s.write_all(resp.as_bytes()).await;
         });
-        port
+        (port, rx)
+    }
+
+    /// The request the server of [`serve`] read: a GET of the health path.
+    async fn assert_health_get(request: oneshot::Receiver<Vec<u8>>) {
+        let got = request.await.expect("the server read no request");
+        assert!(
+            got.starts_with(b"GET /health HTTP/1.1\r\n"),
+            "{:?}",
+            String::from_utf8_lossy(&got)
+        );
     }
 
     fn http_check(port: u16) -> HealthCheck {
@@ -308,10 +322,12 @@ mod tests {
 
     #[tokio::test]
     async fn http_check_wants_the_expected_status_within_the_timeout() {
-        let port = serve(200, Duration::ZERO).await;
+        let (port, req) = serve(200, Duration::ZERO).await;
         check(LOCAL, &http_check(port), S).await.unwrap();
-        let port = serve(503, Duration::ZERO).await;
+        assert_health_get(req).await;
+        let (port, req) = serve(503, Duration::ZERO).await;
         let err = check(LOCAL, &http_check(port), S).await;
+        assert_health_get(req).await;
         assert!(
             matches!(
                 err,
@@ -322,8 +338,9 @@ mod tests {
             ),
             "{err:?}"
         );
-        let port = serve(200, 2 * S).await;
+        let (port, req) = serve(200, 2 * S).await;
         let err = check(LOCAL, &http_check(port), Duration::from_millis(100)).await;
+        assert_health_get(req).await;
         assert!(matches!(err, Err(CheckError::Timeout(_))), "{err:?}");
     }
 }

@@ -505,10 +505,38 @@ mod tests {
     #[test]
     fn every_truncation_of_a_line_parses_or_errors() {
         let line = r#"vllm:e2e_bucket{engine="0",le="+Inf",model_name="a \"b\""} 4.5e+01 1712 # {t="x"} 1 2"#;
+        // A cut line either is an error on line 1 or parses into at most one series whose
+        // name and value are what the text says: never a made-up sample.
+        let check = |text: &str| match parse(text) {
+            Err(e) => {
+                assert_eq!(e.line, 1, "{text:?}: {e}");
+                assert!(!e.msg.is_empty(), "{text:?}: an error without a message");
+                false
+            }
+            Ok(page) => {
+                assert!(page.series.len() <= 1, "{text:?}: {:?}", page.series.len());
+                for s in &page.series {
+                    assert!(
+                        text.trim_start().starts_with(s.name),
+                        "{text:?}: {}",
+                        s.name
+                    );
+                    assert!(s.value.is_finite(), "{text:?}: value {}", s.value);
+                }
+                true
+            }
+        };
+        let mut prefixes_ok = Vec::new();
         for end in (0..=line.len()).filter(|&i| line.is_char_boundary(i)) {
-            let _ = parse(&line[..end]);
-            let _ = parse(&line[end..]);
+            if check(&line[..end]) {
+                prefixes_ok.push(end);
+            }
+            check(&line[end..]);
         }
+        // The empty prefix and the full line parse; a name cut before its value does not.
+        assert!(prefixes_ok.contains(&0) && prefixes_ok.contains(&line.len()));
+        assert!(!prefixes_ok.contains(&line.find('{').unwrap()));
+        assert!(!prefixes_ok.contains(&(line.find('}').unwrap() + 1)));
         // Spot checks: the whole line and the line without its exemplar are valid.
         assert_eq!(one(line).value, 45.0);
         assert_eq!(one(&line[..line.find(" #").unwrap()]).value, 45.0);
@@ -528,7 +556,19 @@ mod tests {
                 bytes.push(alphabet[(state % alphabet.len() as u64) as usize]);
             }
             let text = String::from_utf8_lossy(&bytes);
-            let _ = parse(&text);
+            // An error names a line of the text; a page's values are numbers from it.
+            match parse(&text) {
+                Err(e) => assert!(
+                    e.line >= 1 && e.line <= text.split('\n').count(),
+                    "{text:?}: error on line {}",
+                    e.line
+                ),
+                Ok(page) => {
+                    for s in &page.series {
+                        assert!(text.contains(s.name), "{text:?}: series {}", s.name);
+                    }
+                }
+            }
         }
     }
 
