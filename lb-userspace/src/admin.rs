@@ -63,6 +63,8 @@ pub struct DaemonInfo {
     pub reused: bool,
     /// Where pushed telemetry samples go (the same hub the scrapers feed).
     pub telemetry: Arc<std::sync::Mutex<Hub>>,
+    /// How long the last drain check and policy step took together, in ns (0: none yet).
+    pub policy_step_ns: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Requests larger than this are refused with 413.
@@ -697,6 +699,7 @@ pub(crate) mod testing {
             pin_dir: "/sys/fs/bpf/sluice".into(),
             reused: false,
             telemetry: Arc::new(std::sync::Mutex::new(Hub::new(Duration::from_secs(3)))),
+            policy_step_ns: Default::default(),
         }
     }
 

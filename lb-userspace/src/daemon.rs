@@ -229,6 +229,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         pin_dir: pin_dir.display().to_string(),
         reused,
         telemetry: hub.clone(),
+        policy_step_ns: Default::default(),
     });
     let cfg = Arc::new(cfg);
 
@@ -275,7 +276,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
     ));
     // Drains and the adaptive policy step together, once per telemetry interval.
     let ticker = {
-        let (ctl, hub, cfg) = (ctl.clone(), hub.clone(), cfg.clone());
+        let (ctl, hub, cfg, info) = (ctl.clone(), hub.clone(), cfg.clone(), info.clone());
         let mut rx = stop_rx.clone();
         tokio::spawn(async move {
             let mut policy = Policy::new(cfg.policy.clone());
@@ -293,6 +294,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
                     _ = every.tick() => {}
                     _ = rx.wait_for(|s| *s) => break,
                 }
+                let started = Instant::now();
                 if let Err(e) = ctl.lock().await.tick(now_ms()) {
                     tracing::error!(error = %format!("{e:#}"), "drain check failed");
                 }
@@ -300,6 +302,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
                 {
                     tracing::error!(error = %format!("{e:#}"), "steering step failed");
                 }
+                let took = started.elapsed().as_nanos().max(1) as u64;
+                info.policy_step_ns.store(took, std::sync::atomic::Ordering::Relaxed);
             }
         })
     };

@@ -359,6 +359,19 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
         Unit::Seconds,
         uptime,
     );
+    let step_ns = info
+        .policy_step_ns
+        .load(std::sync::atomic::Ordering::Relaxed);
+    if step_ns > 0 {
+        let step = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        step.set(step_ns as f64 / 1e9);
+        reg.register_with_unit(
+            "policy_step_duration",
+            "How long the last drain check and adaptive-policy step took",
+            Unit::Seconds,
+            step,
+        );
+    }
     reg.register(
         "build",
         "The daemon's version",
