@@ -199,7 +199,14 @@ fn fill(lab: &DaemonLab, ids: &[u32], n: u32) -> Result<()> {
                     for i in (cpu..n).step_by(cpus as usize) {
                         // Clients 10.200.0.0/16 with every source port: distinct 5-tuples.
                         let key = FlowKey {
-                            src: [u32::from_ne_bytes(Ipv4Addr::from(0x0ac8_0000 | (i >> 16)).octets()), 0, 0, 0],
+                            src: [
+                                u32::from_ne_bytes(
+                                    Ipv4Addr::from(0x0ac8_0000 | (i >> 16)).octets(),
+                                ),
+                                0,
+                                0,
+                                0,
+                            ],
                             dst: [vip, 0, 0, 0],
                             sport: ((i & 0xffff) as u16).to_be(),
                             dport: TCP_PORT.to_be(),

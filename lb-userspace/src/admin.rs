@@ -4,6 +4,7 @@
 //! audit log names who made it. Reads are answered from a snapshot copied under the
 //! controller lock and formatted after it is released.
 
+mod conns;
 mod socket;
 mod views;
 
@@ -279,6 +280,7 @@ enum Route {
     Undrain(String, IpAddr),
     Telemetry(String, IpAddr),
     Flows,
+    Conns,
     Stats,
     Events,
 }
@@ -289,7 +291,7 @@ impl Route {
             ApiError::new(
                 404,
                 format!(
-                    "no endpoint {path}; the API has /v1/status, /v1/vips, /v1/flows, /v1/stats and /v1/events"
+                    "no endpoint {path}; the API has /v1/status, /v1/vips, /v1/flows, /v1/conns, /v1/stats and /v1/events"
                 ),
             )
         };
@@ -313,6 +315,7 @@ impl Route {
             ["vips", v, "backends", a, "undrain"] => Route::Undrain(s(v), path_addr(a)?),
             ["vips", v, "backends", a, "telemetry"] => Route::Telemetry(s(v), path_addr(a)?),
             ["flows"] => Route::Flows,
+            ["conns"] => Route::Conns,
             ["stats"] => Route::Stats,
             ["events"] => Route::Events,
             _ => return Err(not_found()),
@@ -322,7 +325,7 @@ impl Route {
     /// The methods the endpoint answers (the Allow header of a 405).
     fn allow(&self) -> &'static str {
         match self {
-            Route::Status | Route::Flows | Route::Stats | Route::Events => "GET",
+            Route::Status | Route::Flows | Route::Conns | Route::Stats | Route::Events => "GET",
             Route::Vips | Route::Backends(_) => "GET, POST",
             Route::Vip(_) | Route::Backend(..) => "GET, DELETE",
             Route::Weight(..) => "PUT",
@@ -536,6 +539,10 @@ where
         }
         (Route::Flows, Method::GET) => {
             reply(StatusCode::OK, &flows(&Snapshot::take(&api.ctl).await?))
+        }
+        (Route::Conns, Method::GET) => {
+            let q = conns::ConnQuery::parse(parts.uri.query())?;
+            reply(StatusCode::OK, &conns::list(&api.ctl, &q).await?)
         }
         (Route::Stats, Method::GET) => {
             reply(StatusCode::OK, &stats(&Snapshot::take(&api.ctl).await?))

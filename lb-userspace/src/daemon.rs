@@ -210,7 +210,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         audit_log: Some(cfg.admin.audit_log.clone()),
         config_hash: hash,
     };
-    let plane = MapPlane::new(dp, cfg.dataplane.hash_seed);
+    let plane = MapPlane::new(dp, cfg.dataplane.hash_seed, cfg.dataplane.flow_idle_timeout)?;
     let ctl = Arc::new(Mutex::new(Controller::new(
         desired, &in_plane, plane, settings,
     )?));
@@ -303,7 +303,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
                     tracing::error!(error = %format!("{e:#}"), "steering step failed");
                 }
                 let took = started.elapsed().as_nanos().max(1) as u64;
-                info.policy_step_ns.store(took, std::sync::atomic::Ordering::Relaxed);
+                info.policy_step_ns
+                    .store(took, std::sync::atomic::Ordering::Relaxed);
             }
         })
     };

@@ -7,6 +7,7 @@ use std::{
     collections::HashMap as StdHashMap,
     fs,
     mem::size_of,
+    os::fd::{AsFd, OwnedFd},
     path::{Path, PathBuf},
 };
 
@@ -467,8 +468,26 @@ impl Dataplane {
 
     /// Every connection-table entry (a snapshot; entries may change while it is taken).
     pub fn conns(&mut self) -> Result<Vec<(FlowKey, ConnEntry)>> {
-        let m: HashMap<&mut MapData, FlowKey, ConnEntry> = HashMap::try_from(self.map("CONNS")?)?;
-        Ok(m.iter().filter_map(|r| r.ok()).collect())
+        let fd = self.conns_fd()?;
+        let mut out = vec![];
+        crate::flowwalk::walk(fd.as_fd(), |k, v| {
+            out.push((*k, *v));
+            true
+        })?;
+        Ok(out)
+    }
+
+    /// A descriptor of its own for the connection table, for readers on other threads (the
+    /// flow walker).
+    pub fn conns_fd(&mut self) -> Result<OwnedFd> {
+        let data = match self.map("CONNS")? {
+            aya::maps::Map::LruHashMap(d) | aya::maps::Map::HashMap(d) => d,
+            _ => bail!("map CONNS is not a hash map"),
+        };
+        data.fd()
+            .as_fd()
+            .try_clone_to_owned()
+            .context("duplicating the connection table's descriptor")
     }
 
     pub fn clear_conns(&mut self) -> Result<()> {

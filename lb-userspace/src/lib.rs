@@ -9,6 +9,7 @@ pub mod config;
 pub mod controller;
 pub mod daemon;
 pub mod dataplane;
+pub mod flowwalk;
 pub mod maglev;
 pub mod metrics;
 pub mod object;

@@ -359,6 +359,16 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
         Unit::Seconds,
         uptime,
     );
+    if let Some(t) = snap.flows_taken_ms {
+        let age = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        age.set(crate::admin::now_ms().saturating_sub(t) as f64 / 1e3);
+        reg.register_with_unit(
+            "active_flows_age",
+            "Age of the active-flow counts (the connection table is counted in the background)",
+            Unit::Seconds,
+            age,
+        );
+    }
     let step_ns = info
         .policy_step_ns
         .load(std::sync::atomic::Ordering::Relaxed);
@@ -384,6 +394,9 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
 }
 
 #[cfg(test)]
+mod dashboard;
+
+#[cfg(test)]
 mod tests {
     use std::io::{Read, Write};
 
@@ -397,7 +410,7 @@ mod tests {
         },
     };
 
-    async fn snapshot() -> Snapshot {
+    pub(super) async fn snapshot() -> Snapshot {
         let mut c = controller();
         let op = Op::AddVip {
             vip: vip("chat", "10.0.0.1"),
