@@ -139,8 +139,8 @@ pub struct MapPlane {
     walker: FlowWalker,
     /// Connection-table entries found by the latest walk (active or not), for the fill level.
     pub conn_entries: u64,
-    /// When the latest count used was taken (unix ms).
-    taken_ms: u64,
+    /// When the latest count used was taken, and its walk's duration.
+    counted: crate::controller::FlowCount,
 }
 
 impl MapPlane {
@@ -152,7 +152,7 @@ impl MapPlane {
             seed,
             walker,
             conn_entries: 0,
-            taken_ms: 0,
+            counted: Default::default(),
         })
     }
 }
@@ -181,12 +181,15 @@ impl crate::controller::Plane for MapPlane {
     ) -> Result<std::collections::BTreeMap<u32, u64>> {
         let c = self.walker.latest(idle)?;
         self.conn_entries = c.entries;
-        self.taken_ms = c.taken_ms;
+        self.counted = crate::controller::FlowCount {
+            taken_ms: c.taken_ms,
+            walk: c.walk,
+        };
         Ok(c.active)
     }
 
-    fn flows_taken_ms(&self) -> Option<u64> {
-        Some(self.taken_ms)
+    fn flows_counted(&self) -> Option<crate::controller::FlowCount> {
+        Some(self.counted)
     }
 
     fn flow_entries(

@@ -51,15 +51,22 @@ pub struct FlowEntry {
     pub idle: Duration,
 }
 
+/// When active flows were last counted (unix ms) and how long that walk took.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowCount {
+    pub taken_ms: u64,
+    pub walk: Duration,
+}
+
 /// Where the data plane lives, as the controller needs it.
 pub trait Plane: Send {
     /// Writes `new` (coming from `old`) with the adaptive `overlay`.
     fn apply(&mut self, old: &State, new: &State, overlay: &Overlay) -> Result<()>;
     /// Connection-table entries seen within `idle`, per backend id.
     fn active_flows(&mut self, idle: Duration) -> Result<BTreeMap<u32, u64>>;
-    /// Unix ms at which the counts `active_flows` returns were taken, where they may lag
-    /// (a background walk); None when they are always current.
-    fn flows_taken_ms(&self) -> Option<u64> {
+    /// When and at what cost the counts `active_flows` returns were taken, where they may
+    /// lag (a background walk); None when they are always current.
+    fn flows_counted(&self) -> Option<FlowCount> {
         None
     }
     /// Global counters by name, and traffic of the VIPs and backends in `state` by id.
@@ -220,9 +227,9 @@ impl<P: Plane> Controller<P> {
         self.plane.flow_entries(f)
     }
 
-    /// When the active-flow counts were taken (unix ms), where they may lag.
-    pub fn flows_taken_ms(&self) -> Option<u64> {
-        self.plane.flows_taken_ms()
+    /// When the active-flow counts were taken and at what cost, where they may lag.
+    pub fn flows_counted(&self) -> Option<FlowCount> {
+        self.plane.flows_counted()
     }
 
     pub fn effective_weight(&self, b: &Backend) -> u32 {
@@ -431,7 +438,10 @@ impl<P: Plane> Controller<P> {
             let left = flows.get(&id).copied().unwrap_or(0);
             // A count taken before the drain began may miss a flow that arrived just before
             // it: wait for a newer one before calling the backend empty.
-            let stale = self.plane.flows_taken_ms().is_some_and(|t| t < since_ms);
+            let stale = self
+                .plane
+                .flows_counted()
+                .is_some_and(|c| c.taken_ms < since_ms);
             let (kind, reason) = if left == 0 && !stale {
                 ("drain-complete", "no active flows left".to_string())
             } else if deadline.is_some_and(|d| now_ms >= d) {

@@ -112,6 +112,8 @@ pub struct FlowCounts {
     pub entries: u64,
     /// Unix ms when the walk began: flows that arrived after it may be missing.
     pub taken_ms: u64,
+    /// How long the walk took.
+    pub walk: Duration,
 }
 
 /// Counts entries into a [`FlowCounts`]: an entry is active when it was seen within `idle`
@@ -153,12 +155,16 @@ pub fn pause_after(took: Duration) -> Duration {
 
 /// Walks the table `fd` once and counts it.
 fn count(fd: BorrowedFd<'_>, idle: Duration) -> Result<FlowCounts> {
+    let started = Instant::now();
     let mut t = Tally::new(crate::apply::monotonic_ns(), idle, crate::admin::now_ms());
     walk(fd, |_, e| {
         t.add(e);
         true
     })?;
-    Ok(t.finish())
+    Ok(FlowCounts {
+        walk: started.elapsed(),
+        ..t.finish()
+    })
 }
 
 struct Shared {
@@ -177,14 +183,13 @@ pub struct FlowWalker {
 impl FlowWalker {
     /// Counts once before returning (so the first reads are exact), then keeps counting.
     pub fn start(fd: OwnedFd, idle: Duration) -> Result<FlowWalker> {
-        let t = Instant::now();
         let first = count(fd.as_fd(), idle).context("counting the connection table")?;
+        let mut took = first.walk;
         let shared = Arc::new(Shared {
             latest: Mutex::new(Ok(first)),
             idle_ns: AtomicU64::new(idle.as_nanos() as u64),
             stop: AtomicBool::new(false),
         });
-        let mut took = t.elapsed();
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("sluice-flowwalk".into())

@@ -359,14 +359,22 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
         Unit::Seconds,
         uptime,
     );
-    if let Some(t) = snap.flows_taken_ms {
+    if let Some(c) = snap.flows_counted {
         let age = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
-        age.set(crate::admin::now_ms().saturating_sub(t) as f64 / 1e3);
+        age.set(crate::admin::now_ms().saturating_sub(c.taken_ms) as f64 / 1e3);
         reg.register_with_unit(
             "active_flows_age",
             "Age of the active-flow counts (the connection table is counted in the background)",
             Unit::Seconds,
             age,
+        );
+        let walk = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        walk.set(c.walk.as_secs_f64());
+        reg.register_with_unit(
+            "active_flows_walk_duration",
+            "How long the latest background walk of the connection table took",
+            Unit::Seconds,
+            walk,
         );
     }
     let step_ns = info

@@ -93,7 +93,7 @@ async fn every_metric_the_dashboard_queries_is_exported() {
     let text = std::fs::read_to_string(DASHBOARD).expect("reading the dashboard");
     let dash: Value = serde_json::from_str(&text).expect("the dashboard is JSON");
     let mut snap = snapshot().await;
-    snap.flows_taken_ms = Some(1);
+    snap.flows_counted = Some(Default::default());
     let info = info();
     info.policy_step_ns
         .store(1_000_000, std::sync::atomic::Ordering::Relaxed);
