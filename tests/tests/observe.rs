@@ -99,17 +99,21 @@ fn flows_lists_a_running_streams_entry_and_the_live_views_show_it() {
     assert!(!text.contains(&s.local.to_string()), "{text}");
 
     // The background count catches up within a walk period.
-    wait_for("the stream in the active-flow count", Duration::from_secs(5), || {
-        let n = lab
-            .backend(VIP, backend.v4.into())
-            .and_then(|b| b["active_flows"].as_u64())
-            .unwrap_or(0);
-        if n >= 1 {
-            Ok(Some(()))
-        } else {
-            Err(format!("{n} active flows"))
-        }
-    })
+    wait_for(
+        "the stream in the active-flow count",
+        Duration::from_secs(5),
+        || {
+            let n = lab
+                .backend(VIP, backend.v4.into())
+                .and_then(|b| b["active_flows"].as_u64())
+                .unwrap_or(0);
+            if n >= 1 {
+                Ok(Some(()))
+            } else {
+                Err(format!("{n} active flows"))
+            }
+        },
+    )
     .unwrap();
 
     let watched = live_output(
@@ -124,7 +128,11 @@ fn flows_lists_a_running_streams_entry_and_the_live_views_show_it() {
     );
     assert!(watched.contains(&addr), "{watched:?}");
 
-    let top = live_output(&lab, &["top", "--every", "300ms"], Duration::from_millis(1500));
+    let top = live_output(
+        &lab,
+        &["top", "--every", "300ms"],
+        Duration::from_millis(1500),
+    );
     assert!(top.contains("PKT/S"), "{top:?}");
     let row = top
         .lines()
