@@ -281,6 +281,7 @@ enum Route {
     Telemetry(String, IpAddr),
     Flows,
     Conns,
+    Trace,
     Stats,
     Events,
 }
@@ -291,7 +292,7 @@ impl Route {
             ApiError::new(
                 404,
                 format!(
-                    "no endpoint {path}; the API has /v1/status, /v1/vips, /v1/flows, /v1/conns, /v1/stats and /v1/events"
+                    "no endpoint {path}; the API has /v1/status, /v1/vips, /v1/flows, /v1/conns, /v1/trace, /v1/stats and /v1/events"
                 ),
             )
         };
@@ -316,6 +317,7 @@ impl Route {
             ["vips", v, "backends", a, "telemetry"] => Route::Telemetry(s(v), path_addr(a)?),
             ["flows"] => Route::Flows,
             ["conns"] => Route::Conns,
+            ["trace"] => Route::Trace,
             ["stats"] => Route::Stats,
             ["events"] => Route::Events,
             _ => return Err(not_found()),
@@ -329,6 +331,7 @@ impl Route {
             Route::Vips | Route::Backends(_) => "GET, POST",
             Route::Vip(_) | Route::Backend(..) => "GET, DELETE",
             Route::Weight(..) => "PUT",
+            Route::Trace => "GET, PUT",
             Route::Drain(..) | Route::Undrain(..) | Route::Telemetry(..) => "POST",
         }
     }
@@ -543,6 +546,21 @@ where
         (Route::Conns, Method::GET) => {
             let q = conns::ConnQuery::parse(parts.uri.query())?;
             reply(StatusCode::OK, &conns::list(&api.ctl, &q).await?)
+        }
+        (Route::Trace, Method::GET) => {
+            let on = api.ctl.lock().await.trace();
+            reply(StatusCode::OK, &json!({ "enabled": on }))
+        }
+        (Route::Trace, Method::PUT) => {
+            #[derive(Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct Switch {
+                enabled: bool,
+            }
+            let s: Switch = json_body(body, r#"{"enabled": true|false}"#).await?;
+            let mut ctl = api.ctl.lock().await;
+            ctl.set_trace(s.enabled, peer, now_ms())?;
+            reply(StatusCode::OK, &json!({ "enabled": ctl.trace() }))
         }
         (Route::Stats, Method::GET) => {
             reply(StatusCode::OK, &stats(&Snapshot::take(&api.ctl).await?))

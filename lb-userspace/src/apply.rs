@@ -192,6 +192,10 @@ impl crate::controller::Plane for MapPlane {
         Some(self.counted)
     }
 
+    fn set_trace(&mut self, on: bool) -> Result<()> {
+        self.dp.set_trace(on)
+    }
+
     fn flow_entries(
         &mut self,
         f: &mut dyn FnMut(crate::controller::FlowEntry) -> bool,

@@ -150,6 +150,21 @@ policy's state and reason; rates are the change of the counters since the last f
         events: usize,
     },
 
+    /// Switch the data plane's per-flow decision tracing on or off, or show whether it is on
+    #[command(after_help = "\
+Examples:
+  sluice trace on
+  sluice trace off
+  sluice trace
+
+Each steering decision is then logged by the daemon (target sluice::dataplane), e.g.
+  flow ::ffff:192.0.2.7:40312 to vip 0 port 443 -> backend 3 new
+Off by default and at every start; costs nothing measurable while off.")]
+    Trace {
+        /// on or off; without it, shows the current setting.
+        switch: Option<TraceSwitch>,
+    },
+
     /// Show the data plane's counters and per-VIP and per-backend traffic
     #[command(after_help = "\
 Examples:
@@ -425,6 +440,12 @@ pub fn main() -> ExitCode {
     }
 }
 
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum TraceSwitch {
+    On,
+    Off,
+}
+
 /// Exporter pages `sluice telemetry` reads.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum PageKind {
@@ -485,6 +506,23 @@ fn execute_once(cli: &Cli, out: &mut dyn Write) -> Result<()> {
                 live::render_top(w, prev.as_ref(), &cur, *events)?;
                 prev = Some(cur);
                 Ok(())
+            })
+        }
+        Command::Trace { switch } => {
+            let v = match switch {
+                None => client.call("GET", "/v1/trace", None)?,
+                Some(s) => {
+                    let body = json!({ "enabled": matches!(s, TraceSwitch::On) });
+                    client.call("PUT", "/v1/trace", Some(&body))?
+                }
+            };
+            out.show(&v, |out, v| {
+                let on = v["enabled"] == true;
+                Ok(writeln!(
+                    out,
+                    "decision tracing is {}",
+                    if on { "on" } else { "off" }
+                )?)
             })
         }
         Command::Stats => out.show(&client.call("GET", "/v1/stats", None)?, print_stats),

@@ -73,6 +73,8 @@ pub trait Plane: Send {
     fn counters(&mut self, state: &State) -> Result<Counters>;
     /// Gives connection-table entries to `f`, in table order, until it returns false.
     fn flow_entries(&mut self, f: &mut dyn FnMut(FlowEntry) -> bool) -> Result<()>;
+    /// Switches the data plane's decision tracing.
+    fn set_trace(&mut self, on: bool) -> Result<()>;
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -167,6 +169,8 @@ pub struct Controller<P: Plane> {
     overlay: Overlay,
     /// The policy's latest per-backend view (score, state, cooldown, telemetry age).
     decisions: BTreeMap<u32, crate::policy::BackendDecision>,
+    /// Decision tracing is on (off at every start).
+    trace: bool,
 }
 
 fn affected(state: &State, op: &Op) -> serde_json::Value {
@@ -200,6 +204,7 @@ impl<P: Plane> Controller<P> {
             event_counts: BTreeMap::new(),
             overlay: Overlay::default(),
             decisions: BTreeMap::new(),
+            trace: false,
         };
         c.persist()?;
         Ok(c)
@@ -207,6 +212,20 @@ impl<P: Plane> Controller<P> {
 
     pub fn state(&self) -> &State {
         &self.state
+    }
+
+    pub fn trace(&self) -> bool {
+        self.trace
+    }
+
+    /// Switches decision tracing in the data plane; audited.
+    pub fn set_trace(&mut self, on: bool, peer: Peer, now_ms: u64) -> Result<()> {
+        self.plane.set_trace(on)?;
+        self.trace = on;
+        self.audit(
+            json!({"time_ms": now_ms, "peer": peer, "request": {"trace": on}, "result": "ok"}),
+        );
+        Ok(())
     }
 
     pub fn plane(&mut self) -> &mut P {
@@ -490,6 +509,7 @@ pub mod fake {
         pub applied: Vec<State>,
         pub flows: BTreeMap<u32, u64>,
         pub entries: Vec<FlowEntry>,
+        pub trace: bool,
         pub fail_next: bool,
     }
 
@@ -506,6 +526,10 @@ pub mod fake {
         }
         fn counters(&mut self, _state: &State) -> Result<Counters> {
             Ok(Counters::default())
+        }
+        fn set_trace(&mut self, on: bool) -> Result<()> {
+            self.trace = on;
+            Ok(())
         }
         fn flow_entries(&mut self, f: &mut dyn FnMut(FlowEntry) -> bool) -> Result<()> {
             for e in &self.entries {

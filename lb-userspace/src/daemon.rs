@@ -210,6 +210,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         audit_log: Some(cfg.admin.audit_log.clone()),
         config_hash: hash,
     };
+    let traces = dp.trace_reader(crate::trace::TraceLog)?;
     let plane = MapPlane::new(dp, cfg.dataplane.hash_seed, cfg.dataplane.flow_idle_timeout)?;
     let ctl = Arc::new(Mutex::new(Controller::new(
         desired, &in_plane, plane, settings,
@@ -261,6 +262,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         }
         None => None,
     };
+    let tracer = tokio::spawn(crate::trace::run(traces, stopped(stop_rx.clone())));
     let epoch = Instant::now();
     let scraper = tokio::spawn(telemetry::scrape::run(
         targets,
@@ -328,6 +330,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let _ = ticker.await;
     let _ = health.await;
     let _ = scraper.await;
+    let _ = tracer.await;
     let _ = std::fs::remove_file(&cfg.admin.socket);
     // Drop the maps and programs before unpinning, so nothing of ours holds them.
     drop(ctl);

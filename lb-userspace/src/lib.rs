@@ -17,3 +17,4 @@ pub mod policy;
 pub mod state;
 pub mod steering;
 pub mod telemetry;
+pub mod trace;

@@ -143,3 +143,66 @@ fn flows_lists_a_running_streams_entry_and_the_live_views_show_it() {
     let got = s.finish().unwrap_or_else(|e| panic!("the stream: {e:#}"));
     assert_eq!(got, 60);
 }
+
+#[test]
+fn trace_on_logs_each_decision_of_a_session_and_trace_off_stops_it() {
+    let lab = DaemonLab::start(DaemonLabOptions::new(
+        SERVER,
+        BACKENDS,
+        vec![VipDef::tcp(VIP, vip(), BACKENDS)],
+    ))
+    .unwrap_or_else(|e| panic!("starting the daemon lab: {e:#}"));
+    assert_eq!(lab.cli_ok(&["trace"]), "decision tracing is off\n");
+    let s = lab
+        .stream(vip(), 3, 50)
+        .unwrap_or_else(|e| panic!("opening a stream: {e:#}"));
+    s.finish().unwrap_or_else(|e| panic!("the stream: {e:#}"));
+    assert!(!lab.log().contains("sluice::dataplane"), "traced while off");
+
+    assert_eq!(lab.cli_ok(&["trace", "on"]), "decision tracing is on\n");
+    let s = lab
+        .stream(vip(), 3, 50)
+        .unwrap_or_else(|e| panic!("opening a stream: {e:#}"));
+    let client = format!("flow ::ffff:{} to vip ", s.local);
+    let backend = lab
+        .topo
+        .backends
+        .iter()
+        .find(|b| b.name == s.backend)
+        .expect("the greeting backend is in the lab");
+    s.finish().unwrap_or_else(|e| panic!("the stream: {e:#}"));
+    let traced = wait_for(
+        "the session's decisions in the log",
+        Duration::from_secs(5),
+        || {
+            let log = lab.log();
+            let lines: Vec<String> = log
+                .lines()
+                .filter(|l| l.contains("sluice::dataplane") && l.contains(&client))
+                .map(str::to_string)
+                .collect();
+            if lines.iter().any(|l| l.ends_with(" new")) && lines.len() >= 2 {
+                Ok(Some(lines))
+            } else {
+                Err(format!("{} lines so far", lines.len()))
+            }
+        },
+    )
+    .unwrap();
+    let id = lab
+        .backend(VIP, backend.v4.into())
+        .and_then(|b| b["id"].as_u64())
+        .unwrap();
+    let want = format!(" -> backend {id} ");
+    assert!(traced.iter().all(|l| l.contains(&want)), "{traced:#?}");
+
+    assert_eq!(lab.cli_ok(&["trace", "off"]), "decision tracing is off\n");
+    let before = lab.log().matches("sluice::dataplane").count();
+    let s = lab
+        .stream(vip(), 3, 50)
+        .unwrap_or_else(|e| panic!("opening a stream: {e:#}"));
+    s.finish().unwrap_or_else(|e| panic!("the stream: {e:#}"));
+    // Reading is asynchronous: give a late record the time a traced one took to appear.
+    thread::sleep(Duration::from_millis(500));
+    assert_eq!(lab.log().matches("sluice::dataplane").count(), before);
+}
