@@ -31,6 +31,8 @@ pub const DEB_PACKAGES: &[&str] = &[
     "util-linux",
     // The README's admin-API examples (`curl --unix-socket`).
     "curl",
+    // `bpftool map dump`: the readable-maps test shows the connection table by field name.
+    "bpftool",
 ];
 
 const BPFFS: &str = "/sys/fs/bpf";
