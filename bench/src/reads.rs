@@ -130,10 +130,15 @@ pub fn main(args: &[String]) -> Result<()> {
         .ok_or_else(|| anyhow!("the daemon is not running"))?;
     let (cpu0, t0) = (cpu_ticks(pid)?, Instant::now());
     let mut step_ms = vec![];
+    let mut walk_ms = vec![];
     for s in 0..a.cpu_secs {
         let page = scrape(&lab)?;
         if let Some(v) = metric(&page, "sluice_policy_step_duration_seconds") {
             step_ms.push(v * 1e3);
+        }
+        // The background count's own cost (absent in builds without the walker).
+        if let Some(v) = metric(&page, "sluice_active_flows_walk_duration_seconds") {
+            walk_ms.push(v * 1e3);
         }
         let next = t0 + Duration::from_secs(s + 1);
         thread::sleep(next.saturating_duration_since(Instant::now()));
@@ -142,16 +147,17 @@ pub fn main(args: &[String]) -> Result<()> {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let cpu_pct = ticks as f64 / hz / t0.elapsed().as_secs_f64() * 100.0;
 
-    let (l, s, p) = (
+    let (l, s, p, w) = (
         Summary::of(&list_ms),
         Summary::of(&scrape_ms),
         Summary::of(&step_ms),
+        Summary::of(&walk_ms),
     );
     println!(
         "{} entries: backend list median {:.1} ms [{:.1} {:.1}]; /metrics median {:.1} ms \
          [{:.1} {:.1}]; policy step median {:.1} ms [{:.1} {:.1}]; daemon CPU {cpu_pct:.1}% \
-         of a core at one scrape per second",
-        a.entries, l.median, l.min, l.p90, s.median, s.min, s.p90, p.median, p.min, p.p90
+         of a core at one scrape per second; background walk median {:.1} ms",
+        a.entries, l.median, l.min, l.p90, s.median, s.min, s.p90, p.median, p.min, p.p90, w.median
     );
     let doc = json!({
         "benchmark": "reads",
@@ -168,6 +174,7 @@ pub fn main(args: &[String]) -> Result<()> {
         "backend_list_ms": {"median": l.median, "min": l.min, "p90": l.p90, "samples": list_ms},
         "metrics_scrape_ms": {"median": s.median, "min": s.min, "p90": s.p90, "samples": scrape_ms},
         "policy_step_ms": {"median": p.median, "min": p.min, "p90": p.p90, "samples": step_ms},
+        "active_flows_walk_ms": {"median": w.median, "min": w.min, "p90": w.p90, "samples": walk_ms},
         "daemon_cpu_percent_of_a_core": cpu_pct,
         "cpu_window_s": a.cpu_secs,
         "note": "backend list is the CLI process end to end (start, socket, table); the \
