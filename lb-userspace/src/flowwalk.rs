@@ -5,8 +5,8 @@
 //! A walk reads the table with `BPF_MAP_LOOKUP_BATCH` (thousands of entries per syscall; one
 //! entry per syscall made a 1M-entry walk take seconds, see `cargo xtask bench reads`). The
 //! walker repeats walks on its own thread and publishes each result; readers take the latest.
-//! Walks are paced so they use at most 1/`DUTY` of a core: a table that takes 100 ms to walk
-//! is walked every 4 s, a small one every second. Counts kept by the data plane itself could
+//! Walks are paced by the CPU time they take so they use at most 1/`DUTY` of a core: a table
+//! whose walk costs 100 ms of CPU is walked every 4 s, a small one every second. Counts kept by the data plane itself could
 //! not say which flows are still active (idle entries leave the LRU only when evicted).
 
 use std::{
@@ -22,7 +22,7 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use lb_common::{ConnEntry, FlowKey};
+use lb_common::{ConnEntry, FlowKey, MAX_BACKENDS};
 
 /// Entries asked for per syscall. Must exceed the longest hash bucket (the kernel answers
 /// ENOSPC otherwise; buckets hold a handful of entries).
@@ -112,8 +112,10 @@ pub struct FlowCounts {
     pub entries: u64,
     /// Unix ms when the walk began: flows that arrived after it may be missing.
     pub taken_ms: u64,
-    /// How long the walk took.
+    /// How long the walk took (wall clock).
     pub walk: Duration,
+    /// CPU time the walk took (this thread's, system time included): what paces walks.
+    pub cpu: Duration,
 }
 
 /// Counts entries into a [`FlowCounts`]: an entry is active when it was seen within `idle`
@@ -121,6 +123,8 @@ pub struct FlowCounts {
 pub struct Tally {
     now_ns: u64,
     idle_ns: u64,
+    /// Indexed by backend id (ids are below `MAX_BACKENDS`): no map lookup per entry.
+    active: Vec<u64>,
     counts: FlowCounts,
 }
 
@@ -129,6 +133,7 @@ impl Tally {
         Tally {
             now_ns,
             idle_ns: idle.as_nanos() as u64,
+            active: vec![0; MAX_BACKENDS as usize],
             counts: FlowCounts {
                 taken_ms,
                 ..Default::default()
@@ -139,23 +144,27 @@ impl Tally {
     pub fn add(&mut self, e: &ConnEntry) {
         self.counts.entries += 1;
         if self.now_ns.saturating_sub(e.last_seen_ns) <= self.idle_ns {
-            *self.counts.active.entry(e.backend).or_default() += 1;
+            // An id out of range is no backend's (never written by the data plane).
+            if let Some(n) = self.active.get_mut(e.backend as usize) {
+                *n += 1;
+            }
         }
     }
 
-    pub fn finish(self) -> FlowCounts {
+    pub fn finish(mut self) -> FlowCounts {
+        self.counts.active = (0u32..).zip(self.active).filter(|&(_, n)| n > 0).collect();
         self.counts
     }
 }
 
-/// Time to wait after a walk that took `took` before the next one.
+/// Time to wait after a walk that took `took` of CPU before the next one.
 pub fn pause_after(took: Duration) -> Duration {
     (took * DUTY).max(MIN_PERIOD)
 }
 
 /// Walks the table `fd` once and counts it.
 fn count(fd: BorrowedFd<'_>, idle: Duration) -> Result<FlowCounts> {
-    let started = Instant::now();
+    let (started, cpu0) = (Instant::now(), thread_cpu());
     let mut t = Tally::new(crate::apply::monotonic_ns(), idle, crate::admin::now_ms());
     walk(fd, |_, e| {
         t.add(e);
@@ -163,8 +172,20 @@ fn count(fd: BorrowedFd<'_>, idle: Duration) -> Result<FlowCounts> {
     })?;
     Ok(FlowCounts {
         walk: started.elapsed(),
+        cpu: thread_cpu().saturating_sub(cpu0),
         ..t.finish()
     })
+}
+
+/// CPU time of the calling thread, user and system.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the struct we pass.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 struct Shared {
@@ -184,7 +205,7 @@ impl FlowWalker {
     /// Counts once before returning (so the first reads are exact), then keeps counting.
     pub fn start(fd: OwnedFd, idle: Duration) -> Result<FlowWalker> {
         let first = count(fd.as_fd(), idle).context("counting the connection table")?;
-        let mut took = first.walk;
+        let mut took = first.cpu;
         let shared = Arc::new(Shared {
             latest: Mutex::new(Ok(first)),
             idle_ns: AtomicU64::new(idle.as_nanos() as u64),
@@ -207,11 +228,10 @@ impl FlowWalker {
                         );
                     }
                     let idle = Duration::from_nanos(s.idle_ns.load(Ordering::Relaxed));
-                    let t = Instant::now();
                     let r = count(fd.as_fd(), idle).map_err(|e| format!("{e:#}"));
-                    took = t.elapsed();
-                    if let Err(e) = &r {
-                        tracing::warn!(error = %e, "counting active flows failed");
+                    match &r {
+                        Ok(c) => took = c.cpu,
+                        Err(e) => tracing::warn!(error = %e, "counting active flows failed"),
                     }
                     *s.latest.lock().expect("flow count lock") = r;
                 }
@@ -269,11 +289,13 @@ mod tests {
             entry(2, now - 1),
             // Stamped after `now` was read (the walk races the data plane): active.
             entry(3, now + 5),
+            // No backend has this id: an entry, but nobody's flow.
+            entry(MAX_BACKENDS, now),
         ];
         let mut t = Tally::new(now, idle, 7);
         es.iter().for_each(|e| t.add(e));
         let c = t.finish();
-        assert_eq!(c.entries, 5);
+        assert_eq!(c.entries, 6);
         assert_eq!(c.active, BTreeMap::from([(1, 2), (2, 1), (3, 1)]));
         assert_eq!(c.taken_ms, 7);
     }
