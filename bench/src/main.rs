@@ -8,9 +8,12 @@
 //! - `failover`: time from a backend's death to the data plane steering around it.
 //! - `tokens`: a load generator of OpenAI-style token streams (see `tokens/mod.rs`;
 //!   `sluice-bench tokens --help`); needs no root.
+//! - `reads`: `sluice backend list`, a `/metrics` scrape and a policy step with a full
+//!   connection table, and the daemon's CPU use at one scrape per second.
 
 mod failover;
 mod maglev;
+mod reads;
 mod report;
 mod sys;
 pub mod tokens;
@@ -22,7 +25,7 @@ fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let Some(name) = args.next() else {
         eprintln!(
-            "usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover, tokens"
+            "usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover, reads, tokens"
         );
         return ExitCode::from(2);
     };
@@ -31,9 +34,10 @@ fn main() -> ExitCode {
         "xdp" => xdp::main(&args),
         "maglev" => maglev::main(&args),
         "failover" => failover::main(&args),
+        "reads" => reads::main(&args),
         "tokens" => tokens::main(&args),
         _ => {
-            eprintln!("unknown benchmark: {name} (known: xdp, maglev, failover, tokens)");
+            eprintln!("unknown benchmark: {name} (known: xdp, maglev, failover, reads, tokens)");
             return ExitCode::from(2);
         }
     };

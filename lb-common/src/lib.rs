@@ -7,6 +7,7 @@
 #![no_std]
 
 pub mod hash;
+pub mod trace;
 
 /// Bumped whenever a map's key or value layout changes; pinned maps carry it so a newer
 /// program refuses to reuse maps it cannot read.
@@ -173,6 +174,10 @@ pub struct TrafficStats {
 /// `LbConfig::flags`: some VIP listens on every port, so an address whose exact-port lookup
 /// misses must also be looked up with port 0. Without it non-VIP traffic pays one lookup.
 pub const LB_F_WILDCARD_VIPS: u32 = 1 << 0;
+/// `LbConfig::flags`: write every steering decision to the `AYA_LOGS` ring buffer
+/// (`trace::DecisionRecord`). Off by default; the check costs one bit test of a value the
+/// program has already loaded.
+pub const LB_F_TRACE: u32 = 1 << 1;
 
 /// How long a next hop learnt from the FIB is reused before asking again. The FIB lookup
 /// costs as much as the rest of an established flow's path; a neighbour change is seen

@@ -16,9 +16,10 @@ mod parse;
 mod rst;
 mod stats;
 mod steer;
+mod trace;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
-use lb_common::{stat, VIP_F_SHED_RST};
+use lb_common::{stat, LB_F_TRACE, VIP_F_SHED_RST};
 
 use crate::{maps::CONFIG, stats::count, steer::Refusal};
 
@@ -45,7 +46,12 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
         return xdp_action::XDP_PASS;
     };
     let d = match steer::decide(&p.key, &vip, cfg, !p.icmp_error, p.opens()) {
-        Ok(d) => d,
+        Ok(d) => {
+            if cfg.flags & LB_F_TRACE != 0 {
+                trace::decision(&p.key, vip.id, d.backend_id, d.new_flow);
+            }
+            d
+        }
         Err(Refusal::Drop(reason)) => {
             count(reason);
             return xdp_action::XDP_DROP;

@@ -1,9 +1,15 @@
 //! Every map of the data plane, in one place (Katran's layout: VIPs hash, backends array,
 //! one flat array of all rings, connection LRU, per-CPU statistics).
+//!
+//! The maps an operator reads (`CONFIG`, `VIPS`, `BACKENDS`, `CONNS`, `AFFINITY`) are
+//! BTF-defined, so `bpftool map dump` shows their keys and values by field name (a legacy
+//! `#[map]` carries no key/value types). The rest stay legacy maps: rings of ids, counters
+//! and caches, whose raw dump says as much.
 
 use aya_ebpf::{
-    macros::map,
-    maps::{Array, DevMapHash, HashMap, LruHashMap, PerCpuArray},
+    btf_maps,
+    macros::{btf_map, map},
+    maps::{Array, DevMapHash, PerCpuArray},
 };
 use lb_common::{
     AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig, NextHop,
@@ -21,27 +27,36 @@ const BPF_F_NO_COMMON_LRU: u32 = 1 << 1;
 #[map]
 pub static META: Array<u32> = Array::with_max_entries(1, 0);
 
-#[map]
-pub static CONFIG: Array<LbConfig> = Array::with_max_entries(1, 0);
+#[btf_map]
+pub static CONFIG: btf_maps::Array<LbConfig, 1> = btf_maps::Array::new();
 
-#[map]
-pub static VIPS: HashMap<VipKey, VipMeta> = HashMap::with_max_entries(MAX_VIPS, 0);
+#[btf_map]
+pub static VIPS: btf_maps::HashMap<VipKey, VipMeta, { MAX_VIPS as usize }> =
+    btf_maps::HashMap::new();
 
-#[map]
-pub static BACKENDS: Array<Backend> = Array::with_max_entries(MAX_BACKENDS, 0);
+#[btf_map]
+pub static BACKENDS: btf_maps::Array<Backend, { MAX_BACKENDS as usize }> = btf_maps::Array::new();
 
 /// Slot `(vip_id * RINGS_PER_VIP + ring) * RING_SIZE_MAX + i` holds a backend id (0 = unset).
 #[map]
 pub static MAGLEV_RINGS: Array<u32> =
     Array::with_max_entries(MAX_VIPS * RINGS_PER_VIP * RING_SIZE_MAX, 0);
 
-#[map]
-pub static CONNS: LruHashMap<FlowKey, ConnEntry> =
-    LruHashMap::with_max_entries(CONN_TABLE_SIZE, BPF_F_NO_COMMON_LRU);
+#[btf_map]
+pub static CONNS: btf_maps::LruHashMap<
+    FlowKey,
+    ConnEntry,
+    { CONN_TABLE_SIZE as usize },
+    { BPF_F_NO_COMMON_LRU as usize },
+> = btf_maps::LruHashMap::new();
 
-#[map]
-pub static AFFINITY: LruHashMap<AffinityKey, AffinityEntry> =
-    LruHashMap::with_max_entries(AFFINITY_TABLE_SIZE, BPF_F_NO_COMMON_LRU);
+#[btf_map]
+pub static AFFINITY: btf_maps::LruHashMap<
+    AffinityKey,
+    AffinityEntry,
+    { AFFINITY_TABLE_SIZE as usize },
+    { BPF_F_NO_COMMON_LRU as usize },
+> = btf_maps::LruHashMap::new();
 
 /// Egress interfaces for XDP_REDIRECT, keyed by ifindex.
 #[map]

@@ -4,6 +4,7 @@
 //! audit log names who made it. Reads are answered from a snapshot copied under the
 //! controller lock and formatted after it is released.
 
+mod conns;
 mod socket;
 mod views;
 
@@ -72,6 +73,8 @@ pub struct DaemonInfo {
     pub telemetry: Arc<std::sync::Mutex<Hub>>,
     /// Connections each listener closed at its caps.
     pub refused: Arc<Refused>,
+    /// How long the last drain check and policy step took together, in ns (0: none yet).
+    pub policy_step_ns: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Requests larger than this are refused with 413.
@@ -366,6 +369,8 @@ enum Route {
     Undrain(String, IpAddr),
     Telemetry(String, IpAddr),
     Flows,
+    Conns,
+    Trace,
     Stats,
     Events,
 }
@@ -376,7 +381,7 @@ impl Route {
             ApiError::new(
                 404,
                 format!(
-                    "no endpoint {path}; the API has /v1/status, /v1/vips, /v1/flows, /v1/stats and /v1/events"
+                    "no endpoint {path}; the API has /v1/status, /v1/vips, /v1/flows, /v1/conns, /v1/trace, /v1/stats and /v1/events"
                 ),
             )
         };
@@ -400,6 +405,8 @@ impl Route {
             ["vips", v, "backends", a, "undrain"] => Route::Undrain(s(v), path_addr(a)?),
             ["vips", v, "backends", a, "telemetry"] => Route::Telemetry(s(v), path_addr(a)?),
             ["flows"] => Route::Flows,
+            ["conns"] => Route::Conns,
+            ["trace"] => Route::Trace,
             ["stats"] => Route::Stats,
             ["events"] => Route::Events,
             _ => return Err(not_found()),
@@ -409,10 +416,11 @@ impl Route {
     /// The methods the endpoint answers (the Allow header of a 405).
     fn allow(&self) -> &'static str {
         match self {
-            Route::Status | Route::Flows | Route::Stats | Route::Events => "GET",
+            Route::Status | Route::Flows | Route::Conns | Route::Stats | Route::Events => "GET",
             Route::Vips | Route::Backends(_) => "GET, POST",
             Route::Vip(_) | Route::Backend(..) => "GET, DELETE",
             Route::Weight(..) => "PUT",
+            Route::Trace => "GET, PUT",
             Route::Drain(..) | Route::Undrain(..) | Route::Telemetry(..) => "POST",
         }
     }
@@ -618,6 +626,25 @@ where
         (Route::Flows, Method::GET) => {
             reply(StatusCode::OK, &flows(&Snapshot::take(&api.ctl).await?))
         }
+        (Route::Conns, Method::GET) => {
+            let q = conns::ConnQuery::parse(parts.uri.query())?;
+            reply(StatusCode::OK, &conns::list(&api.ctl, &q).await?)
+        }
+        (Route::Trace, Method::GET) => {
+            let on = api.ctl.lock().await.trace();
+            reply(StatusCode::OK, &json!({ "enabled": on }))
+        }
+        (Route::Trace, Method::PUT) => {
+            #[derive(Deserialize)]
+            #[serde(deny_unknown_fields)]
+            struct Switch {
+                enabled: bool,
+            }
+            let s: Switch = json_body(body, r#"{"enabled": true|false}"#).await?;
+            let mut ctl = api.ctl.lock().await;
+            ctl.set_trace(s.enabled, peer, now_ms())?;
+            reply(StatusCode::OK, &json!({ "enabled": ctl.trace() }))
+        }
         (Route::Stats, Method::GET) => {
             reply(StatusCode::OK, &stats(&Snapshot::take(&api.ctl).await?))
         }
@@ -781,6 +808,7 @@ pub(crate) mod testing {
             reused: false,
             telemetry: Arc::new(std::sync::Mutex::new(Hub::new(Duration::from_secs(3)))),
             refused: Arc::default(),
+            policy_step_ns: Default::default(),
         }
     }
 

@@ -12,6 +12,7 @@ use crate::{
     addr::to_words,
     controller::Overlay,
     dataplane::Dataplane,
+    flowwalk::FlowWalker,
     state::{Backend, HashMode, PlaneState, State, Vip},
 };
 
@@ -134,17 +135,25 @@ pub fn apply(
 pub struct MapPlane {
     pub dp: Dataplane,
     pub seed: u32,
-    /// Connection-table entries found by the last walk (active or not), for the fill level.
+    /// Counts the connection table in the background (reads take its latest count).
+    walker: FlowWalker,
+    /// Connection-table entries found by the latest walk (active or not), for the fill level.
     pub conn_entries: u64,
+    /// When the latest count used was taken, and its walk's duration.
+    counted: crate::controller::FlowCount,
 }
 
 impl MapPlane {
-    pub fn new(dp: Dataplane, seed: u32) -> Self {
-        MapPlane {
+    /// Starts the flow walker on the connection table (one walk before returning).
+    pub fn new(mut dp: Dataplane, seed: u32, idle: std::time::Duration) -> Result<Self> {
+        let walker = FlowWalker::start(dp.conns_fd()?, idle)?;
+        Ok(MapPlane {
             dp,
             seed,
+            walker,
             conn_entries: 0,
-        }
+            counted: Default::default(),
+        })
     }
 }
 
@@ -170,16 +179,36 @@ impl crate::controller::Plane for MapPlane {
         &mut self,
         idle: std::time::Duration,
     ) -> Result<std::collections::BTreeMap<u32, u64>> {
+        let c = self.walker.latest(idle)?;
+        self.conn_entries = c.entries;
+        self.counted = crate::controller::FlowCount {
+            taken_ms: c.taken_ms,
+            walk: c.walk,
+        };
+        Ok(c.active)
+    }
+
+    fn flows_counted(&self) -> Option<crate::controller::FlowCount> {
+        Some(self.counted)
+    }
+
+    fn set_trace(&mut self, on: bool) -> Result<()> {
+        self.dp.set_trace(on)
+    }
+
+    fn flow_entries(
+        &mut self,
+        f: &mut dyn FnMut(crate::controller::FlowEntry) -> bool,
+    ) -> Result<()> {
+        let fd = self.dp.conns_fd()?;
         let now = monotonic_ns();
-        let mut out = std::collections::BTreeMap::new();
-        let conns = self.dp.conns()?;
-        self.conn_entries = conns.len() as u64;
-        for (_, c) in conns {
-            if now.saturating_sub(c.last_seen_ns) <= crate::config::rules::nanos(idle) {
-                *out.entry(c.backend).or_default() += 1;
-            }
-        }
-        Ok(out)
+        crate::flowwalk::walk(std::os::fd::AsFd::as_fd(&fd), |k, e| {
+            f(crate::controller::FlowEntry {
+                key: *k,
+                backend: e.backend,
+                idle: std::time::Duration::from_nanos(now.saturating_sub(e.last_seen_ns)),
+            })
+        })
     }
 
     fn counters(&mut self, state: &State) -> Result<crate::controller::Counters> {

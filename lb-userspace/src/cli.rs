@@ -1,5 +1,8 @@
 //! The `sluice` command line: the daemon (`run`) and the admin API's client commands.
 
+mod flows;
+mod live;
+
 use std::{
     collections::BTreeMap,
     io::Write,
@@ -74,6 +77,10 @@ pub struct Cli {
     /// Print the API's JSON instead of tables.
     #[arg(long, global = true)]
     pub json: bool,
+
+    /// Redraw a read command's answer in place at this interval, e.g. 2s (until Ctrl-C).
+    #[arg(long, global = true, value_name = "INTERVAL", value_parser = live::interval)]
+    pub watch: Option<Duration>,
 
     #[command(subcommand)]
     pub command: Command,
@@ -168,14 +175,50 @@ Examples:
     )]
     Backend(BackendCommand),
 
-    /// Show active flows per VIP and backend
+    /// List connection-table entries (client, VIP, backend, idle time), or active flows per backend
     #[command(after_help = "\
-Example:
+Examples:
   sluice flows
+  sluice flows --vip chat --backend 10.1.0.2 --limit 20
+  sluice flows --summary
 
-A flow is active when its connection-table entry saw a packet within the daemon's
-dataplane.flow_idle_timeout.")]
-    Flows,
+Entries are listed in table order, at most --limit (100; 100000 at most). --summary shows
+the active flows per VIP and backend instead: a flow is active when its entry saw a packet
+within the daemon's dataplane.flow_idle_timeout (counted in the background, at most a few
+seconds old).")]
+    Flows(flows::FlowsArgs),
+
+    /// A live view: per-backend rates, flows, weights, steering and telemetry age, and events
+    #[command(after_help = "\
+Examples:
+  sluice top
+  sluice top --every 2s --events 20
+
+Redrawn in place until Ctrl-C. WEIGHT is effective/configured; STEERING is the adaptive
+policy's state and reason; rates are the change of the counters since the last frame.")]
+    Top {
+        /// Refresh interval.
+        #[arg(long, default_value = "1s", value_parser = live::interval, value_name = "INTERVAL")]
+        every: Duration,
+        /// How many of the latest events to show.
+        #[arg(long, default_value_t = 10, value_name = "N")]
+        events: usize,
+    },
+
+    /// Switch the data plane's per-flow decision tracing on or off, or show whether it is on
+    #[command(after_help = "\
+Examples:
+  sluice trace on
+  sluice trace off
+  sluice trace
+
+Each steering decision is then logged by the daemon (target sluice::dataplane), e.g.
+  flow ::ffff:192.0.2.7:40312 to vip 0 port 443 -> backend 3 new
+Off by default and at every start; costs nothing measurable while off.")]
+    Trace {
+        /// on or off; without it, shows the current setting.
+        switch: Option<TraceSwitch>,
+    },
 
     /// Show the data plane's counters and per-VIP and per-backend traffic
     #[command(after_help = "\
@@ -450,6 +493,12 @@ pub fn main() -> ExitCode {
     }
 }
 
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum TraceSwitch {
+    On,
+    Off,
+}
+
 /// Exporter pages `sluice telemetry` reads.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum PageKind {
@@ -470,8 +519,28 @@ fn print_sample(out: &mut dyn Write, v: &Value) -> Result<()> {
     Ok(())
 }
 
-/// Runs one command, printing to `out`; an error is a refused request or a failure.
+/// Runs one command, printing to `out`; an error is a refused request or a failure. With
+/// `--watch`, a read command is redrawn in place until interrupted.
 pub fn execute(cli: &Cli, out: &mut dyn Write) -> Result<()> {
+    let Some(every) = cli.watch else {
+        return execute_once(cli, out);
+    };
+    let reads = matches!(
+        &cli.command,
+        Command::Status
+            | Command::Vip(VipCommand::List)
+            | Command::Backend(BackendCommand::List { .. })
+            | Command::Flows(_)
+            | Command::Stats
+            | Command::Events
+    );
+    if !reads {
+        bail!("--watch repeats read commands only: status, vip list, backend list, flows, stats, events");
+    }
+    live::repeat(out, every, None, |w| execute_once(cli, w))
+}
+
+fn execute_once(cli: &Cli, out: &mut dyn Write) -> Result<()> {
     let client = Client::new(&cli.socket);
     let mut out = Output {
         json: cli.json,
@@ -485,7 +554,33 @@ pub fn execute(cli: &Cli, out: &mut dyn Write) -> Result<()> {
         Command::Status => out.show(&client.call("GET", "/v1/status", None)?, print_status),
         Command::Vip(cmd) => vip(cmd, &client, &mut out),
         Command::Backend(cmd) => backend(cmd, &client, &mut out),
-        Command::Flows => out.show(&client.call("GET", "/v1/flows", None)?, print_flows),
+        Command::Flows(args) => flows::run(args, &client, &mut out),
+        Command::Top { every, events } => {
+            let mut prev = None;
+            live::repeat(out.out, *every, None, |w| {
+                let cur = live::Sample::take(&client)?;
+                live::render_top(w, prev.as_ref(), &cur, *events)?;
+                prev = Some(cur);
+                Ok(())
+            })
+        }
+        Command::Trace { switch } => {
+            let v = match switch {
+                None => client.call("GET", "/v1/trace", None)?,
+                Some(s) => {
+                    let body = json!({ "enabled": matches!(s, TraceSwitch::On) });
+                    client.call("PUT", "/v1/trace", Some(&body))?
+                }
+            };
+            out.show(&v, |out, v| {
+                let on = v["enabled"] == true;
+                Ok(writeln!(
+                    out,
+                    "decision tracing is {}",
+                    if on { "on" } else { "off" }
+                )?)
+            })
+        }
         Command::Stats => out.show(&client.call("GET", "/v1/stats", None)?, print_stats),
         Command::Events => out.show(&client.call("GET", "/v1/events", None)?, print_events),
         Command::Telemetry {
@@ -1199,7 +1294,7 @@ mod tests {
         assert!(status.contains("interfaces  eth0 (native)\n"), "{status}");
         assert!(status.contains("vips        1\n"), "{status}");
         assert_eq!(
-            sluice(&srv, &["flows"]).unwrap(),
+            sluice(&srv, &["flows", "--summary"]).unwrap(),
             "VIP   BACKEND   FLOWS\nchat  (all)     0\nchat  10.1.0.1  0\n"
         );
         assert_eq!(

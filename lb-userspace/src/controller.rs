@@ -45,14 +45,39 @@ impl Overlay {
     }
 }
 
+/// One connection-table entry, as `sluice flows` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlowEntry {
+    pub key: lb_common::FlowKey,
+    pub backend: u32,
+    /// Time since the flow's last packet.
+    pub idle: Duration,
+}
+
+/// When active flows were last counted (unix ms) and how long that walk took.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowCount {
+    pub taken_ms: u64,
+    pub walk: Duration,
+}
+
 /// Where the data plane lives, as the controller needs it.
 pub trait Plane: Send {
     /// Writes `new` (coming from `old`) with the adaptive `overlay`.
     fn apply(&mut self, old: &State, new: &State, overlay: &Overlay) -> Result<()>;
     /// Connection-table entries seen within `idle`, per backend id.
     fn active_flows(&mut self, idle: Duration) -> Result<BTreeMap<u32, u64>>;
+    /// When and at what cost the counts `active_flows` returns were taken, where they may
+    /// lag (a background walk); None when they are always current.
+    fn flows_counted(&self) -> Option<FlowCount> {
+        None
+    }
     /// Global counters by name, and traffic of the VIPs and backends in `state` by id.
     fn counters(&mut self, state: &State) -> Result<Counters>;
+    /// Gives connection-table entries to `f`, in table order, until it returns false.
+    fn flow_entries(&mut self, f: &mut dyn FnMut(FlowEntry) -> bool) -> Result<()>;
+    /// Switches the data plane's decision tracing.
+    fn set_trace(&mut self, on: bool) -> Result<()>;
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -162,6 +187,8 @@ pub struct Controller<P: Plane> {
     overlay: Overlay,
     /// The policy's latest per-backend view (score, state, cooldown, telemetry age).
     decisions: BTreeMap<u32, crate::policy::BackendDecision>,
+    /// Decision tracing is on (off at every start).
+    trace: bool,
 }
 
 fn affected(state: &State, op: &Op) -> serde_json::Value {
@@ -195,6 +222,7 @@ impl<P: Plane> Controller<P> {
             event_counts: BTreeMap::new(),
             overlay: Overlay::default(),
             decisions: BTreeMap::new(),
+            trace: false,
         };
         c.persist()?;
         Ok(c)
@@ -202,6 +230,20 @@ impl<P: Plane> Controller<P> {
 
     pub fn state(&self) -> &State {
         &self.state
+    }
+
+    pub fn trace(&self) -> bool {
+        self.trace
+    }
+
+    /// Switches decision tracing in the data plane; audited.
+    pub fn set_trace(&mut self, on: bool, peer: Peer, now_ms: u64) -> Result<()> {
+        self.plane.set_trace(on)?;
+        self.trace = on;
+        self.audit(
+            json!({"time_ms": now_ms, "peer": peer, "request": {"trace": on}, "result": "ok"}),
+        );
+        Ok(())
     }
 
     pub fn plane(&mut self) -> &mut P {
@@ -217,6 +259,16 @@ impl<P: Plane> Controller<P> {
     }
 
     /// The Maglev weight a backend is steered with now.
+    /// Connection-table entries given to `f` until it returns false.
+    pub fn flow_entries(&mut self, f: &mut dyn FnMut(FlowEntry) -> bool) -> Result<()> {
+        self.plane.flow_entries(f)
+    }
+
+    /// When the active-flow counts were taken and at what cost, where they may lag.
+    pub fn flows_counted(&self) -> Option<FlowCount> {
+        self.plane.flows_counted()
+    }
+
     pub fn effective_weight(&self, b: &Backend) -> u32 {
         self.overlay.weight(b)
     }
@@ -391,15 +443,22 @@ impl<P: Plane> Controller<P> {
     /// Completes drains: a draining backend is removed once it has no active flow, or at
     /// its deadline (its remaining flows then re-steer). Returns what happened.
     pub fn tick(&mut self, now_ms: u64) -> Result<Vec<Event>> {
-        let draining: Vec<(String, IpAddr, u32, Option<u64>)> = self
+        let draining: Vec<(String, IpAddr, u32, u64, Option<u64>)> = self
             .state
             .vips
             .values()
             .flat_map(|v| {
                 v.backends.values().filter_map(move |b| match b.admin {
-                    Admin::Draining { deadline_ms, .. } => {
-                        Some((v.spec.name.clone(), b.spec.address, b.id, deadline_ms))
-                    }
+                    Admin::Draining {
+                        since_ms,
+                        deadline_ms,
+                    } => Some((
+                        v.spec.name.clone(),
+                        b.spec.address,
+                        b.id,
+                        since_ms,
+                        deadline_ms,
+                    )),
                     Admin::Active => None,
                 })
             })
@@ -409,9 +468,15 @@ impl<P: Plane> Controller<P> {
         }
         let flows = self.active_flows()?;
         let mut out = vec![];
-        for (vip, addr, id, deadline) in draining {
+        for (vip, addr, id, since_ms, deadline) in draining {
             let left = flows.get(&id).copied().unwrap_or(0);
-            let (kind, reason) = if left == 0 {
+            // A count taken before the drain began may miss a flow that arrived just before
+            // it: wait for a newer one before calling the backend empty.
+            let stale = self
+                .plane
+                .flows_counted()
+                .is_some_and(|c| c.taken_ms < since_ms);
+            let (kind, reason) = if left == 0 && !stale {
                 ("drain-complete", "no active flows left".to_string())
             } else if deadline.is_some_and(|d| now_ms >= d) {
                 (
@@ -458,6 +523,8 @@ pub mod fake {
     pub struct FakePlane {
         pub applied: Vec<State>,
         pub flows: BTreeMap<u32, u64>,
+        pub entries: Vec<FlowEntry>,
+        pub trace: bool,
         pub fail_next: bool,
     }
 
@@ -474,6 +541,18 @@ pub mod fake {
         }
         fn counters(&mut self, _state: &State) -> Result<Counters> {
             Ok(Counters::default())
+        }
+        fn set_trace(&mut self, on: bool) -> Result<()> {
+            self.trace = on;
+            Ok(())
+        }
+        fn flow_entries(&mut self, f: &mut dyn FnMut(FlowEntry) -> bool) -> Result<()> {
+            for e in &self.entries {
+                if !f(e.clone()) {
+                    break;
+                }
+            }
+            Ok(())
         }
     }
 }

@@ -7,6 +7,7 @@ use std::{
     collections::HashMap as StdHashMap,
     fs,
     mem::size_of,
+    os::fd::{AsFd, OwnedFd},
     path::{Path, PathBuf},
 };
 
@@ -23,7 +24,7 @@ use aya::{
 use lb_common::{
     stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig, NextHop,
     TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, LAYOUT_VERSION,
-    LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
+    LB_F_TRACE, LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
 use crate::maglev;
@@ -315,12 +316,21 @@ impl Dataplane {
 
     /// Sets or clears `LB_F_WILDCARD_VIPS` in the live CONFIG (the other settings stay).
     pub fn set_wildcard_vips(&mut self, on: bool) -> Result<()> {
+        self.set_config_flag(LB_F_WILDCARD_VIPS, on)
+    }
+
+    /// Switches decision tracing (`LB_F_TRACE`) in the live CONFIG.
+    pub fn set_trace(&mut self, on: bool) -> Result<()> {
+        self.set_config_flag(LB_F_TRACE, on)
+    }
+
+    fn set_config_flag(&mut self, flag: u32, on: bool) -> Result<()> {
         let mut a: Array<&mut MapData, LbConfig> = Array::try_from(self.map("CONFIG")?)?;
         let mut cfg = a.get(&0, 0)?;
         let flags = if on {
-            cfg.flags | LB_F_WILDCARD_VIPS
+            cfg.flags | flag
         } else {
-            cfg.flags & !LB_F_WILDCARD_VIPS
+            cfg.flags & !flag
         };
         if flags != cfg.flags {
             cfg.flags = flags;
@@ -339,6 +349,13 @@ impl Dataplane {
         };
         a.set(0, cfg, 0).context("writing CONFIG")?;
         Ok(())
+    }
+
+    /// The reader of the data plane's decision traces (`AYA_LOGS`), writing to `logger`;
+    /// taken once per load.
+    pub fn trace_reader<T: log::Log>(&mut self, logger: T) -> Result<aya_log::EbpfLogger<T>> {
+        aya_log::EbpfLogger::init_with_logger(&mut self.ebpf, logger)
+            .context("opening the AYA_LOGS ring buffer of decision traces")
     }
 
     /// Adds an egress interface for XDP_REDIRECT.
@@ -467,8 +484,26 @@ impl Dataplane {
 
     /// Every connection-table entry (a snapshot; entries may change while it is taken).
     pub fn conns(&mut self) -> Result<Vec<(FlowKey, ConnEntry)>> {
-        let m: HashMap<&mut MapData, FlowKey, ConnEntry> = HashMap::try_from(self.map("CONNS")?)?;
-        Ok(m.iter().filter_map(|r| r.ok()).collect())
+        let fd = self.conns_fd()?;
+        let mut out = vec![];
+        crate::flowwalk::walk(fd.as_fd(), |k, v| {
+            out.push((*k, *v));
+            true
+        })?;
+        Ok(out)
+    }
+
+    /// A descriptor of its own for the connection table, for readers on other threads (the
+    /// flow walker).
+    pub fn conns_fd(&mut self) -> Result<OwnedFd> {
+        let data = match self.map("CONNS")? {
+            aya::maps::Map::LruHashMap(d) | aya::maps::Map::HashMap(d) => d,
+            _ => bail!("map CONNS is not a hash map"),
+        };
+        data.fd()
+            .as_fd()
+            .try_clone_to_owned()
+            .context("duplicating the connection table's descriptor")
     }
 
     pub fn clear_conns(&mut self) -> Result<()> {

@@ -430,6 +430,37 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
         Unit::Seconds,
         uptime,
     );
+    if let Some(c) = snap.flows_counted {
+        let age = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        age.set(crate::admin::now_ms().saturating_sub(c.taken_ms) as f64 / 1e3);
+        reg.register_with_unit(
+            "active_flows_age",
+            "Age of the active-flow counts (the connection table is counted in the background)",
+            Unit::Seconds,
+            age,
+        );
+        let walk = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        walk.set(c.walk.as_secs_f64());
+        reg.register_with_unit(
+            "active_flows_walk_duration",
+            "How long the latest background walk of the connection table took",
+            Unit::Seconds,
+            walk,
+        );
+    }
+    let step_ns = info
+        .policy_step_ns
+        .load(std::sync::atomic::Ordering::Relaxed);
+    if step_ns > 0 {
+        let step = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        step.set(step_ns as f64 / 1e9);
+        reg.register_with_unit(
+            "policy_step_duration",
+            "How long the last drain check and adaptive-policy step took",
+            Unit::Seconds,
+            step,
+        );
+    }
     reg.register(
         "build",
         "The daemon's version",
@@ -440,6 +471,9 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
     prometheus_text::encode(&mut out, &reg).expect("writing to a String cannot fail");
     out
 }
+
+#[cfg(test)]
+mod dashboard;
 
 #[cfg(test)]
 mod tests {
@@ -455,7 +489,7 @@ mod tests {
         },
     };
 
-    async fn snapshot() -> Snapshot {
+    pub(super) async fn snapshot() -> Snapshot {
         let mut c = controller();
         let op = Op::AddVip {
             vip: vip("chat", "10.0.0.1"),

@@ -840,7 +840,7 @@ impl DaemonLab {
 
     /// Active flows per backend name of `vip`, from `sluice flows --json`.
     pub fn flows(&self, vip: &str) -> BTreeMap<String, u64> {
-        let v = self.cli_json(&["flows"]);
+        let v = self.cli_json(&["flows", "--summary"]);
         let mut out = BTreeMap::new();
         for x in v["vips"].as_array().into_iter().flatten() {
             if x["vip"].as_str() != Some(vip) {

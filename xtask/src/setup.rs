@@ -40,6 +40,8 @@ pub const DEB_PACKAGES: &[&str] = &[
     "gzip",
     // CPU load beside the suite, to show it passes on a loaded machine (docs/tests.md).
     "stress-ng",
+    // `bpftool map dump`: the readable-maps test shows the connection table by field name.
+    "bpftool",
 ];
 
 /// cargo-deb builds the .deb (`cargo xtask package`); the version that was tested.

@@ -20,6 +20,8 @@ pub(crate) struct Snapshot {
     pub effective: BTreeMap<u32, u32>,
     /// Backend id → active connection-table entries.
     pub flows: BTreeMap<u32, u64>,
+    /// When `flows` was counted and how long the walk took, where counts may lag.
+    pub flows_counted: Option<crate::controller::FlowCount>,
     pub counters: Counters,
     pub event_counts: BTreeMap<String, u64>,
     /// Backend id → the adaptive policy's latest view (score, state, cooldown, telemetry).
@@ -48,6 +50,7 @@ impl Snapshot {
             state,
             effective,
             flows,
+            flows_counted: ctl.flows_counted(),
             counters,
             event_counts: ctl.event_counts().clone(),
             steering,
