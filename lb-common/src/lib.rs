@@ -10,12 +10,14 @@ pub mod hash;
 
 /// Bumped whenever a map's key or value layout changes; pinned maps carry it so a newer
 /// program refuses to reuse maps it cannot read.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 
 pub const MAX_VIPS: u32 = 128;
 /// Backend ids index the backend array; id 0 is the "unset" sentinel (a ring slot or
 /// connection entry holding 0 is never forwarded).
 pub const MAX_BACKENDS: u32 = 4096;
+// Ring slots store backend ids in 16 bits.
+const _: () = assert!(MAX_BACKENDS <= 1 << 16);
 /// Largest (and default) Maglev ring, a prime. Each VIP owns two rings of this stride in
 /// `MAGLEV_RINGS` (the active one and the one being rewritten), so a VIP's table is
 /// replaced by flipping `VipMeta::active_ring` after the new one is complete.
@@ -74,6 +76,24 @@ pub struct VipMeta {
     pub affinity_secs: u32,
     /// Priority class for admission control (0 = most important).
     pub priority: u32,
+}
+
+/// One slot of a VIP's Maglev ring: its backend, the backend that held it before its last
+/// change and the VIP table generation of that change. A flow that began before the change
+/// is still on `previous`, which is what second-chance forwarding needs to find it. The
+/// history depends only on the sequence of tables published for the VIP, so LB hosts that
+/// publish the same tables hold the same rings.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RingSlot {
+    /// Backend id; 0 = unset. 16 bits keep the slot at 8 bytes (`MAX_BACKENDS` fits).
+    pub backend: u16,
+    /// The backend before the last change; 0 = none (the slot has not changed, or had no
+    /// backend before).
+    pub previous: u16,
+    /// Table generation in which `backend` took the slot: 0 is the VIP's first table, and
+    /// each later table that changes any slot is the next generation.
+    pub changed: u32,
 }
 
 pub const BACKEND_UNSET: u8 = 0;
@@ -313,4 +333,5 @@ mod pod {
     unsafe impl aya::Pod for TrafficStats {}
     unsafe impl aya::Pod for FloodWindow {}
     unsafe impl aya::Pod for NextHop {}
+    unsafe impl aya::Pod for RingSlot {}
 }

@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig, NextHop,
-    TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, MAX_BACKENDS,
+    RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, MAX_BACKENDS,
     MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
@@ -30,9 +30,10 @@ pub static VIPS: HashMap<VipKey, VipMeta> = HashMap::with_max_entries(MAX_VIPS, 
 #[map]
 pub static BACKENDS: Array<Backend> = Array::with_max_entries(MAX_BACKENDS, 0);
 
-/// Slot `(vip_id * RINGS_PER_VIP + ring) * RING_SIZE_MAX + i` holds a backend id (0 = unset).
+/// Slot `(vip_id * RINGS_PER_VIP + ring) * RING_SIZE_MAX + i` of a VIP's ring: its backend id
+/// (0 = unset) and the slot's history.
 #[map]
-pub static MAGLEV_RINGS: Array<u32> =
+pub static MAGLEV_RINGS: Array<RingSlot> =
     Array::with_max_entries(MAX_VIPS * RINGS_PER_VIP * RING_SIZE_MAX, 0);
 
 #[map]

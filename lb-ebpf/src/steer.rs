@@ -204,7 +204,7 @@ fn choose(
     for i in 0..MAX_PROBES {
         let slot = hash::probe_slot(h, i, ring_size);
         let id = match MAGLEV_RINGS.get(base + slot) {
-            Some(id) if *id != 0 => *id,
+            Some(s) if s.backend != 0 => s.backend as u32,
             _ => return Err(stat::DROP_NO_BACKEND.into()),
         };
         match backend(id, vip) {

@@ -13,6 +13,7 @@ pub mod maglev;
 pub mod metrics;
 pub mod object;
 pub mod policy;
+pub mod ring_history;
 pub mod state;
 pub mod steering;
 pub mod telemetry;
