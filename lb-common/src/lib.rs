@@ -106,6 +106,24 @@ pub const BACKEND_DOWN: u8 = 3;
 
 /// `Backend::flags`: at its session cap or saturated; new flows probe past it.
 pub const BACKEND_F_FULL: u8 = 1 << 0;
+/// `Backend::flags`: the backend runs `sluice_decap`, so it is sent GUE (which names the
+/// flow's previous backend for second-chance forwarding) instead of IPIP.
+pub const BACKEND_F_GUE: u8 = 1 << 1;
+
+/// UDP destination port of GUE tunnel packets (the port Linux's GUE examples use).
+pub const GUE_PORT: u16 = 6080;
+/// Outer UDP source ports of GUE packets: `GUE_SPORT_BASE | (flow_hash & GUE_SPORT_MASK)`,
+/// so every packet of a flow carries one port and a backend NIC's RSS spreads flows.
+pub const GUE_SPORT_BASE: u16 = 0xc000;
+pub const GUE_SPORT_MASK: u16 = 0x3fff;
+/// Sluice's GUE private data (after the 4-byte GUE base header): a kind byte, a hop-flags
+/// byte, two reserved bytes, then the previous backend's address in the outer family (4 or
+/// 16 bytes, all zero when there is none).
+pub const GUE_PRIV_KIND: u8 = 0x53;
+/// Hop flag: the packet was already passed on by a backend; it is never passed on again.
+pub const GUE_HOP_FORWARDED: u8 = 1 << 0;
+/// GUE private-data length without the address.
+pub const GUE_PRIV_HDR_LEN: usize = 4;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -315,6 +333,9 @@ pub mod stat {
         /// A shed session dropped (not answered with a RST): with `SHED_RST_SENT`, every
         /// shed frame ends in exactly one outcome.
         DROP_SHED = "drop_shed", Drop;
+        /// A UDP packet to the GUE port that is not Sluice's GUE (another version, control
+        /// message, flags or private data): left to the kernel.
+        DECAP_PASS_BAD_GUE = "decap_pass_bad_gue", Pass;
     }
 }
 
