@@ -336,6 +336,18 @@ pub mod stat {
         /// A UDP packet to the GUE port that is not Sluice's GUE (another version, control
         /// message, flags or private data): left to the kernel.
         DECAP_PASS_BAD_GUE = "decap_pass_bad_gue", Pass;
+        /// A mid-connection TCP packet without a socket here, passed on to the previous
+        /// backend the LB named (second-chance forwarding).
+        DECAP_SECOND_HOP = "decap_second_hop", Sent;
+        /// A packet already passed on once finds no socket here either: the flow's ring slot
+        /// changed more often than its history remembers (or the connection is gone).
+        /// Delivered to the stack, which resets it.
+        DECAP_HISTORY_SHORT = "decap_history_short", Event;
+        /// No socket here and no previous backend named (or a tunnel layout not rewritten
+        /// in place): delivered to the stack.
+        DECAP_NO_SECOND_HOP = "decap_no_second_hop", Event;
+        /// No route to the previous backend: delivered to the stack.
+        DECAP_SECOND_HOP_NO_ROUTE = "decap_second_hop_no_route", Event;
     }
 }
 

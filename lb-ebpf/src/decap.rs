@@ -11,6 +11,7 @@ use lb_common::{
 
 use crate::{
     parse::{at, be16_at, frame_holds, l2, trim_to, u8_at, ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
+    second_hop::{self, Tunnel},
     stats::count,
 };
 
@@ -49,8 +50,8 @@ fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
         _ => return Err(stat::DECAP_PASS_NOT_ENCAP),
     };
     let udp_len = outer_tot.saturating_sub(ip_len);
-    let (tunnel_len, inner) = if outer != PROTO_UDP {
-        (0, outer)
+    let (tunnel_len, inner, tunnel) = if outer != PROTO_UDP {
+        (0, outer, None)
     } else if proto == ETH_P_IP {
         gue::<1>(ctx, l3 + ip_len, udp_len)?
     } else {
@@ -74,6 +75,16 @@ fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
     if outer_tot != outer_len + inner_len || !frame_holds(ctx, l3 + outer_tot) {
         return Err(stat::DECAP_PASS_BAD_LEN);
     }
+    if let Some(t) = tunnel {
+        let passed_on = if proto == ETH_P_IP {
+            second_hop::forward::<1>(ctx, l3, &t, l3 + outer_len, inner_eth)
+        } else {
+            second_hop::forward::<4>(ctx, l3, &t, l3 + outer_len, inner_eth)
+        };
+        if let Some(action) = passed_on {
+            return Ok(action);
+        }
+    }
     if trim_to(ctx, l3 + outer_tot).is_none() {
         return Err(stat::DECAP_DROP_ADJUST);
     }
@@ -96,9 +107,14 @@ fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
 
 /// The UDP datagram at `off` (`len` bytes by the outer header): if it is Sluice's GUE
 /// (port, version 0, data message, no flags, our private data with a `WORDS`-word address),
-/// the length of the UDP and GUE headers and the inner protocol. Other UDP is not ours.
+/// the length of the UDP and GUE headers, the inner protocol and what the private data says.
+/// Other UDP is not ours.
 #[inline(always)]
-fn gue<const WORDS: usize>(ctx: &XdpContext, off: usize, len: usize) -> Result<(usize, u8), u32> {
+fn gue<const WORDS: usize>(
+    ctx: &XdpContext,
+    off: usize,
+    len: usize,
+) -> Result<(usize, u8, Option<Tunnel>), u32> {
     const UDP_GUE: usize = 8 + 4;
     let tunnel = UDP_GUE + GUE_PRIV_HDR_LEN + 4 * WORDS;
     let u = at(ctx, off, tunnel).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
@@ -115,5 +131,9 @@ fn gue<const WORDS: usize>(ctx: &XdpContext, off: usize, len: usize) -> Result<(
     if unsafe { be16_at(u + 4) } as usize != len {
         return Err(stat::DECAP_PASS_BAD_LEN);
     }
-    Ok((tunnel, unsafe { u8_at(u + 9) }))
+    let t = Tunnel {
+        priv_off: off + UDP_GUE,
+        hop_flags: unsafe { u8_at(u + UDP_GUE + 1) },
+    };
+    Ok((tunnel, unsafe { u8_at(u + 9) }, Some(t)))
 }

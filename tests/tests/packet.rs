@@ -89,13 +89,41 @@ fn gue_encapsulated(
     h: u32,
     previous: Option<IpAddr>,
 ) -> Vec<u8> {
+    let src = lab.outer_src(h, backend.is_ipv6());
+    let sport = 0xc000 | (h as u16 & 0x3fff);
+    gue_frame(
+        (FALLBACK_MAC, LB_MAC),
+        src,
+        backend,
+        sport,
+        h,
+        inner,
+        previous,
+        0,
+    )
+}
+
+/// A GUE frame as Sluice writes it: UDP to 6080 with checksum 0, GUE version 0 (Hlen in
+/// words of private data, inner protocol, no flags), private data 0x53, `hop` flags, two
+/// zero bytes and the previous backend's address (zero for none).
+#[allow(clippy::too_many_arguments)]
+fn gue_frame(
+    (dmac, smac): (Mac, Mac),
+    src: IpAddr,
+    dst: IpAddr,
+    sport: u16,
+    flow_label: u32,
+    inner: &[u8],
+    previous: Option<IpAddr>,
+    hop: u8,
+) -> Vec<u8> {
     let inner_v4 = inner[0] >> 4 == 4;
     let tos = if inner_v4 {
         inner[1]
     } else {
         (u16::from_be_bytes([inner[0], inner[1]]) >> 4) as u8
     };
-    let addr: Vec<u8> = match (backend, previous) {
+    let addr: Vec<u8> = match (dst, previous) {
         (IpAddr::V4(_), Some(IpAddr::V4(p))) => p.octets().to_vec(),
         (IpAddr::V6(_), Some(IpAddr::V6(p))) => p.octets().to_vec(),
         (IpAddr::V4(_), None) => vec![0; 4],
@@ -103,23 +131,18 @@ fn gue_encapsulated(
         _ => panic!("previous backend of another family"),
     };
     let mut tunnel = Vec::new();
-    let sport = 0xc000 | (h as u16 & 0x3fff);
     tunnel.extend_from_slice(&sport.to_be_bytes());
     tunnel.extend_from_slice(&6080u16.to_be_bytes());
     let udp_len = (8 + 4 + 4 + addr.len() + inner.len()) as u16;
     tunnel.extend_from_slice(&udp_len.to_be_bytes());
     tunnel.extend_from_slice(&[0, 0]);
-    // GUE: version 0, C 0, Hlen in words (private data), protocol, no flags.
     let next = if inner_v4 { PROTO_IPIP } else { PROTO_IPV6 };
     tunnel.extend_from_slice(&[((4 + addr.len()) / 4) as u8, next, 0, 0]);
-    tunnel.extend_from_slice(&[0x53, 0, 0, 0]);
+    tunnel.extend_from_slice(&[0x53, hop, 0, 0]);
     tunnel.extend_from_slice(&addr);
     tunnel.extend_from_slice(inner);
-    match backend {
-        IpAddr::V4(b) => {
-            let IpAddr::V4(src) = lab.outer_src(h, false) else {
-                unreachable!()
-            };
+    match (src, dst) {
+        (IpAddr::V4(src), IpAddr::V4(b)) => {
             let outer = V4 {
                 src,
                 dst: b,
@@ -129,17 +152,21 @@ fn gue_encapsulated(
                 frag: 0,
                 options: vec![],
             };
-            eth(FALLBACK_MAC, LB_MAC, ETH_IP, &outer.build(&tunnel))
+            eth(dmac, smac, ETH_IP, &outer.build(&tunnel))
         }
-        IpAddr::V6(b) => {
-            let src = lab.outer_src(h, true).to_string();
-            eth(
-                FALLBACK_MAC,
-                LB_MAC,
-                ETH_IPV6,
-                &ipv6(&src, &b.to_string(), PROTO_UDP, tos, h, &tunnel),
-            )
-        }
+        (src, b) => eth(
+            dmac,
+            smac,
+            ETH_IPV6,
+            &ipv6(
+                &src.to_string(),
+                &b.to_string(),
+                PROTO_UDP,
+                tos,
+                flow_label,
+                &tunnel,
+            ),
+        ),
     }
 }
 
@@ -1363,4 +1390,103 @@ fn decap_strips_gue_from_the_lbs_own_output_and_leaves_other_udp_alone() {
         assert_eq!(out, frame, "{name}: untouched");
         assert_eq!(lab.stat(counter), before + 1, "{name}");
     }
+}
+
+/// A backend host for second-chance tests: loopback up, a route and neighbour for the
+/// previous backend 10.1.0.2 (`fib_segment`), and a listener with one established
+/// connection on 127.0.0.1. Returns (lab, listener, client stream, client port, server port).
+fn backend_host() -> (Lab, std::net::TcpListener, std::net::TcpStream, u16, u16) {
+    let lab = Lab::new();
+    sluice_tests::fib_segment(1500, &[ip("10.1.0.2")]);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let cport = client.local_addr().unwrap().port();
+    let sport = listener.local_addr().unwrap().port();
+    (lab, listener, client, cport, sport)
+}
+
+/// A GUE frame from the LB (outer 172.16.0.9 -> 10.1.0.1) carrying `inner`.
+fn from_lb(inner: &[u8], previous: Option<&str>, hop: u8) -> Vec<u8> {
+    gue_frame(
+        ([0x02, 0, 0, 0, 0x0b, 0x01], LB_MAC),
+        ip("172.16.0.9"),
+        ip("10.1.0.1"),
+        0xc123,
+        0,
+        inner,
+        previous.map(ip),
+        hop,
+    )
+}
+
+fn decap_run(lab: &mut Lab, frame: &[u8]) -> (u32, Vec<u8>) {
+    run_prog(&mut lab.dp, PROG_DECAP, frame).unwrap()
+}
+
+#[test]
+fn backend_delivers_a_packet_whose_socket_it_holds() {
+    let (mut lab, _l, _c, cport, sport) = backend_host();
+    let ack = v4_tcp("127.0.0.1", cport, "127.0.0.1", sport, ACK, 0);
+    let (a, out) = decap_run(&mut lab, &from_lb(&ack, Some("10.1.0.2"), 0));
+    assert_eq!(a, XDP_PASS);
+    assert_eq!(out, eth([0x02, 0, 0, 0, 0x0b, 0x01], LB_MAC, ETH_IP, &ack));
+    assert_eq!(lab.stat(stat::DECAP_OK), 1);
+    assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 0);
+}
+
+#[test]
+fn backend_passes_a_packet_without_socket_once_to_the_previous_backend() {
+    let (mut lab, _l, _c, _cport, sport) = backend_host();
+    // Another client port: only the listener matches, and a bare ACK carries no cookie of
+    // this host's, so the connection is elsewhere.
+    let ack = v4_tcp("127.0.0.1", 1, "127.0.0.1", sport, ACK, 0);
+    let (a, out) = decap_run(&mut lab, &from_lb(&ack, Some("10.1.0.2"), 0));
+    assert_eq!(a, XDP_REDIRECT);
+    let want = gue_frame(
+        (
+            sluice_tests::fib_neighbour_mac(ip("10.1.0.2")),
+            sluice_tests::FIB_LOCAL_MAC,
+        ),
+        ip("172.16.0.9"),
+        ip("10.1.0.2"),
+        0xc123,
+        0,
+        &ack,
+        None,
+        1,
+    );
+    assert_eq!(out, want, "readdressed, marked passed on, no address left");
+    assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 1);
+    assert_eq!(lab.stat(stat::DECAP_OK), 0);
+    // Arriving at the previous backend (here: the same host, which has no socket either),
+    // it is delivered to the stack and counted, never passed on again.
+    let (a, out) = decap_run(&mut lab, &want);
+    assert_eq!(a, XDP_PASS);
+    assert_eq!(
+        out,
+        eth(
+            sluice_tests::fib_neighbour_mac(ip("10.1.0.2")),
+            sluice_tests::FIB_LOCAL_MAC,
+            ETH_IP,
+            &ack
+        )
+    );
+    assert_eq!(lab.stat(stat::DECAP_HISTORY_SHORT), 1);
+    assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 1);
+    assert_eq!(lab.stat(stat::DECAP_OK), 1);
+}
+
+#[test]
+fn backend_never_passes_on_a_syn_and_counts_a_missing_socket_with_no_previous_backend() {
+    let (mut lab, _l, _c, _cport, sport) = backend_host();
+    let syn = v4_tcp("127.0.0.1", 2, "127.0.0.1", sport, SYN, 0);
+    let (a, out) = decap_run(&mut lab, &from_lb(&syn, Some("10.1.0.2"), 0));
+    assert_eq!(a, XDP_PASS);
+    assert_eq!(out, eth([0x02, 0, 0, 0, 0x0b, 0x01], LB_MAC, ETH_IP, &syn));
+    let ack = v4_tcp("127.0.0.1", 3, "127.0.0.1", 9, ACK, 0);
+    let (a, _) = decap_run(&mut lab, &from_lb(&ack, None, 0));
+    assert_eq!(a, XDP_PASS);
+    assert_eq!(lab.stat(stat::DECAP_NO_SECOND_HOP), 1);
+    assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 0);
+    assert_eq!(lab.stat(stat::DECAP_OK), 2);
 }
