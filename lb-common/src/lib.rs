@@ -51,6 +51,10 @@ pub const VIP_F_SHED: u32 = 1 << 1;
 /// Shed TCP sessions with a RST (clients fail fast) instead of dropping the SYN (clients
 /// back off and retry).
 pub const VIP_F_SHED_RST: u32 = 1 << 2;
+/// Second-chance mode: TCP flows are steered by the ring alone, with no connection-table
+/// lookup or entry; every backend gets GUE naming its slot's previous backend, and the
+/// backend program passes a packet it has no socket for to that one. UDP keeps the table.
+pub const VIP_F_SECOND_CHANCE: u32 = 1 << 3;
 
 /// Key of the VIP hash map. `port` 0 matches every port of the address and protocol.
 #[repr(C)]
@@ -348,6 +352,9 @@ pub mod stat {
         DECAP_NO_SECOND_HOP = "decap_no_second_hop", Event;
         /// No route to the previous backend: delivered to the stack.
         DECAP_SECOND_HOP_NO_ROUTE = "decap_second_hop_no_route", Event;
+        /// A TCP packet of a second-chance VIP, steered by the ring without the
+        /// connection table.
+        SECOND_CHANCE_STEERED = "second_chance_steered", Event;
     }
 }
 

@@ -5,7 +5,8 @@ use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
     hash, stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta,
     BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE, LB_F_WILDCARD_VIPS,
-    MAX_PROBES, RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SHED, VIP_F_SRC_HASH,
+    MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SECOND_CHANCE, VIP_F_SHED,
+    VIP_F_SRC_HASH,
 };
 
 use crate::{
@@ -85,6 +86,25 @@ pub fn decide(
     // CLOCK_MONOTONIC at tick resolution: a precise read costs ~30 ns per packet here, and
     // connection ages only need seconds.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
+
+    // Second chance: the backends hold TCP's per-flow state, the ring's history finds it.
+    if vip.flags & VIP_F_SECOND_CHANCE != 0 && key.proto == PROTO_TCP {
+        count(stat::SECOND_CHANCE_STEERED);
+        let h = steering_hash(key, vip, cfg);
+        let opens = opens && track;
+        if opens && vip.flags & VIP_F_SHED != 0 {
+            return Err(Refusal::Shed(stat::SHED_PRIORITY));
+        }
+        let (id, b, previous) = choose(key, vip, h, now, opens)?;
+        return Ok(Decision {
+            backend_id: id,
+            backend: b,
+            new_flow: opens,
+            hash: h,
+            now,
+            previous,
+        });
+    }
 
     if let Some(e) = CONNS.get_ptr_mut(key) {
         let id = unsafe { (*e).backend };

@@ -6,7 +6,8 @@ use std::net::IpAddr;
 
 use lb_common::{
     stat, BACKEND_DOWN, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE, PROTO_ICMP, PROTO_ICMPV6,
-    PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
+    PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST,
+    VIP_F_SRC_HASH,
 };
 use sluice::dataplane::PROG_DECAP;
 use sluice_tests::{flow, frames::*, run_prog, Lab, FALLBACK_MAC};
@@ -1489,4 +1490,54 @@ fn backend_never_passes_on_a_syn_and_counts_a_missing_socket_with_no_previous_ba
     assert_eq!(lab.stat(stat::DECAP_NO_SECOND_HOP), 1);
     assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 0);
     assert_eq!(lab.stat(stat::DECAP_OK), 2);
+}
+
+#[test]
+fn second_chance_vip_steers_tcp_by_the_ring_alone_and_udp_keeps_the_table() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_SECOND_CHANCE, 0);
+    lab.backends(&vip, &BACKENDS4);
+    gue(&mut lab, &[1, 2, 3]);
+    let before: Vec<u32> = lab
+        .dp
+        .live_ring(&vip)
+        .unwrap()
+        .unwrap()
+        .iter()
+        .map(|s| u32::from(s.backend))
+        .collect();
+    let key = flow(CLIENT4, 40000, VIP4, 443, PROTO_TCP);
+    let syn = v4_tcp(CLIENT4, 40000, VIP4, 443, SYN, 0);
+    let (a, _) = lab.run(&on_wire(&syn));
+    assert_eq!(a, XDP_TX);
+    assert_eq!(lab.dp.conn(&key).unwrap(), None, "no entry for a SYN");
+    // A backend is added: a flow whose slot moved goes to the new owner, naming the old one,
+    // packet after packet, with no entry and no table lookup.
+    let mut four = BACKENDS4.to_vec();
+    four.push((4, "10.1.0.4", 1));
+    lab.backends(&vip, &four);
+    gue(&mut lab, &[1, 2, 3, 4]);
+    let (port, old, new) = moved_flow(&mut lab, &vip, &before);
+    let key = flow(CLIENT4, port, VIP4, 443, PROTO_TCP);
+    let h = lab.flow_hash(&key, false);
+    let ack = v4_tcp(CLIENT4, port, VIP4, 443, ACK, 0);
+    let to = lab.backend_addr(new);
+    let prev = lab.backend_addr(old);
+    for _ in 0..2 {
+        let (a, out) = lab.run(&on_wire(&ack));
+        assert_eq!(a, XDP_TX);
+        assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, Some(prev)));
+    }
+    assert_eq!(lab.dp.conn(&key).unwrap(), None);
+    assert_eq!(lab.stat(stat::CONN_MISS), 0);
+    assert_eq!(lab.stat(stat::CONN_HIT), 0);
+    assert_eq!(lab.stat(stat::SECOND_CHANCE_STEERED), 3);
+    // UDP on a second-chance VIP keeps the table.
+    let uvip = lab.vip(1, VIP4, 443, PROTO_UDP, VIP_F_SECOND_CHANCE, 0);
+    lab.backends(&uvip, &[(5, "10.1.0.5", 1)]);
+    let udp_pkt = V4::new(CLIENT4, VIP4, PROTO_UDP).build(&udp(5000, 443, b"q"));
+    let (a, _) = lab.run(&on_wire(&udp_pkt));
+    assert_eq!(a, XDP_TX);
+    let ukey = flow(CLIENT4, 5000, VIP4, 443, PROTO_UDP);
+    assert_eq!(lab.dp.conn(&ukey).unwrap().map(|c| c.backend), Some(5));
 }
