@@ -186,10 +186,16 @@ fn steering_hash(key: &FlowKey, vip: &VipMeta, cfg: &LbConfig) -> u32 {
     }
 }
 
-/// A backend takes this flow: it is active, and, for a new session, not at its cap.
+/// A backend takes this flow: for a new session, it is active and not at its cap; for a
+/// packet of a session under way, it is active or draining (a draining backend keeps its
+/// sessions, and the ring may still name it while its drain is being published).
 #[inline(always)]
 fn takes(b: &Backend, new_session: bool) -> bool {
-    b.state == BACKEND_ACTIVE && !(new_session && b.flags & BACKEND_F_FULL != 0)
+    if new_session {
+        b.state == BACKEND_ACTIVE && b.flags & BACKEND_F_FULL == 0
+    } else {
+        b.state == BACKEND_ACTIVE || b.state == BACKEND_DRAINING
+    }
 }
 
 /// A backend for a flow without one: the client's affinity entry while it is fresh,
