@@ -11,12 +11,14 @@ pub mod trace;
 
 /// Bumped whenever a map's key or value layout changes; pinned maps carry it so a newer
 /// program refuses to reuse maps it cannot read.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 
 pub const MAX_VIPS: u32 = 128;
 /// Backend ids index the backend array; id 0 is the "unset" sentinel (a ring slot or
 /// connection entry holding 0 is never forwarded).
 pub const MAX_BACKENDS: u32 = 4096;
+// Ring slots store backend ids in 16 bits.
+const _: () = assert!(MAX_BACKENDS <= 1 << 16);
 /// Largest (and default) Maglev ring, a prime. Each VIP owns two rings of this stride in
 /// `MAGLEV_RINGS` (the active one and the one being rewritten), so a VIP's table is
 /// replaced by flipping `VipMeta::active_ring` after the new one is complete.
@@ -50,6 +52,10 @@ pub const VIP_F_SHED: u32 = 1 << 1;
 /// Shed TCP sessions with a RST (clients fail fast) instead of dropping the SYN (clients
 /// back off and retry).
 pub const VIP_F_SHED_RST: u32 = 1 << 2;
+/// Second-chance mode: TCP flows are steered by the ring alone, with no connection-table
+/// lookup or entry; every backend gets GUE naming its slot's previous backend, and the
+/// backend program passes a packet it has no socket for to that one. UDP keeps the table.
+pub const VIP_F_SECOND_CHANCE: u32 = 1 << 3;
 
 /// Key of the VIP hash map. `port` 0 matches every port of the address and protocol.
 #[repr(C)]
@@ -77,6 +83,24 @@ pub struct VipMeta {
     pub priority: u32,
 }
 
+/// One slot of a VIP's Maglev ring: its backend, the backend that held it before its last
+/// change and the VIP table generation of that change. A flow that began before the change
+/// is still on `previous`, which is what second-chance forwarding needs to find it. The
+/// history depends only on the sequence of tables published for the VIP, so LB hosts that
+/// publish the same tables hold the same rings.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RingSlot {
+    /// Backend id; 0 = unset. 16 bits keep the slot at 8 bytes (`MAX_BACKENDS` fits).
+    pub backend: u16,
+    /// The backend before the last change; 0 = none (the slot has not changed, or had no
+    /// backend before).
+    pub previous: u16,
+    /// Table generation in which `backend` took the slot: 0 is the VIP's first table, and
+    /// each later table that changes any slot is the next generation.
+    pub changed: u32,
+}
+
 pub const BACKEND_UNSET: u8 = 0;
 /// Takes new flows and keeps its established ones.
 pub const BACKEND_ACTIVE: u8 = 1;
@@ -87,6 +111,24 @@ pub const BACKEND_DOWN: u8 = 3;
 
 /// `Backend::flags`: at its session cap or saturated; new flows probe past it.
 pub const BACKEND_F_FULL: u8 = 1 << 0;
+/// `Backend::flags`: the backend runs `sluice_decap`, so it is sent GUE (which names the
+/// flow's previous backend for second-chance forwarding) instead of IPIP.
+pub const BACKEND_F_GUE: u8 = 1 << 1;
+
+/// UDP destination port of GUE tunnel packets (the port Linux's GUE examples use).
+pub const GUE_PORT: u16 = 6080;
+/// Outer UDP source ports of GUE packets: `GUE_SPORT_BASE | (flow_hash & GUE_SPORT_MASK)`,
+/// so every packet of a flow carries one port and a backend NIC's RSS spreads flows.
+pub const GUE_SPORT_BASE: u16 = 0xc000;
+pub const GUE_SPORT_MASK: u16 = 0x3fff;
+/// Sluice's GUE private data (after the 4-byte GUE base header): a kind byte, a hop-flags
+/// byte, two reserved bytes, then the previous backend's address in the outer family (4 or
+/// 16 bytes, all zero when there is none).
+pub const GUE_PRIV_KIND: u8 = 0x53;
+/// Hop flag: the packet was already passed on by a backend; it is never passed on again.
+pub const GUE_HOP_FORWARDED: u8 = 1 << 0;
+/// GUE private-data length without the address.
+pub const GUE_PRIV_HDR_LEN: usize = 4;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -300,6 +342,24 @@ pub mod stat {
         /// A shed session dropped (not answered with a RST): with `SHED_RST_SENT`, every
         /// shed frame ends in exactly one outcome.
         DROP_SHED = "drop_shed", Drop;
+        /// A UDP packet to the GUE port that is not Sluice's GUE (another version, control
+        /// message, flags or private data): left to the kernel.
+        DECAP_PASS_BAD_GUE = "decap_pass_bad_gue", Pass;
+        /// A mid-connection TCP packet without a socket here, passed on to the previous
+        /// backend the LB named (second-chance forwarding).
+        DECAP_SECOND_HOP = "decap_second_hop", Sent;
+        /// A packet already passed on once finds no socket here either: the flow's ring slot
+        /// changed more often than its history remembers (or the connection is gone).
+        /// Delivered to the stack, which resets it.
+        DECAP_HISTORY_SHORT = "decap_history_short", Event;
+        /// No socket here and no previous backend named (or a tunnel layout not rewritten
+        /// in place): delivered to the stack.
+        DECAP_NO_SECOND_HOP = "decap_no_second_hop", Event;
+        /// No route to the previous backend: delivered to the stack.
+        DECAP_SECOND_HOP_NO_ROUTE = "decap_second_hop_no_route", Event;
+        /// A TCP packet of a second-chance VIP, steered by the ring without the
+        /// connection table.
+        SECOND_CHANCE_STEERED = "second_chance_steered", Event;
     }
 }
 
@@ -318,4 +378,5 @@ mod pod {
     unsafe impl aya::Pod for TrafficStats {}
     unsafe impl aya::Pod for FloodWindow {}
     unsafe impl aya::Pod for NextHop {}
+    unsafe impl aya::Pod for RingSlot {}
 }

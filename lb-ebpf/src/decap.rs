@@ -1,13 +1,17 @@
-//! Backend side: strips the outer IPv4/IPv6 header so the stack receives the client's own
-//! packet to the VIP (configured on the backend's `lo`) and replies straight to the client.
+//! Backend side: strips the outer IPv4/IPv6 header (and, for GUE, the UDP and GUE headers)
+//! so the stack receives the client's own packet to the VIP (configured on the backend's
+//! `lo`) and replies straight to the client.
 
 use aya_ebpf::{
     bindings::xdp_action, helpers::bpf_xdp_adjust_head, programs::XdpContext, EbpfContext,
 };
-use lb_common::{stat, PROTO_IPIP, PROTO_IPV6};
+use lb_common::{
+    stat, GUE_PORT, GUE_PRIV_HDR_LEN, GUE_PRIV_KIND, PROTO_IPIP, PROTO_IPV6, PROTO_UDP,
+};
 
 use crate::{
     parse::{at, be16_at, frame_holds, l2, trim_to, u8_at, ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
+    second_hop::{self, Tunnel},
     stats::count,
 };
 
@@ -25,7 +29,7 @@ pub fn decap(ctx: &XdpContext) -> u32 {
 fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
     let (proto, l3) = l2(ctx).map_err(|_| stat::DECAP_PASS_NOT_ENCAP)?;
     // (outer header length, outer packet length, inner protocol)
-    let (outer_len, outer_tot, inner) = match proto {
+    let (ip_len, outer_tot, outer) = match proto {
         ETH_P_IP => {
             let p = at(ctx, l3, 20).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
             let ihl = ((unsafe { u8_at(p) } & 0x0f) as usize) * 4;
@@ -45,6 +49,15 @@ fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
         }
         _ => return Err(stat::DECAP_PASS_NOT_ENCAP),
     };
+    let udp_len = outer_tot.saturating_sub(ip_len);
+    let (tunnel_len, inner, tunnel) = if outer != PROTO_UDP {
+        (0, outer, None)
+    } else if proto == ETH_P_IP {
+        gue::<1>(ctx, l3 + ip_len, udp_len)?
+    } else {
+        gue::<4>(ctx, l3 + ip_len, udp_len)?
+    };
+    let outer_len = ip_len + tunnel_len;
     let inner_eth = match inner {
         PROTO_IPIP => ETH_P_IP,
         PROTO_IPV6 => ETH_P_IPV6,
@@ -61,6 +74,16 @@ fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
     };
     if outer_tot != outer_len + inner_len || !frame_holds(ctx, l3 + outer_tot) {
         return Err(stat::DECAP_PASS_BAD_LEN);
+    }
+    if let Some(t) = tunnel {
+        let passed_on = if proto == ETH_P_IP {
+            second_hop::forward::<1>(ctx, l3, &t, l3 + outer_len, inner_eth)
+        } else {
+            second_hop::forward::<4>(ctx, l3, &t, l3 + outer_len, inner_eth)
+        };
+        if let Some(action) = passed_on {
+            return Ok(action);
+        }
     }
     if trim_to(ctx, l3 + outer_tot).is_none() {
         return Err(stat::DECAP_DROP_ADJUST);
@@ -80,4 +103,37 @@ fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
     }
     count(stat::DECAP_OK);
     Ok(xdp_action::XDP_PASS)
+}
+
+/// The UDP datagram at `off` (`len` bytes by the outer header): if it is Sluice's GUE
+/// (port, version 0, data message, no flags, our private data with a `WORDS`-word address),
+/// the length of the UDP and GUE headers, the inner protocol and what the private data says.
+/// Other UDP is not ours.
+#[inline(always)]
+fn gue<const WORDS: usize>(
+    ctx: &XdpContext,
+    off: usize,
+    len: usize,
+) -> Result<(usize, u8, Option<Tunnel>), u32> {
+    const UDP_GUE: usize = 8 + 4;
+    let tunnel = UDP_GUE + GUE_PRIV_HDR_LEN + 4 * WORDS;
+    let u = at(ctx, off, tunnel).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
+    if unsafe { be16_at(u + 2) } != GUE_PORT {
+        return Err(stat::DECAP_PASS_NOT_ENCAP);
+    }
+    let hlen = ((GUE_PRIV_HDR_LEN + 4 * WORDS) / 4) as u8;
+    let ours = unsafe {
+        u8_at(u + 8) == hlen && be16_at(u + 10) == 0 && u8_at(u + UDP_GUE) == GUE_PRIV_KIND
+    };
+    if !ours {
+        return Err(stat::DECAP_PASS_BAD_GUE);
+    }
+    if unsafe { be16_at(u + 4) } as usize != len {
+        return Err(stat::DECAP_PASS_BAD_LEN);
+    }
+    let t = Tunnel {
+        priv_off: off + UDP_GUE,
+        hop_flags: unsafe { u8_at(u + UDP_GUE + 1) },
+    };
+    Ok((tunnel, unsafe { u8_at(u + 9) }, Some(t)))
 }

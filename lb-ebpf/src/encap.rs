@@ -1,4 +1,5 @@
-//! IPIP / IPv6 encapsulation towards a backend and the choice of next hop.
+//! Encapsulation towards a backend (IPIP / IPv6-in-IP, or GUE over UDP for backends running
+//! `sluice_decap`) and the choice of next hop.
 
 use aya_ebpf::{
     bindings::{
@@ -8,7 +9,10 @@ use aya_ebpf::{
     programs::XdpContext,
     EbpfContext,
 };
-use lb_common::{stat, LbConfig, NextHop, FAMILY_V4, NEXTHOP_TTL_NS, PROTO_IPIP, PROTO_IPV6};
+use lb_common::{
+    stat, LbConfig, NextHop, BACKEND_F_GUE, FAMILY_V4, GUE_PORT, GUE_PRIV_HDR_LEN, GUE_PRIV_KIND,
+    GUE_SPORT_BASE, GUE_SPORT_MASK, NEXTHOP_TTL_NS, PROTO_IPIP, PROTO_IPV6, PROTO_UDP,
+};
 
 use crate::{
     csum::{add_all, fold},
@@ -23,7 +27,16 @@ const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
 const IPV4_HLEN: usize = 20;
 const IPV6_HLEN: usize = 40;
+const UDP_HLEN: usize = 8;
+/// The GUE base header: version 0, no control bit, `Hlen`, protocol, no flags.
+const GUE_HLEN: usize = 4;
 const TTL: u8 = 64;
+
+/// UDP, GUE and Sluice's private data (which ends with a `WORDS`-word address) after the
+/// outer IP header.
+const fn gue_len(words: usize) -> usize {
+    UDP_HLEN + GUE_HLEN + GUE_PRIV_HDR_LEN + 4 * words
+}
 
 #[repr(C)]
 struct EthHdr {
@@ -75,7 +88,15 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
     let src_v4 = cfg.encap_src_v4 | (h & cfg.encap_src_v4_hostmask);
     let mut src_v6 = cfg.encap_src_v6;
     src_v6[3] |= h & cfg.encap_src_v6_hostmask;
-    let outer_len = if outer_v4 { IPV4_HLEN } else { IPV6_HLEN };
+    let gue = b.flags & BACKEND_F_GUE != 0;
+    let ip_len = if outer_v4 { IPV4_HLEN } else { IPV6_HLEN };
+    let tunnel_len = match (gue, outer_v4) {
+        (false, _) => 0,
+        (true, true) => gue_len(1),
+        (true, false) => gue_len(4),
+    };
+    let outer_len = ip_len + tunnel_len;
+    let outer_proto = if gue { PROTO_UDP } else { inner_proto };
     let src = OuterSource {
         v4: src_v4,
         v6: src_v6,
@@ -125,11 +146,11 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
         let mut ip = Ipv4Hdr {
             vihl: 0x45,
             tos: p.tos,
-            tot_len: ((p.l3_len + IPV4_HLEN) as u16).to_be(),
+            tot_len: ((p.l3_len + outer_len) as u16).to_be(),
             id: 0,
             frag: 0,
             ttl: TTL,
-            proto: inner_proto,
+            proto: outer_proto,
             csum: 0,
             src: src_v4,
             dst: b.addr[0],
@@ -140,13 +161,39 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
         let ip = Ipv6Hdr {
             // Flow label from the flow hash: ECMP and RSS on the backend side spread flows.
             vtc_flow: (0x6000_0000 | (p.tos as u32) << 20 | (h & 0x000f_ffff)).to_be(),
-            payload_len: (p.l3_len as u16).to_be(),
-            next: inner_proto,
+            payload_len: ((p.l3_len + tunnel_len) as u16).to_be(),
+            next: outer_proto,
             hop_limit: TTL,
             src: src_v6,
             dst: b.addr,
         };
         unsafe { core::ptr::write_unaligned((hdr + ETH_HLEN) as *mut Ipv6Hdr, ip) };
+    }
+    if gue {
+        let udp_len = (tunnel_len + p.l3_len) as u16;
+        let previous = d.previous.unwrap_or_default();
+        let written = if outer_v4 {
+            write_gue::<1>(
+                ctx,
+                ETH_HLEN + IPV4_HLEN,
+                h,
+                udp_len,
+                inner_proto,
+                &previous,
+            )
+        } else {
+            write_gue::<4>(
+                ctx,
+                ETH_HLEN + IPV6_HLEN,
+                h,
+                udp_len,
+                inner_proto,
+                &previous,
+            )
+        };
+        if written.is_none() {
+            return Err(stat::DROP_ADJUST_HEAD);
+        }
     }
 
     if nh.ifindex == unsafe { (*ctx.ctx).ingress_ifindex } {
@@ -160,6 +207,47 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
         }
         Err(_) => Err(stat::DROP_NO_NEXTHOP),
     }
+}
+
+/// Writes the UDP header, the GUE base header and Sluice's private data at `off`: the
+/// source port from the flow hash, a zero UDP checksum (the inner packet carries its own;
+/// RFC 6935 allows it for tunnels over IPv6), and the previous backend's address (`WORDS`
+/// words, the outer family's size; all zero for none).
+#[inline(always)]
+fn write_gue<const WORDS: usize>(
+    ctx: &XdpContext,
+    off: usize,
+    h: u32,
+    udp_len: u16,
+    inner_proto: u8,
+    previous: &[u32; 4],
+) -> Option<()> {
+    let t = at(ctx, off, gue_len(WORDS))?;
+    let sport = GUE_SPORT_BASE | (h as u16 & GUE_SPORT_MASK);
+    // Hlen counts the 32-bit words after the base header: here, only the private data.
+    let hlen = ((GUE_PRIV_HDR_LEN + 4 * WORDS) / 4) as u8;
+    let head: [u16; 6] = [
+        sport.to_be(),
+        GUE_PORT.to_be(),
+        udp_len.to_be(),
+        0,
+        u16::from_ne_bytes([hlen, inner_proto]),
+        0,
+    ];
+    unsafe {
+        core::ptr::write_unaligned(t as *mut [u16; 6], head);
+        core::ptr::write_unaligned(
+            (t + UDP_HLEN + GUE_HLEN) as *mut [u8; 4],
+            [GUE_PRIV_KIND, 0, 0, 0],
+        );
+        for (i, w) in previous.iter().take(WORDS).enumerate() {
+            core::ptr::write_unaligned(
+                (t + UDP_HLEN + GUE_HLEN + GUE_PRIV_HDR_LEN + 4 * i) as *mut u32,
+                *w,
+            );
+        }
+    }
+    Some(())
 }
 
 /// Why there is no next hop to send the packet to.

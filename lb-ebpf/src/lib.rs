@@ -14,6 +14,7 @@ mod icmp;
 mod maps;
 mod parse;
 mod rst;
+mod second_hop;
 mod stats;
 mod steer;
 mod trace;

@@ -13,7 +13,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig, NextHop,
-    TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, MAX_BACKENDS,
+    RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, MAX_BACKENDS,
     MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
@@ -37,9 +37,10 @@ pub static VIPS: btf_maps::HashMap<VipKey, VipMeta, { MAX_VIPS as usize }> =
 #[btf_map]
 pub static BACKENDS: btf_maps::Array<Backend, { MAX_BACKENDS as usize }> = btf_maps::Array::new();
 
-/// Slot `(vip_id * RINGS_PER_VIP + ring) * RING_SIZE_MAX + i` holds a backend id (0 = unset).
+/// Slot `(vip_id * RINGS_PER_VIP + ring) * RING_SIZE_MAX + i` of a VIP's ring: its backend id
+/// (0 = unset) and the slot's history.
 #[map]
-pub static MAGLEV_RINGS: Array<u32> =
+pub static MAGLEV_RINGS: Array<RingSlot> =
     Array::with_max_entries(MAX_VIPS * RINGS_PER_VIP * RING_SIZE_MAX, 0);
 
 #[btf_map]

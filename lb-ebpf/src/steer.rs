@@ -4,8 +4,9 @@
 use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
     hash, stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta,
-    BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, LB_F_WILDCARD_VIPS, MAX_PROBES,
-    RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SHED, VIP_F_SRC_HASH,
+    BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE, LB_F_WILDCARD_VIPS,
+    MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SECOND_CHANCE, VIP_F_SHED,
+    VIP_F_SRC_HASH,
 };
 
 use crate::{
@@ -35,6 +36,9 @@ pub struct Decision {
     pub hash: u32,
     /// The coarse clock read once per packet (connection ages, next-hop cache).
     pub now: u64,
+    /// Address of the backend that held the flow's ring slot before its last change, for a
+    /// GUE backend to pass on a packet it has no socket for; `None` when there is none.
+    pub previous: Option<[u32; 4]>,
 }
 
 /// Exact (address, port, protocol) first, then, if any VIP takes every port, the address's
@@ -83,6 +87,25 @@ pub fn decide(
     // connection ages only need seconds.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
 
+    // Second chance: the backends hold TCP's per-flow state, the ring's history finds it.
+    if vip.flags & VIP_F_SECOND_CHANCE != 0 && key.proto == PROTO_TCP {
+        count(stat::SECOND_CHANCE_STEERED);
+        let h = steering_hash(key, vip, cfg);
+        let opens = opens && track;
+        if opens && vip.flags & VIP_F_SHED != 0 {
+            return Err(Refusal::Shed(stat::SHED_PRIORITY));
+        }
+        let (id, b, previous) = choose(key, vip, h, now, opens)?;
+        return Ok(Decision {
+            backend_id: id,
+            backend: b,
+            new_flow: opens,
+            hash: h,
+            now,
+            previous,
+        });
+    }
+
     if let Some(e) = CONNS.get_ptr_mut(key) {
         let id = unsafe { (*e).backend };
         let h = unsafe { (*e).hash };
@@ -101,13 +124,14 @@ pub fn decide(
                     new_flow: false,
                     hash: h,
                     now,
+                    previous: None,
                 });
             }
         }
         // Its backend is down (or gone): re-steer to the table's current choice and keep
         // the flow pinned there from now on.
         count(stat::CONN_RESTEER_DOWN);
-        let (id, b) = choose(key, vip, h, now, false)?;
+        let (id, b, previous) = choose(key, vip, h, now, false)?;
         unsafe {
             (*e).backend = id;
             (*e).last_seen_ns = now;
@@ -118,6 +142,7 @@ pub fn decide(
             new_flow: true,
             hash: h,
             now,
+            previous,
         });
     }
 
@@ -127,7 +152,7 @@ pub fn decide(
     if opens && vip.flags & VIP_F_SHED != 0 {
         return Err(Refusal::Shed(stat::SHED_PRIORITY));
     }
-    let (id, b) = choose(key, vip, h, now, opens)?;
+    let (id, b, previous) = choose(key, vip, h, now, opens)?;
     if !track {
         // Nothing to pin.
     } else if flood_guard(cfg, now) {
@@ -148,6 +173,7 @@ pub fn decide(
         new_flow: true,
         hash: h,
         now,
+        previous,
     })
 }
 
@@ -160,15 +186,22 @@ fn steering_hash(key: &FlowKey, vip: &VipMeta, cfg: &LbConfig) -> u32 {
     }
 }
 
-/// A backend takes this flow: it is active, and, for a new session, not at its cap.
+/// A backend takes this flow: for a new session, it is active and not at its cap; for a
+/// packet of a session under way, it is active or draining (a draining backend keeps its
+/// sessions, and the ring may still name it while its drain is being published).
 #[inline(always)]
 fn takes(b: &Backend, new_session: bool) -> bool {
-    b.state == BACKEND_ACTIVE && !(new_session && b.flags & BACKEND_F_FULL != 0)
+    if new_session {
+        b.state == BACKEND_ACTIVE && b.flags & BACKEND_F_FULL == 0
+    } else {
+        b.state == BACKEND_ACTIVE || b.state == BACKEND_DRAINING
+    }
 }
 
 /// A backend for a flow without one: the client's affinity entry while it is fresh,
 /// otherwise the first of the flow's probe positions in the live ring whose backend takes
-/// it. A new session finding only full backends is shed.
+/// it, with the slot's previous backend for a GUE backend (see [`second_hop`]). A new
+/// session finding only full backends is shed.
 #[inline(always)]
 fn choose(
     key: &FlowKey,
@@ -176,7 +209,7 @@ fn choose(
     h: u32,
     now: u64,
     new_session: bool,
-) -> Result<(u32, Backend), Refusal> {
+) -> Result<(u32, Backend, Option<[u32; 4]>), Refusal> {
     let akey = AffinityKey {
         addr: key.src,
         vip: vip.id,
@@ -189,7 +222,7 @@ fn choose(
                         count(stat::AFFINITY_HIT);
                         let id = a.backend;
                         remember(&akey, id, now);
-                        return Ok((id, b));
+                        return Ok((id, b, None));
                     }
                 }
             }
@@ -203,8 +236,8 @@ fn choose(
     let base = (vip.id * RINGS_PER_VIP + (vip.active_ring & 1)) * RING_SIZE_MAX;
     for i in 0..MAX_PROBES {
         let slot = hash::probe_slot(h, i, ring_size);
-        let id = match MAGLEV_RINGS.get(base + slot) {
-            Some(id) if *id != 0 => *id,
+        let (id, previous) = match MAGLEV_RINGS.get(base + slot) {
+            Some(s) if s.backend != 0 => (s.backend as u32, s.previous as u32),
             _ => return Err(stat::DROP_NO_BACKEND.into()),
         };
         match backend(id, vip) {
@@ -212,7 +245,7 @@ fn choose(
                 if vip.affinity_secs != 0 {
                     remember(&akey, id, now);
                 }
-                return Ok((id, b));
+                return Ok((id, b, second_hop(&b, previous, vip)));
             }
             Some(b) => {
                 saw_full |= b.state == BACKEND_ACTIVE;
@@ -225,6 +258,19 @@ fn choose(
         return Err(Refusal::Shed(stat::SHED_FULL));
     }
     Err(stat::DROP_NO_BACKEND.into())
+}
+
+/// The address a GUE backend `b` may pass the flow on to: the slot's previous backend,
+/// when it still serves this VIP (active or draining), also runs the backend program and
+/// has the same address family (it is reached with the same outer header).
+#[inline(always)]
+fn second_hop(b: &Backend, previous: u32, vip: &VipMeta) -> Option<[u32; 4]> {
+    if b.flags & BACKEND_F_GUE == 0 || previous == 0 {
+        return None;
+    }
+    let p = backend(previous, vip)?;
+    let serves = p.state == BACKEND_ACTIVE || p.state == BACKEND_DRAINING;
+    (serves && p.flags & BACKEND_F_GUE != 0 && p.family == b.family).then_some(p.addr)
 }
 
 #[inline(always)]

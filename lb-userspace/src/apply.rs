@@ -5,7 +5,7 @@
 use anyhow::{Context, Result};
 use lb_common::{
     Backend as PlaneBackend, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
-    BACKEND_F_FULL, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
+    BACKEND_F_FULL, BACKEND_F_GUE, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
 };
 
 use crate::{
@@ -13,7 +13,7 @@ use crate::{
     controller::Overlay,
     dataplane::Dataplane,
     flowwalk::FlowWalker,
-    state::{Backend, HashMode, PlaneState, State, Vip},
+    state::{Backend, FlowState, HashMode, PlaneState, State, Vip},
 };
 
 pub fn vip_key(v: &Vip) -> VipKey {
@@ -37,18 +37,30 @@ fn plane_backend(vip: &Vip, b: &Backend, overlay: &Overlay) -> PlaneBackend {
         addr,
         family,
         state,
-        flags: if overlay.full.contains(&b.id) {
-            BACKEND_F_FULL
-        } else {
-            0
-        },
+        flags: backend_flags(vip, b, overlay),
         _pad: 0,
         vip: vip.id,
     }
 }
 
+fn backend_flags(vip: &Vip, b: &Backend, overlay: &Overlay) -> u8 {
+    let mut f = 0;
+    if overlay.full.contains(&b.id) {
+        f |= BACKEND_F_FULL;
+    }
+    // A second-chance VIP's backends run the backend program: they are sent GUE, which
+    // names the flow's previous backend.
+    if vip.spec.flow_state == FlowState::SecondChance {
+        f |= BACKEND_F_GUE;
+    }
+    f
+}
+
 fn vip_flags(vip: &Vip, overlay: &Overlay) -> u32 {
     let mut f = 0;
+    if vip.spec.flow_state == FlowState::SecondChance {
+        f |= VIP_F_SECOND_CHANCE;
+    }
     if vip.spec.hash == HashMode::Source {
         f |= VIP_F_SRC_HASH;
     }
@@ -260,5 +272,33 @@ mod tests {
         assert_eq!(vip_flags(&vip, &o), VIP_F_SHED | VIP_F_SHED_RST);
         o.rst = false;
         assert_eq!(vip_flags(&vip, &o), VIP_F_SHED);
+    }
+
+    #[test]
+    fn second_chance_vip_is_flagged_and_its_backends_are_sent_gue() {
+        let mut vip = Vip {
+            id: 0,
+            spec: crate::state::testing::vip("chat", "10.0.0.1"),
+            backends: Default::default(),
+        };
+        let b = Backend {
+            id: 3,
+            spec: crate::state::BackendSpec {
+                address: "10.1.0.3".parse().unwrap(),
+                weight: 1,
+                labels: Default::default(),
+                max_sessions: 0,
+            },
+            admin: crate::state::Admin::Active,
+            healthy: true,
+        };
+        let mut o = Overlay::default();
+        assert_eq!(vip_flags(&vip, &o), 0);
+        assert_eq!(backend_flags(&vip, &b, &o), 0, "table mode keeps IPIP");
+        vip.spec.flow_state = FlowState::SecondChance;
+        assert_eq!(vip_flags(&vip, &o), VIP_F_SECOND_CHANCE);
+        assert_eq!(backend_flags(&vip, &b, &o), BACKEND_F_GUE);
+        o.full.insert(3);
+        assert_eq!(backend_flags(&vip, &b, &o), BACKEND_F_GUE | BACKEND_F_FULL);
     }
 }

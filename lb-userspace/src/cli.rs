@@ -26,7 +26,7 @@ use crate::{
     admin::{now_ms, DrainRequest, NewVip, WeightChange},
     client::{path_segment, Client},
     config::EngineKind,
-    state::{BackendSpec, HashMode, Protocol, VipSpec},
+    state::{BackendSpec, FlowState, HashMode, Protocol, VipSpec},
 };
 
 /// The version `sluice --version` prints: the crate's and the git revision it was built from.
@@ -334,6 +334,10 @@ pub struct VipAdd {
     /// Maglev ring slots, a prime (default 65537; smaller rings rebuild faster).
     #[arg(long, value_name = "N")]
     ring_size: Option<u32>,
+    /// Where TCP flow state lives: table (the LB's connection table) or second-chance (the
+    /// backends, which must run sluice_decap; see docs/design.md).
+    #[arg(long, default_value = "table", value_parser = serde_enum::<FlowState>(&["table", "second-chance"]))]
+    flow_state: FlowState,
     /// A backend, with an optional weight (default 100); write IPv6 with a weight in
     /// brackets: [fd00::1]:50. Repeat for more backends.
     #[arg(long = "backend", value_name = "ADDR[:WEIGHT]", value_parser = parse_backend)]
@@ -688,6 +692,7 @@ fn vip(cmd: &VipCommand, client: &Client, out: &mut Output) -> Result<()> {
             spec.affinity_secs = a.affinity_window.unwrap_or(spec.affinity_secs);
             spec.priority = a.priority.unwrap_or(spec.priority);
             spec.ring_size = a.ring_size.unwrap_or(spec.ring_size);
+            spec.flow_state = a.flow_state;
             let body = serde_json::to_value(NewVip {
                 vip: spec,
                 backends: a.backends.clone(),
@@ -1135,6 +1140,8 @@ mod tests {
                 "source",
                 "--affinity-window",
                 "10m",
+                "--flow-state",
+                "second-chance",
                 "--backend",
                 "10.1.0.1",
                 "--backend",
@@ -1146,6 +1153,7 @@ mod tests {
         let vip = srv.state().vips["chat"].clone();
         assert_eq!(vip.spec.affinity_secs, 600);
         assert_eq!(vip.spec.hash, HashMode::Source);
+        assert_eq!(vip.spec.flow_state, FlowState::SecondChance);
         assert_eq!(vip.backends[&"10.1.0.2".parse().unwrap()].spec.weight, 50);
 
         let out = sluice(&srv, &["vip", "list"]).unwrap();

@@ -230,6 +230,9 @@ pub struct VipConfig {
     pub priority: u8,
     /// Maglev ring size: a prime <= 65537 and >= the number of backends.
     pub ring_size: u32,
+    /// Where TCP flows' state lives: the LB's connection table, or the backends (second
+    /// chance; every backend must run `sluice_decap`).
+    pub flow_state: FlowState,
     /// The `[[vip.backend]]` tables, in file order; addresses unique.
     #[serde(rename = "backend")]
     pub backends: Vec<BackendConfig>,
@@ -566,6 +569,15 @@ keyword_enum!(
         FiveTuple = "five-tuple",
         /// The client address: all of a client's connections reach one backend.
         Source = "source",
+    }
+);
+keyword_enum!(
+    /// Where a VIP's TCP flow state lives.
+    FlowState {
+        /// The LB's connection table pins each flow.
+        Table = "table",
+        /// The ring with its history; backends pass on what they have no socket for.
+        SecondChance = "second-chance",
     }
 );
 keyword_enum!(
@@ -1321,6 +1333,7 @@ struct RawVip {
     affinity_window: Option<DurStr>,
     priority: Option<Int>,
     ring_size: Option<Int>,
+    flow_state: Option<String>,
     #[serde(default)]
     backend: Vec<RawBackend>,
 }
@@ -2325,6 +2338,11 @@ fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipParts {
     };
     let protocol = c.keyword(&p.key("protocol"), r.protocol.as_deref(), Protocol::Tcp);
     let hash = c.keyword(&p.key("hash"), r.hash.as_deref(), HashMode::FiveTuple);
+    let flow_state = c.keyword(
+        &p.key("flow_state"),
+        r.flow_state.as_deref(),
+        FlowState::Table,
+    );
     let aw_path = p.key("affinity_window");
     let affinity_window = c
         .duration(&aw_path, r.affinity_window.as_deref(), Duration::ZERO)
@@ -2463,6 +2481,7 @@ fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipParts {
             affinity_window: affinity_window?,
             priority: priority?,
             ring_size: ring_size.filter(|_| ring_ok)?,
+            flow_state: flow_state?,
             backends: backends_ok.then_some(backends)?,
         })
     })();

@@ -29,7 +29,7 @@ use crate::{
     limits, metrics, notify,
     object::BPF_OBJECT,
     policy::Policy,
-    state::{BackendSpec, HashMode, Limits, Protocol, State, VipSpec},
+    state::{BackendSpec, FlowState, HashMode, Limits, Protocol, State, VipSpec},
     steering,
     telemetry::{self, Hub},
 };
@@ -54,6 +54,10 @@ pub fn specs(cfg: &Config) -> Vec<(VipSpec, Vec<BackendSpec>)> {
                 affinity_secs: v.affinity_secs(),
                 priority: v.priority.into(),
                 ring_size: v.ring_size,
+                flow_state: match v.flow_state {
+                    config::FlowState::Table => FlowState::Table,
+                    config::FlowState::SecondChance => FlowState::SecondChance,
+                },
             };
             let backends = v
                 .backends

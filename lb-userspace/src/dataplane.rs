@@ -23,11 +23,11 @@ use aya::{
 };
 use lb_common::{
     stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig, NextHop,
-    TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, LAYOUT_VERSION,
+    RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, LAYOUT_VERSION,
     LB_F_TRACE, LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
-use crate::maglev;
+use crate::{maglev, ring_history};
 
 /// Program names in the object.
 pub const PROG_XDP: &str = "sluice_xdp";
@@ -39,7 +39,7 @@ pub const PROG_PASS: &str = "sluice_pass";
 pub struct LoadOptions {
     pub conn_table_size: u32,
     pub affinity_table_size: u32,
-    /// VIPs the ring array has room for (each costs 2 × 65537 × 4 bytes of kernel memory).
+    /// VIPs the ring array has room for (each costs 2 × 65537 × 8 bytes of kernel memory).
     pub max_vips: u32,
     /// bpffs directory to pin the maps in; maps already pinned there are reused (after a
     /// layout check), which is what keeps flows through a restart.
@@ -68,7 +68,7 @@ fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 13] {
         (
             "MAGLEV_RINGS",
             u32s,
-            u32s,
+            size_of::<RingSlot>(),
             opts.max_vips * RINGS_PER_VIP * RING_SIZE_MAX,
         ),
         ("CONNS", size_of::<FlowKey>(), size_of::<ConnEntry>(), 0),
@@ -173,10 +173,19 @@ impl LoadOptions {
 }
 
 /// What the data plane holds in each of a VIP's two rings, so a new table is written as
-/// the slots that differ from the inactive ring before the flip.
+/// the slots that differ from the inactive ring before the flip, and so the live ring's
+/// history is at hand for the next table.
 struct RingShadow {
-    rings: [Vec<u32>; 2],
+    rings: [Vec<RingSlot>; 2],
 }
+
+/// Stands for a slot of a pinned map whose content is not known: it differs from every
+/// slot a table can give, so it is always rewritten.
+const UNKNOWN_SLOT: RingSlot = RingSlot {
+    backend: u16::MAX,
+    previous: u16::MAX,
+    changed: u32::MAX,
+};
 
 pub struct Dataplane {
     ebpf: Ebpf,
@@ -422,10 +431,12 @@ impl Dataplane {
         Ok(())
     }
 
-    /// Makes `table` the live ring of the VIP at `key` and writes its settings: only the
-    /// slots that differ from what its inactive ring holds are written, then `active_ring`
-    /// flips in the same VIPS update, so the XDP program sees the old table or the new one,
-    /// never a mix. A table equal to the live one writes nothing. Returns the slots written.
+    /// Makes `table` the live ring of the VIP at `key` and writes its settings. The ring
+    /// keeps each slot's history (`ring_history::next`) from the live ring, unless the VIP is
+    /// new or its ring size or id changed. Only the slots that differ from what its inactive
+    /// ring holds are written, then `active_ring` flips in the same VIPS update, so the XDP
+    /// program sees the old ring or the new one, never a mix. A table equal to the live one
+    /// writes nothing. Returns the slots written.
     pub fn publish(&mut self, key: &VipKey, mut meta: VipMeta, table: &[u32]) -> Result<usize> {
         if table.len() != meta.ring_size as usize {
             bail!(
@@ -436,41 +447,82 @@ impl Dataplane {
         }
         let live = self.vip(key)?;
         let active = live.map(|m| m.active_ring & 1);
-        let reused = self.reused;
-        let shadow = self.shadows.entry(meta.id).or_insert_with(|| RingShadow {
-            // Maps this process created start zeroed; reused (pinned) maps are unknown, so
-            // their first table is written in full.
-            rings: [0, 1].map(|_| vec![if reused { u32::MAX } else { 0 }; RING_SIZE_MAX as usize]),
-        });
-        if let (Some(a), Some(m)) = (active, live) {
-            let same_settings = VipMeta {
-                active_ring: a,
-                ..meta
-            } == m;
-            if same_settings && shadow.rings[a as usize][..table.len()] == *table {
-                return Ok(0);
+        if !self.shadows.contains_key(&meta.id) {
+            // Maps this process created start zeroed. Reused (pinned) maps are unknown: the
+            // live ring is read back, so its history survives a restart of the daemon, and
+            // the inactive one is written in full.
+            let mut rings = [0, 1].map(|_| vec![RingSlot::default(); RING_SIZE_MAX as usize]);
+            if self.reused {
+                for (ring, r) in (0..).zip(rings.iter_mut()) {
+                    if live.is_some_and(|m| m.id == meta.id) && active == Some(ring) {
+                        *r = self.read_ring(meta.id, ring)?;
+                    } else {
+                        r.fill(UNKNOWN_SLOT);
+                    }
+                }
             }
+            self.shadows.insert(meta.id, RingShadow { rings });
         }
+        let shadow = self.shadows.get_mut(&meta.id).expect("inserted above");
+        let len = table.len();
+        let slots = match (active, live) {
+            (Some(a), Some(m)) if m.id == meta.id && m.ring_size == meta.ring_size => {
+                let slots = ring_history::next(&shadow.rings[a as usize][..len], table);
+                let same_settings = VipMeta {
+                    active_ring: a,
+                    ..meta
+                } == m;
+                if same_settings && shadow.rings[a as usize][..len] == *slots {
+                    return Ok(0);
+                }
+                slots
+            }
+            _ => ring_history::first(table),
+        };
         let next = active.map_or(0, |a| a ^ 1);
         let base = (meta.id * RINGS_PER_VIP + next) * RING_SIZE_MAX;
         let old = &mut shadow.rings[next as usize];
-        let changes: Vec<(u32, u32)> = maglev::diff(&old[..table.len()], table).collect();
+        let changes: Vec<(u32, RingSlot)> = maglev::diff(&old[..len], &slots).collect();
         let map = self
             .ebpf
             .map_mut("MAGLEV_RINGS")
             .ok_or_else(|| anyhow!("map MAGLEV_RINGS missing"))?;
-        let mut rings: Array<&mut MapData, u32> = Array::try_from(map)?;
-        for &(slot, id) in &changes {
+        let mut rings: Array<&mut MapData, RingSlot> = Array::try_from(map)?;
+        for &(slot, s) in &changes {
             // On failure the inactive ring is half-written but not live; the shadow records
             // what landed, so the next attempt writes the rest.
             rings
-                .set(base + slot, id, 0)
+                .set(base + slot, s, 0)
                 .with_context(|| format!("writing ring slot {slot}"))?;
-            old[slot as usize] = id;
+            old[slot as usize] = s;
         }
         meta.active_ring = next;
         self.set_vip(key, &meta)?;
         Ok(changes.len())
+    }
+
+    /// The live ring of the VIP at `key` as the kernel holds it (`ring_size` slots), or
+    /// `None` if there is no such VIP.
+    pub fn live_ring(&mut self, key: &VipKey) -> Result<Option<Vec<RingSlot>>> {
+        let Some(m) = self.vip(key)? else {
+            return Ok(None);
+        };
+        let mut ring = self.read_ring(m.id, m.active_ring & 1)?;
+        ring.truncate(m.ring_size as usize);
+        Ok(Some(ring))
+    }
+
+    /// All `RING_SIZE_MAX` slots of one of a VIP's rings, read from the kernel.
+    fn read_ring(&mut self, vip_id: u32, ring: u32) -> Result<Vec<RingSlot>> {
+        let rings: Array<&mut MapData, RingSlot> = Array::try_from(self.map("MAGLEV_RINGS")?)?;
+        let base = (vip_id * RINGS_PER_VIP + ring) * RING_SIZE_MAX;
+        (base..base + RING_SIZE_MAX)
+            .map(|i| {
+                rings
+                    .get(&i, 0)
+                    .with_context(|| format!("reading ring slot {}", i - base))
+            })
+            .collect()
     }
 
     pub fn conn(&mut self, key: &FlowKey) -> Result<Option<ConnEntry>> {

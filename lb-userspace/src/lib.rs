@@ -20,6 +20,7 @@ pub mod notify;
 pub mod object;
 pub mod policy;
 pub mod private_file;
+pub mod ring_history;
 pub mod state;
 pub mod steering;
 pub mod telemetry;

@@ -219,13 +219,16 @@ pub fn is_prime(n: u32) -> bool {
         .all(|d| !n.is_multiple_of(d))
 }
 
-/// Slots that differ between two tables (for writing only changed entries), as (slot, new id).
-/// Slots of `new` beyond the end of `old` count as changed.
-pub fn diff<'a>(old: &'a [u32], new: &'a [u32]) -> impl Iterator<Item = (u32, u32)> + 'a {
+/// Slots that differ between two tables or rings (for writing only changed entries), as
+/// (slot, new value). Slots of `new` beyond the end of `old` count as changed.
+pub fn diff<'a, T: PartialEq + Copy>(
+    old: &'a [T],
+    new: &'a [T],
+) -> impl Iterator<Item = (u32, T)> + 'a {
     (0u32..)
         .zip(new)
-        .filter(move |&(slot, id)| old.get(slot as usize) != Some(id))
-        .map(|(slot, &id)| (slot, id))
+        .filter(move |&(slot, v)| old.get(slot as usize) != Some(v))
+        .map(|(slot, &v)| (slot, v))
 }
 
 #[cfg(test)]

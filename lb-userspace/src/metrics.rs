@@ -26,7 +26,7 @@ use crate::{
     controller::{Controller, Plane},
     limits::METRICS,
     policy::BackendDecision,
-    state::PlaneState,
+    state::{FlowState, PlaneState},
 };
 
 pub(crate) type Labels = Vec<(&'static str, String)>;
@@ -272,6 +272,23 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
         "vip_new_flows",
         "New flows to the VIP",
         per_vip(|t| t.new_flows),
+    );
+
+    gauges(
+        &mut reg,
+        "vip_flow_state",
+        "1 for where the VIP's TCP flow state lives (table: the LB's connection table; \
+         second-chance: the backends, found through the ring's history), 0 for the other",
+        vips()
+            .flat_map(|v| {
+                [FlowState::Table, FlowState::SecondChance].map(|m| {
+                    let name = serde_json::to_value(m).expect("a plain enum serializes");
+                    let mut l = vip_labels(v);
+                    l.push(("flow_state", name.as_str().unwrap_or_default().to_string()));
+                    (l, i64::from(v.spec.flow_state == m))
+                })
+            })
+            .collect(),
     );
 
     let per_backend = |f: fn(crate::controller::Traffic) -> u64| {
@@ -577,6 +594,10 @@ mod tests {
             r#"sluice_backend_state{vip="chat",backend="10.1.0.1",state="draining"} 1"#,
             r#"sluice_backend_state{vip="chat",backend="10.1.0.1",state="active"} 0"#,
             r#"sluice_backend_state{vip="chat",backend="fd00::1",state="active"} 1"#,
+            "# TYPE sluice_vip_flow_state gauge",
+            r#"sluice_vip_flow_state{vip="chat",flow_state="table"} 1"#,
+            r#"sluice_vip_flow_state{vip="chat",flow_state="second-chance"} 0"#,
+            r#"sluice_dataplane_events_total{event="decap_history_short"} 0"#,
             r#"sluice_dataplane_drops_total{reason="no_backend"} 3"#,
             r#"sluice_dataplane_drops_total{reason="decap_adjust"} 0"#,
             r#"sluice_dataplane_passes_total{reason="decap_not_encap"} 5"#,

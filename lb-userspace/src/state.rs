@@ -44,6 +44,19 @@ pub enum HashMode {
     Source,
 }
 
+/// Where a VIP's per-flow state lives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FlowState {
+    /// The LB's connection table pins each flow to its backend.
+    #[default]
+    Table,
+    /// TCP flows are steered by the ring alone; backends (running `sluice_decap`, sent GUE)
+    /// pass a packet they have no socket for to the slot's previous backend. UDP keeps the
+    /// table.
+    SecondChance,
+}
+
 /// A VIP as an operator describes it (config file or admin API).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -62,6 +75,8 @@ pub struct VipSpec {
     pub priority: u32,
     #[serde(default = "default_ring")]
     pub ring_size: u32,
+    #[serde(default)]
+    pub flow_state: FlowState,
 }
 
 fn default_ring() -> u32 {
@@ -554,6 +569,7 @@ pub(crate) mod testing {
             affinity_secs: 0,
             priority: 0,
             ring_size: RING_SIZE_MAX,
+            flow_state: FlowState::Table,
         }
     }
 

@@ -131,7 +131,7 @@ port = 1
 "#,
         errors: &[
             "t.toml:7:1: daemon.log_levl: unknown field `log_levl`, expected one of `bpffs`, `state_file`, `keep_dataplane_on_exit`, `log_format`, `log_level`",
-            "t.toml:10:1: vip[0].adress: unknown field `adress`, expected one of `name`, `address`, `port`, `protocol`, `hash`, `affinity_window`, `priority`, `ring_size`, `backend`",
+            "t.toml:10:1: vip[0].adress: unknown field `adress`, expected one of `name`, `address`, `port`, `protocol`, `hash`, `affinity_window`, `priority`, `ring_size`, `flow_state`, `backend`",
             "t.toml:17:3: vip[1].backend[0].wieght: unknown field `wieght`, expected one of `address`, `weight`, `labels`, `max_sessions`, `dcgm`, `engine`, `roce`, `health`",
         ],
     },
@@ -1600,4 +1600,23 @@ fn config_backend_total_is_bounded_by_the_backend_table() {
         config::parse(&over, "t.toml").unwrap_err().messages(),
         ["t.toml:6:1: vip: 4096 backends are configured over all VIPs; allowed: at most 4095 (the data plane's backend table)"]
     );
+}
+
+#[test]
+fn config_flow_state_defaults_to_table_and_takes_second_chance() {
+    let vip = |extra: &str| {
+        format!(
+            "{BASE}[[vip]]\nname = \"chat\"\naddress = \"10.200.0.1\"\nport = 443\n{extra}\n\
+             [[vip.backend]]\naddress = \"10.1.0.1\"\n"
+        )
+    };
+    let cfg = config::parse(&vip(""), "t.toml").unwrap();
+    assert_eq!(cfg.vips[0].flow_state, config::FlowState::Table);
+    let cfg = config::parse(&vip("flow_state = \"second-chance\""), "t.toml").unwrap();
+    assert_eq!(cfg.vips[0].flow_state, config::FlowState::SecondChance);
+    let err = config::parse(&vip("flow_state = \"backends\""), "t.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("vip[0].flow_state"), "{err}");
+    assert!(err.contains("second-chance"), "{err}");
 }

@@ -1010,6 +1010,7 @@ pub fn run_decap(frames: u64, seed: u64) -> Result<BTreeMap<&'static str, u64>> 
         stat::DECAP_OK,
         stat::DECAP_PASS_NOT_ENCAP,
         stat::DECAP_PASS_BAD_LEN,
+        stat::DECAP_PASS_BAD_GUE,
         stat::DECAP_DROP_ADJUST,
     ];
     let mut before = lab.dp.stats()?;

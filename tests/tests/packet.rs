@@ -5,8 +5,9 @@
 use std::net::IpAddr;
 
 use lb_common::{
-    stat, BACKEND_DOWN, BACKEND_DRAINING, BACKEND_F_FULL, PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP,
-    PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
+    stat, BACKEND_DOWN, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE, PROTO_ICMP, PROTO_ICMPV6,
+    PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST,
+    VIP_F_SRC_HASH,
 };
 use sluice::dataplane::PROG_DECAP;
 use sluice_tests::{flow, frames::*, run_prog, Lab, FALLBACK_MAC};
@@ -77,6 +78,96 @@ fn encapsulated(lab: &Lab, inner: &[u8], backend: IpAddr, h: u32) -> Vec<u8> {
                 &ipv6(&src, &b.to_string(), next, tos, h, inner),
             )
         }
+    }
+}
+
+/// The frame the data plane must emit for `inner` sent to a GUE `backend` through the
+/// fallback next hop, naming `previous` (or no previous backend).
+fn gue_encapsulated(
+    lab: &Lab,
+    inner: &[u8],
+    backend: IpAddr,
+    h: u32,
+    previous: Option<IpAddr>,
+) -> Vec<u8> {
+    let src = lab.outer_src(h, backend.is_ipv6());
+    let sport = 0xc000 | (h as u16 & 0x3fff);
+    gue_frame(
+        (FALLBACK_MAC, LB_MAC),
+        src,
+        backend,
+        sport,
+        h,
+        inner,
+        previous,
+        0,
+    )
+}
+
+/// A GUE frame as Sluice writes it: UDP to 6080 with checksum 0, GUE version 0 (Hlen in
+/// words of private data, inner protocol, no flags), private data 0x53, `hop` flags, two
+/// zero bytes and the previous backend's address (zero for none).
+#[allow(clippy::too_many_arguments)]
+fn gue_frame(
+    (dmac, smac): (Mac, Mac),
+    src: IpAddr,
+    dst: IpAddr,
+    sport: u16,
+    flow_label: u32,
+    inner: &[u8],
+    previous: Option<IpAddr>,
+    hop: u8,
+) -> Vec<u8> {
+    let inner_v4 = inner[0] >> 4 == 4;
+    let tos = if inner_v4 {
+        inner[1]
+    } else {
+        (u16::from_be_bytes([inner[0], inner[1]]) >> 4) as u8
+    };
+    let addr: Vec<u8> = match (dst, previous) {
+        (IpAddr::V4(_), Some(IpAddr::V4(p))) => p.octets().to_vec(),
+        (IpAddr::V6(_), Some(IpAddr::V6(p))) => p.octets().to_vec(),
+        (IpAddr::V4(_), None) => vec![0; 4],
+        (IpAddr::V6(_), None) => vec![0; 16],
+        _ => panic!("previous backend of another family"),
+    };
+    let mut tunnel = Vec::new();
+    tunnel.extend_from_slice(&sport.to_be_bytes());
+    tunnel.extend_from_slice(&6080u16.to_be_bytes());
+    let udp_len = (8 + 4 + 4 + addr.len() + inner.len()) as u16;
+    tunnel.extend_from_slice(&udp_len.to_be_bytes());
+    tunnel.extend_from_slice(&[0, 0]);
+    let next = if inner_v4 { PROTO_IPIP } else { PROTO_IPV6 };
+    tunnel.extend_from_slice(&[((4 + addr.len()) / 4) as u8, next, 0, 0]);
+    tunnel.extend_from_slice(&[0x53, hop, 0, 0]);
+    tunnel.extend_from_slice(&addr);
+    tunnel.extend_from_slice(inner);
+    match (src, dst) {
+        (IpAddr::V4(src), IpAddr::V4(b)) => {
+            let outer = V4 {
+                src,
+                dst: b,
+                proto: PROTO_UDP,
+                tos,
+                ttl: 64,
+                frag: 0,
+                options: vec![],
+            };
+            eth(dmac, smac, ETH_IP, &outer.build(&tunnel))
+        }
+        (src, b) => eth(
+            dmac,
+            smac,
+            ETH_IPV6,
+            &ipv6(
+                &src.to_string(),
+                &b.to_string(),
+                PROTO_UDP,
+                tos,
+                flow_label,
+                &tunnel,
+            ),
+        ),
     }
 }
 
@@ -1214,4 +1305,332 @@ fn decap_cuts_padding_and_leaves_tunnel_packets_whose_lengths_disagree() {
         assert_eq!(lab.stat(stat::DECAP_PASS_BAD_LEN), before + 1, "{name}");
     }
     assert_eq!(lab.stat(stat::DECAP_OK), 1);
+}
+
+/// Marks backends as running the backend program (GUE) after `Lab::backends` wrote them.
+fn gue(lab: &mut Lab, ids: &[u32]) {
+    for &id in ids {
+        lab.set_flags(id, BACKEND_F_GUE);
+    }
+}
+
+/// A flow (client port from 1024) whose ring slot moved from one backend to another between
+/// the tables published before and after; (port, old owner, new owner).
+fn moved_flow(lab: &mut Lab, vip: &lb_common::VipKey, before: &[u32]) -> (u16, u32, u32) {
+    let meta = lab.dp.vip(vip).unwrap().unwrap();
+    let ring = lab.dp.live_ring(vip).unwrap().unwrap();
+    (1024..60000)
+        .find_map(|p| {
+            let key = flow(CLIENT4, p, VIP4, 443, PROTO_TCP);
+            let slot = lb_common::hash::probe_slot(lab.flow_hash(&key, false), 0, meta.ring_size);
+            let s = ring[slot as usize];
+            let old = before[slot as usize];
+            (u32::from(s.backend) != old).then(|| {
+                assert_eq!(u32::from(s.previous), old, "the slot names its old owner");
+                (p, old, u32::from(s.backend))
+            })
+        })
+        .expect("adding a backend moves some slots")
+}
+
+#[test]
+fn gue_backend_is_sent_udp_gue_naming_the_previous_owner_of_the_flows_slot() {
+    let (mut lab, vip) = lab_v4();
+    gue(&mut lab, &[1, 2, 3]);
+    let before: Vec<u32> = lab
+        .dp
+        .live_ring(&vip)
+        .unwrap()
+        .unwrap()
+        .iter()
+        .map(|s| u32::from(s.backend))
+        .collect();
+    let mut four = BACKENDS4.to_vec();
+    four.push((4, "10.1.0.4", 1));
+    lab.backends(&vip, &four);
+    gue(&mut lab, &[1, 2, 3, 4]);
+    let (port, old, new) = moved_flow(&mut lab, &vip, &before);
+    assert_eq!(new, 4);
+    let key = flow(CLIENT4, port, VIP4, 443, PROTO_TCP);
+    let h = lab.flow_hash(&key, false);
+    let ack = v4_tcp(CLIENT4, port, VIP4, 443, ACK, 0);
+    let (action, out) = lab.run(&on_wire(&ack));
+    assert_eq!(action, XDP_TX);
+    let prev = lab.backend_addr(old);
+    let to = lab.backend_addr(4);
+    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, Some(prev)));
+    // The tunnel header, spelled out: UDP to 6080 from the hashed port, checksum 0, then
+    // GUE (Hlen 2 words, IPIP, no flags) and the private data naming 10.1.0.<old>.
+    let sport = (0xc000 | (h & 0x3fff)) as u16;
+    let udp_len = (8 + 4 + 8 + ack.len()) as u16;
+    let mut want = sport.to_be_bytes().to_vec();
+    want.extend_from_slice(&[0x17, 0xc0]);
+    want.extend_from_slice(&udp_len.to_be_bytes());
+    want.extend_from_slice(&[0, 0, 2, 4, 0, 0, 0x53, 0, 0, 0, 10, 1, 0, old as u8]);
+    assert_eq!(out[34..54], want[..]);
+    assert_eq!(out[23], PROTO_UDP, "outer protocol");
+    assert_eq!(lab.stat(stat::TX), 1);
+}
+
+#[test]
+fn gue_names_no_previous_backend_that_lacks_the_program_or_is_down() {
+    let (mut lab, vip) = lab_v4();
+    let before: Vec<u32> = lab
+        .dp
+        .live_ring(&vip)
+        .unwrap()
+        .unwrap()
+        .iter()
+        .map(|s| u32::from(s.backend))
+        .collect();
+    let mut four = BACKENDS4.to_vec();
+    four.push((4, "10.1.0.4", 1));
+    lab.backends(&vip, &four);
+    // Only the new owner runs the backend program: the old one could not take GUE.
+    gue(&mut lab, &[4]);
+    let (port, old, _) = moved_flow(&mut lab, &vip, &before);
+    let key = flow(CLIENT4, port, VIP4, 443, PROTO_TCP);
+    let h = lab.flow_hash(&key, false);
+    let ack = v4_tcp(CLIENT4, port, VIP4, 443, ACK, 0);
+    let to = lab.backend_addr(4);
+    let (action, out) = lab.run(&on_wire(&ack));
+    assert_eq!(action, XDP_TX);
+    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, None));
+    // It runs the program but is down: still not named. (Each case starts without the
+    // connection entry the last packet made: a table hit names no previous backend.)
+    gue(&mut lab, &[old, 4]);
+    lab.set_state(old, BACKEND_DOWN);
+    lab.dp.clear_conns().unwrap();
+    let (_, out) = lab.run(&on_wire(&ack));
+    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, None));
+    // Draining, it still holds its flows: named.
+    lab.set_state(old, BACKEND_DRAINING);
+    lab.dp.clear_conns().unwrap();
+    let (_, out) = lab.run(&on_wire(&ack));
+    let prev = lab.backend_addr(old);
+    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, Some(prev)));
+}
+
+#[test]
+fn v6_gue_backend_gets_a_16_byte_previous_field_and_ipip_backends_stay_ipip() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip, &BACKENDS6);
+    gue(&mut lab, &[11, 12]);
+    for port in 40000..40032 {
+        let key = flow(CLIENT6, port, VIP6, 443, PROTO_TCP);
+        let id = lab.ring_choice(&vip, &key, false);
+        let h = lab.flow_hash(&key, false);
+        let syn = ipv6(CLIENT6, VIP6, PROTO_TCP, 0, 0, &tcp(port, 443, SYN, b""));
+        let (action, out) = lab.run(&on_wire(&syn));
+        assert_eq!(action, XDP_TX);
+        let to = lab.backend_addr(id);
+        // The VIP's first table: no slot has a previous owner.
+        let want = if id == 13 {
+            encapsulated(&lab, &syn, to, h)
+        } else {
+            gue_encapsulated(&lab, &syn, to, h, None)
+        };
+        assert_eq!(out, want, "port {port} to backend {id}");
+    }
+}
+
+#[test]
+fn decap_strips_gue_from_the_lbs_own_output_and_leaves_other_udp_alone() {
+    let (mut lab, vip) = lab_v4();
+    gue(&mut lab, &[1, 2, 3]);
+    let mut lab6 = Lab::new();
+    let vip6 = lab6.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab6.backends(&vip6, &BACKENDS6);
+    gue(&mut lab6, &[11, 12, 13]);
+    let _ = vip;
+    let inner4 = v4_tcp(CLIENT4, 4000, VIP4, 443, ACK, 0);
+    let inner6 = ipv6(CLIENT6, VIP6, PROTO_TCP, 0, 0, &tcp(4000, 443, ACK, b"tok"));
+    for (lab, inner, ty) in [(&mut lab, &inner4, ETH_IP), (&mut lab6, &inner6, ETH_IPV6)] {
+        let (action, tunnelled) = lab.run(&on_wire(inner));
+        assert_eq!(action, XDP_TX);
+        assert_eq!(u16::from_be_bytes([tunnelled[12], tunnelled[13]]), ty);
+        let before = lab.stat(stat::DECAP_OK);
+        let (a, out) = run_prog(&mut lab.dp, PROG_DECAP, &tunnelled).unwrap();
+        assert_eq!(a, XDP_PASS);
+        assert_eq!(
+            out,
+            eth(FALLBACK_MAC, LB_MAC, ty, inner),
+            "exactly the client packet"
+        );
+        assert_eq!(lab.stat(stat::DECAP_OK), before + 1);
+    }
+    // Ordinary UDP to the backend, GUE we do not speak, GUE whose UDP length lies.
+    let (_, tunnelled) = lab.run(&on_wire(&inner4));
+    let mut other_port = tunnelled.clone();
+    other_port[36..38].copy_from_slice(&53u16.to_be_bytes());
+    let mut flags = tunnelled.clone();
+    flags[44] = 0x80;
+    let mut long = tunnelled.clone();
+    let l = u16::from_be_bytes([long[38], long[39]]) + 4;
+    long[38..40].copy_from_slice(&l.to_be_bytes());
+    for (name, frame, counter) in [
+        (
+            "udp to another port",
+            other_port,
+            stat::DECAP_PASS_NOT_ENCAP,
+        ),
+        ("gue flags", flags, stat::DECAP_PASS_BAD_GUE),
+        ("udp length", long, stat::DECAP_PASS_BAD_LEN),
+    ] {
+        let before = lab.stat(counter);
+        let (a, out) = run_prog(&mut lab.dp, PROG_DECAP, &frame).unwrap();
+        assert_eq!(a, XDP_PASS, "{name}");
+        assert_eq!(out, frame, "{name}: untouched");
+        assert_eq!(lab.stat(counter), before + 1, "{name}");
+    }
+}
+
+/// A backend host for second-chance tests: loopback up, a route and neighbour for the
+/// previous backend 10.1.0.2 (`fib_segment`), and a listener with one established
+/// connection on 127.0.0.1. Returns (lab, listener, client stream, client port, server port).
+fn backend_host() -> (Lab, std::net::TcpListener, std::net::TcpStream, u16, u16) {
+    let lab = Lab::new();
+    sluice_tests::fib_segment(1500, &[ip("10.1.0.2")]);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let cport = client.local_addr().unwrap().port();
+    let sport = listener.local_addr().unwrap().port();
+    (lab, listener, client, cport, sport)
+}
+
+/// A GUE frame from the LB (outer 172.16.0.9 -> 10.1.0.1) carrying `inner`.
+fn from_lb(inner: &[u8], previous: Option<&str>, hop: u8) -> Vec<u8> {
+    gue_frame(
+        ([0x02, 0, 0, 0, 0x0b, 0x01], LB_MAC),
+        ip("172.16.0.9"),
+        ip("10.1.0.1"),
+        0xc123,
+        0,
+        inner,
+        previous.map(ip),
+        hop,
+    )
+}
+
+fn decap_run(lab: &mut Lab, frame: &[u8]) -> (u32, Vec<u8>) {
+    run_prog(&mut lab.dp, PROG_DECAP, frame).unwrap()
+}
+
+#[test]
+fn backend_delivers_a_packet_whose_socket_it_holds() {
+    let (mut lab, _l, _c, cport, sport) = backend_host();
+    let ack = v4_tcp("127.0.0.1", cport, "127.0.0.1", sport, ACK, 0);
+    let (a, out) = decap_run(&mut lab, &from_lb(&ack, Some("10.1.0.2"), 0));
+    assert_eq!(a, XDP_PASS);
+    assert_eq!(out, eth([0x02, 0, 0, 0, 0x0b, 0x01], LB_MAC, ETH_IP, &ack));
+    assert_eq!(lab.stat(stat::DECAP_OK), 1);
+    assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 0);
+}
+
+#[test]
+fn backend_passes_a_packet_without_socket_once_to_the_previous_backend() {
+    let (mut lab, _l, _c, _cport, sport) = backend_host();
+    // Another client port: only the listener matches, and a bare ACK carries no cookie of
+    // this host's, so the connection is elsewhere.
+    let ack = v4_tcp("127.0.0.1", 1, "127.0.0.1", sport, ACK, 0);
+    let (a, out) = decap_run(&mut lab, &from_lb(&ack, Some("10.1.0.2"), 0));
+    assert_eq!(a, XDP_REDIRECT);
+    let want = gue_frame(
+        (
+            sluice_tests::fib_neighbour_mac(ip("10.1.0.2")),
+            sluice_tests::FIB_LOCAL_MAC,
+        ),
+        ip("172.16.0.9"),
+        ip("10.1.0.2"),
+        0xc123,
+        0,
+        &ack,
+        None,
+        1,
+    );
+    assert_eq!(out, want, "readdressed, marked passed on, no address left");
+    assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 1);
+    assert_eq!(lab.stat(stat::DECAP_OK), 0);
+    // Arriving at the previous backend (here: the same host, which has no socket either),
+    // it is delivered to the stack and counted, never passed on again.
+    let (a, out) = decap_run(&mut lab, &want);
+    assert_eq!(a, XDP_PASS);
+    assert_eq!(
+        out,
+        eth(
+            sluice_tests::fib_neighbour_mac(ip("10.1.0.2")),
+            sluice_tests::FIB_LOCAL_MAC,
+            ETH_IP,
+            &ack
+        )
+    );
+    assert_eq!(lab.stat(stat::DECAP_HISTORY_SHORT), 1);
+    assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 1);
+    assert_eq!(lab.stat(stat::DECAP_OK), 1);
+}
+
+#[test]
+fn backend_never_passes_on_a_syn_and_counts_a_missing_socket_with_no_previous_backend() {
+    let (mut lab, _l, _c, _cport, sport) = backend_host();
+    let syn = v4_tcp("127.0.0.1", 2, "127.0.0.1", sport, SYN, 0);
+    let (a, out) = decap_run(&mut lab, &from_lb(&syn, Some("10.1.0.2"), 0));
+    assert_eq!(a, XDP_PASS);
+    assert_eq!(out, eth([0x02, 0, 0, 0, 0x0b, 0x01], LB_MAC, ETH_IP, &syn));
+    let ack = v4_tcp("127.0.0.1", 3, "127.0.0.1", 9, ACK, 0);
+    let (a, _) = decap_run(&mut lab, &from_lb(&ack, None, 0));
+    assert_eq!(a, XDP_PASS);
+    assert_eq!(lab.stat(stat::DECAP_NO_SECOND_HOP), 1);
+    assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 0);
+    assert_eq!(lab.stat(stat::DECAP_OK), 2);
+}
+
+#[test]
+fn second_chance_vip_steers_tcp_by_the_ring_alone_and_udp_keeps_the_table() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_SECOND_CHANCE, 0);
+    lab.backends(&vip, &BACKENDS4);
+    gue(&mut lab, &[1, 2, 3]);
+    let before: Vec<u32> = lab
+        .dp
+        .live_ring(&vip)
+        .unwrap()
+        .unwrap()
+        .iter()
+        .map(|s| u32::from(s.backend))
+        .collect();
+    let key = flow(CLIENT4, 40000, VIP4, 443, PROTO_TCP);
+    let syn = v4_tcp(CLIENT4, 40000, VIP4, 443, SYN, 0);
+    let (a, _) = lab.run(&on_wire(&syn));
+    assert_eq!(a, XDP_TX);
+    assert_eq!(lab.dp.conn(&key).unwrap(), None, "no entry for a SYN");
+    // A backend is added: a flow whose slot moved goes to the new owner, naming the old one,
+    // packet after packet, with no entry and no table lookup.
+    let mut four = BACKENDS4.to_vec();
+    four.push((4, "10.1.0.4", 1));
+    lab.backends(&vip, &four);
+    gue(&mut lab, &[1, 2, 3, 4]);
+    let (port, old, new) = moved_flow(&mut lab, &vip, &before);
+    let key = flow(CLIENT4, port, VIP4, 443, PROTO_TCP);
+    let h = lab.flow_hash(&key, false);
+    let ack = v4_tcp(CLIENT4, port, VIP4, 443, ACK, 0);
+    let to = lab.backend_addr(new);
+    let prev = lab.backend_addr(old);
+    for _ in 0..2 {
+        let (a, out) = lab.run(&on_wire(&ack));
+        assert_eq!(a, XDP_TX);
+        assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, Some(prev)));
+    }
+    assert_eq!(lab.dp.conn(&key).unwrap(), None);
+    assert_eq!(lab.stat(stat::CONN_MISS), 0);
+    assert_eq!(lab.stat(stat::CONN_HIT), 0);
+    assert_eq!(lab.stat(stat::SECOND_CHANCE_STEERED), 3);
+    // UDP on a second-chance VIP keeps the table.
+    let uvip = lab.vip(1, VIP4, 443, PROTO_UDP, VIP_F_SECOND_CHANCE, 0);
+    lab.backends(&uvip, &[(5, "10.1.0.5", 1)]);
+    let udp_pkt = V4::new(CLIENT4, VIP4, PROTO_UDP).build(&udp(5000, 443, b"q"));
+    let (a, _) = lab.run(&on_wire(&udp_pkt));
+    assert_eq!(a, XDP_TX);
+    let ukey = flow(CLIENT4, 5000, VIP4, 443, PROTO_UDP);
+    assert_eq!(lab.dp.conn(&ukey).unwrap().map(|c| c.backend), Some(5));
 }

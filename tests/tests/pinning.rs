@@ -110,14 +110,43 @@ fn a_second_load_reuses_pinned_maps_and_keeps_flows() {
         "the connection entry survived the reload"
     );
     assert!(dp.vip(&vip_key).unwrap().is_some());
-    // The first publish after a reuse cannot trust its shadow: it writes the whole ring.
-    let meta = dp.vip(&vip_key).unwrap().unwrap();
-    assert_eq!(dp.publish(&vip_key, meta, &vec![1; 65537]).unwrap(), 65537);
+    // The first publish after a reuse reads the live ring back: an unchanged table writes
+    // nothing, and a changed one carries the history the earlier run published.
     let meta = dp.vip(&vip_key).unwrap().unwrap();
     assert_eq!(
         dp.publish(&vip_key, meta, &vec![1; 65537]).unwrap(),
         0,
-        "then an unchanged table is not rewritten"
+        "an unchanged table is not rewritten"
+    );
+    let mut table = vec![1; 65537];
+    table[7] = 2;
+    let meta = dp.vip(&vip_key).unwrap().unwrap();
+    // The inactive ring's content is unknown after a reuse, so it is written in full.
+    assert_eq!(dp.publish(&vip_key, meta, &table).unwrap(), 65537);
+    let ring = dp.live_ring(&vip_key).unwrap().unwrap();
+    assert_eq!(
+        (ring[7].backend, ring[7].previous, ring[7].changed),
+        (2, 1, 1),
+        "slot 7 names the owner it had before the restart"
+    );
+    assert_eq!((ring[8].backend, ring[8].previous), (1, 0));
+    let meta = dp.vip(&vip_key).unwrap().unwrap();
+    assert_eq!(
+        dp.publish(&vip_key, meta, &vec![1; 65537]).unwrap(),
+        1,
+        "the ring read back is known: only slot 7 (back to 1, naming 2) is written"
+    );
+    let ring = dp.live_ring(&vip_key).unwrap().unwrap();
+    assert_eq!(
+        (ring[7].backend, ring[7].previous, ring[7].changed),
+        (1, 2, 2)
+    );
+    table[7] = 3;
+    let meta = dp.vip(&vip_key).unwrap().unwrap();
+    assert_eq!(
+        dp.publish(&vip_key, meta, &table).unwrap(),
+        1,
+        "once both rings are known, only changed slots are written"
     );
 }
 

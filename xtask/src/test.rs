@@ -20,7 +20,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     (
         "namespace tests (XDP on veth, real streams)",
-        &["netns", "backend_host"],
+        &["netns", "backend_host", "second_chance"],
     ),
     (
         "daemon-lab tests (`sluice run` in the namespace lab)",

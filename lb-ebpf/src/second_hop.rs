@@ -1,0 +1,206 @@
+//! Second-chance forwarding on the backend: a mid-connection TCP packet that arrives in
+//! Sluice's GUE but has no socket on this host is passed on, once, to the previous backend
+//! the LB named (the owner of the flow's ring slot before its last change).
+
+use aya_ebpf::{
+    bindings::{bpf_fib_lookup, bpf_sock, bpf_sock_tuple, xdp_action, BPF_FIB_LKUP_RET_SUCCESS},
+    helpers::{
+        bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_sk_release, bpf_skc_lookup_tcp,
+        bpf_tcp_check_syncookie,
+    },
+    programs::XdpContext,
+    EbpfContext,
+};
+use lb_common::{stat, GUE_HOP_FORWARDED, PROTO_TCP};
+
+use crate::{
+    csum::{add_all, fold},
+    parse::{at, u8_at, ETH_HLEN, ETH_P_IP, TCP_ACK, TCP_SYN},
+    stats::count,
+};
+
+const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
+/// `BPF_F_CURRENT_NETNS`: look sockets up in the namespace of the receiving device.
+const CURRENT_NETNS: u64 = u64::MAX;
+const TCP_LISTEN: u32 = 10;
+const TCP_HLEN: usize = 20;
+
+/// What the tunnel told us: where its private data sits and the hop flags in it.
+pub struct Tunnel {
+    /// Offset of Sluice's private data (kind, hop flags, reserved, previous address).
+    pub priv_off: usize,
+    pub hop_flags: u8,
+}
+
+/// For a GUE packet with an outer header of `WORDS`-word addresses right after an untagged
+/// Ethernet header: `Some(action)` when it was passed on to the previous backend, `None`
+/// when it is for this host (a socket is here, it opens a connection, it is not TCP, or there
+/// is nowhere to pass it). Every `None` for a missing socket is counted.
+#[inline(always)]
+pub fn forward<const WORDS: usize>(
+    ctx: &XdpContext,
+    l3: usize,
+    t: &Tunnel,
+    inner_off: usize,
+    inner_eth: u16,
+) -> Option<u32> {
+    if has_socket(ctx, inner_off, inner_eth)? {
+        return None;
+    }
+    if t.hop_flags & GUE_HOP_FORWARDED != 0 {
+        // The previous backend has no socket either: the flow's slot changed more often
+        // than the ring remembers (or the connection is gone). The stack answers it.
+        count(stat::DECAP_HISTORY_SHORT);
+        return None;
+    }
+    let outer_ip = if WORDS == 1 { 20 } else { 40 };
+    // Only the LB's own layout is rewritten in place: no VLAN tag, no IPv4 options.
+    if l3 != ETH_HLEN || t.priv_off != ETH_HLEN + outer_ip + 12 {
+        count(stat::DECAP_NO_SECOND_HOP);
+        return None;
+    }
+    let a = at(ctx, ETH_HLEN + outer_ip + 16, 4 * WORDS)?;
+    let mut previous = [0u32; 4];
+    for (i, w) in previous.iter_mut().take(WORDS).enumerate() {
+        *w = unsafe { core::ptr::read_unaligned((a + 4 * i) as *const u32) };
+    }
+    if previous == [0; 4] {
+        count(stat::DECAP_NO_SECOND_HOP);
+        return None;
+    }
+    let ip = at(ctx, ETH_HLEN, outer_ip)?;
+    let mut f: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
+    f.ifindex = ingress;
+    unsafe {
+        if WORDS == 1 {
+            f.family = AF_INET;
+            f.__bindgen_anon_1.tot_len =
+                u16::from_be(core::ptr::read_unaligned((ip + 2) as *const u16));
+            f.__bindgen_anon_3.ipv4_src = core::ptr::read_unaligned((ip + 12) as *const u32);
+            f.__bindgen_anon_4.ipv4_dst = previous[0];
+        } else {
+            f.family = AF_INET6;
+            f.__bindgen_anon_1.tot_len =
+                u16::from_be(core::ptr::read_unaligned((ip + 4) as *const u16)) + 40;
+            f.__bindgen_anon_3.ipv6_src = core::ptr::read_unaligned((ip + 8) as *const [u32; 4]);
+            f.__bindgen_anon_4.ipv6_dst = previous;
+        }
+    }
+    let rc = unsafe {
+        fib_lookup(
+            ctx.as_ptr(),
+            &mut f as *mut _,
+            core::mem::size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    };
+    if rc != BPF_FIB_LKUP_RET_SUCCESS as i64 {
+        count(stat::DECAP_SECOND_HOP_NO_ROUTE);
+        return None;
+    }
+    // Readdress the tunnel to the previous backend and mark it passed on: the next host
+    // never passes it again, and no address is left to pass it to.
+    let hdr = at(ctx, 0, ETH_HLEN + outer_ip + 16 + 4 * WORDS)?;
+    unsafe {
+        core::ptr::write_unaligned(hdr as *mut [u8; 6], f.dmac);
+        core::ptr::write_unaligned((hdr + 6) as *mut [u8; 6], f.smac);
+        let ip = hdr + ETH_HLEN;
+        if WORDS == 1 {
+            core::ptr::write_unaligned((ip + 16) as *mut u32, previous[0]);
+            core::ptr::write_unaligned((ip + 10) as *mut u16, 0);
+            let words = core::ptr::read_unaligned(ip as *const [u32; 5]);
+            core::ptr::write_unaligned((ip + 10) as *mut u16, fold(add_all(0, &words)));
+        } else {
+            core::ptr::write_unaligned((ip + 24) as *mut [u32; 4], previous);
+        }
+        let p = ip + outer_ip + 12;
+        core::ptr::write_unaligned((p + 1) as *mut u8, GUE_HOP_FORWARDED);
+        for i in 0..WORDS {
+            core::ptr::write_unaligned((p + 4 + 4 * i) as *mut u32, 0);
+        }
+    }
+    count(stat::DECAP_SECOND_HOP);
+    if f.ifindex == ingress {
+        return Some(xdp_action::XDP_TX);
+    }
+    Some(unsafe { bpf_redirect(f.ifindex, 0) } as u32)
+}
+
+/// Whether this host holds the connection of the inner TCP packet at `off`: `None` when the
+/// packet is not a candidate at all (not TCP, a SYN, a fragment), otherwise whether an
+/// established or request socket, or a listener that accepts its SYN cookie, is here.
+#[inline(always)]
+fn has_socket(ctx: &XdpContext, off: usize, inner_eth: u16) -> Option<bool> {
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    let (iph_len, th_off, size) = if inner_eth == ETH_P_IP {
+        let i = at(ctx, off, 20)?;
+        let ihl = ((unsafe { u8_at(i) } & 0x0f) as usize) * 4;
+        let frag = u16::from_be(unsafe { core::ptr::read_unaligned((i + 6) as *const u16) });
+        if unsafe { u8_at(i + 9) } != PROTO_TCP || ihl < 20 || frag & 0x1fff != 0 {
+            return None;
+        }
+        unsafe {
+            tuple.__bindgen_anon_1.ipv4.saddr = core::ptr::read_unaligned((i + 12) as *const u32);
+            tuple.__bindgen_anon_1.ipv4.daddr = core::ptr::read_unaligned((i + 16) as *const u32);
+        }
+        (20u32, off + ihl, 12u32)
+    } else {
+        let i = at(ctx, off, 40)?;
+        // Extension headers are left to the stack: only the LB's own traffic is passed on.
+        if unsafe { u8_at(i + 6) } != PROTO_TCP {
+            return None;
+        }
+        unsafe {
+            tuple.__bindgen_anon_1.ipv6.saddr =
+                core::ptr::read_unaligned((i + 8) as *const [u32; 4]);
+            tuple.__bindgen_anon_1.ipv6.daddr =
+                core::ptr::read_unaligned((i + 24) as *const [u32; 4]);
+        }
+        (40u32, off + 40, 36u32)
+    };
+    let th = at(ctx, th_off, TCP_HLEN)?;
+    let flags = unsafe { u8_at(th + 13) };
+    // A SYN opens a connection here; it is never passed on.
+    if flags & TCP_SYN != 0 {
+        return None;
+    }
+    let ports = unsafe { core::ptr::read_unaligned(th as *const [u16; 2]) };
+    if inner_eth == ETH_P_IP {
+        tuple.__bindgen_anon_1.ipv4.sport = ports[0];
+        tuple.__bindgen_anon_1.ipv4.dport = ports[1];
+    } else {
+        tuple.__bindgen_anon_1.ipv6.sport = ports[0];
+        tuple.__bindgen_anon_1.ipv6.dport = ports[1];
+    }
+    let sk = unsafe { bpf_skc_lookup_tcp(ctx.as_ptr(), &mut tuple, size, CURRENT_NETNS, 0) };
+    if sk.is_null() {
+        return Some(false);
+    }
+    let state = unsafe { (*(sk as *const bpf_sock)).state };
+    let here = if state != TCP_LISTEN {
+        // Established, a request socket (the handshake's last ACK), or TIME_WAIT.
+        true
+    } else if flags & TCP_ACK != 0 {
+        // Only a listener matched: the handshake's last ACK of a SYN-cookie connection is
+        // this host's if the cookie is its own.
+        let iph = at(ctx, off, iph_len as usize);
+        match iph {
+            Some(iph) => unsafe {
+                bpf_tcp_check_syncookie(
+                    sk as *mut _,
+                    iph as *mut _,
+                    iph_len,
+                    th as *mut _,
+                    TCP_HLEN as u32,
+                ) == 0
+            },
+            None => false,
+        }
+    } else {
+        false
+    };
+    unsafe { bpf_sk_release(sk as *mut _) };
+    Some(here)
+}
