@@ -151,8 +151,8 @@ fn scenario(second_chance: bool, start: &[usize], change: fn(&mut NetLab, bool))
         errors,
         ..Default::default()
     };
-    for d in &mut lab.decap_dps {
-        let st = d.stats().unwrap();
+    for h in &lab.backend_hosts {
+        let st = h.stats().unwrap();
         out.passed_on += st[stat::DECAP_SECOND_HOP as usize];
         out.missed +=
             st[stat::DECAP_HISTORY_SHORT as usize] + st[stat::DECAP_NO_SECOND_HOP as usize];
