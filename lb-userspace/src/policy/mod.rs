@@ -5,18 +5,25 @@
 //! clock and does no I/O, so the daemon drives it and tests script it.
 //!
 //! Per step and backend (see the submodules for each rule):
-//! - the load score (an EWMA of the largest normalised pressure) sets a weight level
-//!   `1..=weight_levels`, moved only past a hysteresis band ([`score`]);
+//! - the load score (an EWMA of the largest normalised load signal), compared with the mean
+//!   of the VIP's backends, sets a weight level `1..=weight_levels`, moved only past a
+//!   hysteresis band ([`score`]);
 //! - congestion, saturation, throttling or stale telemetry moves the backend away (weight 0
 //!   for new sessions, established ones stay) under an exponential cooldown, and a return
-//!   ramps up over `slow_start` ([`cooldown`]);
+//!   ramps up over `slow_start` ([`cooldown`]). Saturation must hold for
+//!   [`SATURATION_STEPS`] steps in a row: a queue or KV reading at its threshold for one
+//!   scrape is a burst a healthy fleet at 65% load sees every few minutes, and each move costs
+//!   affinity and two weight changes;
 //! - a down backend gets weight 0 ([`health`] tracks up/down);
 //! - full backends and the VIP's shed level come from [`admission`], with `cooldown_base`
 //!   as the shed period.
 //!
 //! Guard: telemetry alone never empties a VIP. When every healthy backend of positive weight
-//! would be moved away, the least-loaded half of them (rounded up; stale ones count as most
-//! loaded) stays in at its score weight, and admission control deals with real overload.
+//! would be moved away, half of them (rounded up) stay in at their score weight, and
+//! admission control deals with real overload. They are ranked first by why they are out
+//! (throttled > congested > saturated > stale: [`Reason::severity`]), then by score: a
+//! throttled backend that was emptied has a low score because it carries nothing, not
+//! because it would serve well.
 
 mod admission;
 mod cooldown;
@@ -180,11 +187,16 @@ fn opt_secs<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error
     }
 }
 
+/// Consecutive steps a saturation condition must hold to move a backend away.
+pub const SATURATION_STEPS: u32 = 2;
+
 /// What the policy remembers of a backend between steps.
 struct Memory {
     score: Score,
     steering: Steering,
     healthy: bool,
+    /// Consecutive steps with a saturation condition.
+    saturated: u32,
     /// The weight last decided; `None` before the first.
     weight: Option<u32>,
 }
@@ -224,6 +236,7 @@ impl Policy {
         self.shedders.retain(|p, _| pools.values().any(|q| q == p));
 
         let work: Vec<Work> = inputs.iter().map(|i| self.observe(now, i)).collect();
+        self.relevel(&work);
         let kept = self.guard(&work);
 
         let mut out = Decisions {
@@ -255,6 +268,7 @@ impl Policy {
             score: Score::new(cfg),
             steering: Steering::new(ramp),
             healthy: input.healthy,
+            saturated: 0,
             weight: None,
         });
         if input.healthy && !m.healthy {
@@ -265,7 +279,12 @@ impl Policy {
             if !t.stale {
                 m.score.update(score::pressure(&t.sample, cfg), cfg);
             }
-            score::triggers(t, cfg).into_iter().next()
+            let all = score::triggers(t, cfg);
+            let saturated = all.iter().any(|t| t.reason == Reason::Saturation);
+            m.saturated = if saturated { m.saturated + 1 } else { 0 };
+            all.into_iter()
+                .filter(|t| t.reason != Reason::Saturation || m.saturated >= SATURATION_STEPS)
+                .max_by_key(|t| t.reason.severity())
         });
         let eligible = input.healthy && input.weight > 0;
         let reason = trigger.as_ref().map(|t| t.reason);
@@ -274,6 +293,25 @@ impl Policy {
             eligible,
             wants_out: eligible && m.steering.wants_out(now, reason),
             trigger,
+        }
+    }
+
+    /// Sets each scored backend's level from its score against its VIP's mean score (over
+    /// the eligible backends with fresh telemetry).
+    fn relevel(&mut self, work: &[Work]) {
+        let scored = |w: &&Work| w.eligible && w.input.telemetry.is_some_and(|t| !t.stale);
+        let mut sums: BTreeMap<&str, (f64, u32)> = BTreeMap::new();
+        for w in work.iter().filter(scored) {
+            let e = sums.entry(w.input.vip).or_default();
+            e.0 += self.backends[&w.input.id].score.value();
+            e.1 += 1;
+        }
+        for w in work.iter().filter(scored) {
+            let (sum, n) = sums[w.input.vip];
+            let m = self.backends.get_mut(&w.input.id).expect("observed");
+            let target =
+                score::relative_level(m.score.value(), sum / f64::from(n), self.cfg.weight_levels);
+            m.score.relevel(target, &self.cfg);
         }
     }
 
@@ -289,8 +327,14 @@ impl Policy {
                 continue;
             }
             let load = |i: usize| {
-                let stale = work[i].input.telemetry.is_some_and(|t| t.stale);
-                (stale, self.backends[&work[i].input.id].score.value())
+                let m = &self.backends[&work[i].input.id];
+                let reason = match &m.steering.phase {
+                    Phase::MovedAway { reason, .. } => Some(*reason),
+                    Phase::InRotation { .. } => None,
+                };
+                let why = work[i].trigger.as_ref().map(|t| t.reason).into_iter();
+                let severity = why.chain(reason).map(Reason::severity).max();
+                (severity, m.score.value())
             };
             pool.sort_by(|&a, &b| {
                 let (a, b) = (load(a), load(b));
