@@ -6,10 +6,12 @@
 //!   `sluice_pass` baseline (see `xdp.rs`; `sluice-bench xdp --help`).
 //! - `maglev`: table build time for 10 to 1000 backends and the cost of publishing a change.
 //! - `failover`: time from a backend's death to the data plane steering around it.
+//! - `steer`: adaptive steering against plain Maglev on simulated accelerators (`steer/`).
 
 mod failover;
 mod maglev;
 mod report;
+mod steer;
 mod sys;
 mod xdp;
 
@@ -18,7 +20,7 @@ use std::process::ExitCode;
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let Some(name) = args.next() else {
-        eprintln!("usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover");
+        eprintln!("usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover, steer");
         return ExitCode::from(2);
     };
     let args: Vec<String> = args.collect();
@@ -26,8 +28,9 @@ fn main() -> ExitCode {
         "xdp" => xdp::main(&args),
         "maglev" => maglev::main(&args),
         "failover" => failover::main(&args),
+        "steer" => steer::main(&args),
         _ => {
-            eprintln!("unknown benchmark: {name} (known: xdp, maglev, failover)");
+            eprintln!("unknown benchmark: {name} (known: xdp, maglev, failover, steer)");
             return ExitCode::from(2);
         }
     };
