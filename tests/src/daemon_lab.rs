@@ -408,7 +408,8 @@ pub struct DaemonLab {
 impl DaemonLab {
     pub fn start(opts: DaemonLabOptions) -> Result<DaemonLab> {
         let t = Instant::now();
-        let sluice = require_daemon_prerequisites(&opts.server)?;
+        let server = opts.accel.as_ref().map_or(&opts.server, |a| &a.binary);
+        let sluice = require_daemon_prerequisites(server)?;
         sweep_stale();
         let topo = Topology::build(&opts.topology)?;
         for b in &topo.backends {

@@ -127,9 +127,9 @@ pub const BUSY: f64 = 0.5;
 /// Score above the VIP's mean (as a fraction of it) that still counts as evenly loaded.
 pub const LOAD_BAND: f64 = 0.25;
 
-/// Added to scores before comparing them, so that near-idle noise (0.02 against 0.01) is
-/// not read as twice the load.
-const LOAD_FLOOR: f64 = 0.1;
+/// Added to scores before comparing them, so that light-load noise (0.17 against a mean of
+/// 0.06, seen in the demo's first seconds) is not read as three times the load.
+const LOAD_FLOOR: f64 = 0.2;
 
 /// The sample's pressure in 0..=1, or `None` when it carries none of the scored signals.
 pub fn pressure(s: &Sample, cfg: &PolicyConfig) -> Option<f64> {
@@ -259,10 +259,12 @@ mod tests {
         let mut s = Score::new(&cfg);
         s.relevel(relative_level(0.5, 0.5, 8), &cfg);
         assert_eq!(s.level, 8, "as loaded as the rest: full weight");
-        // Over twice the others' load: 1.25 * (0.4 + 0.1) / (0.9 + 0.1) = 5/8.
+        // Over twice the others' load: 1.25 * (0.4 + 0.2) / (0.9 + 0.2) * 8 = 5.45.
         s.relevel(relative_level(0.9, 0.4, 8), &cfg);
         assert_eq!(s.level, 5);
         s.relevel(relative_level(1.0, 0.0, 8), &cfg);
+        assert_eq!(s.level, 2);
+        s.relevel(0.0, &cfg);
         assert_eq!(s.level, 1);
         assert_eq!(scaled(100, 1, &cfg), 12);
         assert_eq!(scaled(3, 1, &cfg), 1);
