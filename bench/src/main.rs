@@ -6,6 +6,8 @@
 //!   `sluice_pass` baseline (see `xdp.rs`; `sluice-bench xdp --help`).
 //! - `maglev`: table build time for 10 to 1000 backends and the cost of publishing a change.
 //! - `failover`: time from a backend's death to the data plane steering around it.
+//! - `tokens`: a load generator of OpenAI-style token streams (see `tokens/mod.rs`;
+//!   `sluice-bench tokens --help`); needs no root.
 //! - `steer`: adaptive steering against plain Maglev on simulated accelerators (`steer/`).
 
 mod failover;
@@ -13,6 +15,7 @@ mod maglev;
 mod report;
 mod steer;
 mod sys;
+pub mod tokens;
 mod xdp;
 
 use std::process::ExitCode;
@@ -20,7 +23,9 @@ use std::process::ExitCode;
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let Some(name) = args.next() else {
-        eprintln!("usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover, steer");
+        eprintln!(
+            "usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover, tokens, steer"
+        );
         return ExitCode::from(2);
     };
     let args: Vec<String> = args.collect();
@@ -28,9 +33,10 @@ fn main() -> ExitCode {
         "xdp" => xdp::main(&args),
         "maglev" => maglev::main(&args),
         "failover" => failover::main(&args),
+        "tokens" => tokens::main(&args),
         "steer" => steer::main(&args),
         _ => {
-            eprintln!("unknown benchmark: {name} (known: xdp, maglev, failover, steer)");
+            eprintln!("unknown benchmark: {name} (known: xdp, maglev, failover, tokens, steer)");
             return ExitCode::from(2);
         }
     };

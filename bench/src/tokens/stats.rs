@@ -1,0 +1,295 @@
+//! The load generator's statistics, pure: percentiles, the summary of a run's records,
+//! affinity counting and KV imbalance.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::Record;
+
+/// p50/p90/p99/p99.9 by nearest rank; `None` fields when there is no sample.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    pub count: usize,
+    pub p50: Option<f64>,
+    pub p90: Option<f64>,
+    pub p99: Option<f64>,
+    #[serde(rename = "p99.9")]
+    pub p99_9: Option<f64>,
+    pub max: Option<f64>,
+    pub mean: Option<f64>,
+}
+
+/// The nearest-rank `q`-quantile (0 < q <= 1) of a sorted slice.
+pub fn nearest_rank(sorted: &[f64], q: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let n = sorted.len();
+    let rank = ((q * n as f64).ceil() as usize).clamp(1, n);
+    Some(sorted[rank - 1])
+}
+
+impl Percentiles {
+    pub fn of(values: &[f64]) -> Percentiles {
+        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+        v.sort_by(f64::total_cmp);
+        let q = |q| nearest_rank(&v, q).map(r3);
+        Percentiles {
+            count: v.len(),
+            p50: q(0.5),
+            p90: q(0.9),
+            p99: q(0.99),
+            p99_9: q(0.999),
+            max: v.last().copied().map(r3),
+            mean: (!v.is_empty()).then(|| r3(v.iter().sum::<f64>() / v.len() as f64)),
+        }
+    }
+}
+
+/// Rounded to microseconds when the unit is ms: enough for latencies, short in JSON.
+pub fn r3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// Turns of a conversation after its first, and how many landed on the first turn's backend.
+/// Turns whose backend is unknown (no answer) and conversations whose first turn has none
+/// are not counted.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Affinity {
+    pub later_turns: u64,
+    pub kept: u64,
+    pub fraction: Option<f64>,
+}
+
+pub fn affinity(records: &[Record]) -> Affinity {
+    // conversation -> (turn, backend), to find each conversation's first turn.
+    let mut by_conv: BTreeMap<u64, Vec<(u32, &str)>> = BTreeMap::new();
+    for r in records {
+        if let Some(b) = r.backend.as_deref() {
+            by_conv.entry(r.conversation).or_default().push((r.turn, b));
+        }
+    }
+    let mut a = Affinity::default();
+    for mut turns in by_conv.into_values() {
+        turns.sort();
+        let (first_turn, first) = turns[0];
+        if first_turn != 0 {
+            continue;
+        }
+        for &(_, b) in &turns[1..] {
+            a.later_turns += 1;
+            a.kept += (b == first) as u64;
+        }
+    }
+    a.fraction = (a.later_turns > 0).then(|| a.kept as f64 / a.later_turns as f64);
+    a
+}
+
+/// Imbalance of KV use over time: the mean over sampling instants of max/mean of the
+/// backends' KV use, skipping instants where every backend is empty. 1.0 is perfect balance.
+pub fn imbalance(samples: &[Vec<f64>]) -> Option<f64> {
+    let ratios: Vec<f64> = samples
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| {
+            let mean = s.iter().sum::<f64>() / s.len() as f64;
+            let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            (mean > 0.0).then(|| max / mean)
+        })
+        .collect();
+    (!ratios.is_empty()).then(|| r3(ratios.iter().sum::<f64>() / ratios.len() as f64))
+}
+
+/// One backend's share of a run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct BackendSummary {
+    /// Requests answered by it.
+    pub sessions: u64,
+    pub completed: u64,
+    pub broken: u64,
+    /// Tokens of every stream it answered, completed or not.
+    pub tokens: u64,
+    pub tokens_per_s: f64,
+    pub ttft_ms: Percentiles,
+}
+
+/// The figures of a run, from its records and its wall time.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Summary {
+    pub requests: u64,
+    pub completed: u64,
+    pub broken: u64,
+    pub broken_by_reason: BTreeMap<String, u64>,
+    pub ttft_ms: Percentiles,
+    /// Gaps between successive chunks of a stream (a chunk may carry several tokens when
+    /// they arrive together), over all streams.
+    pub itl_ms: Percentiles,
+    pub e2e_ms: Percentiles,
+    pub tokens: u64,
+    /// Tokens of completed streams per second of the run.
+    pub goodput_tokens_per_s: f64,
+    pub backends: BTreeMap<String, BackendSummary>,
+    pub affinity: Affinity,
+}
+
+/// `gaps` holds every stream's inter-chunk gaps (ms), `elapsed_s` the run's wall time.
+pub fn summarise(records: &[Record], gaps: &[f64], elapsed_s: f64) -> Summary {
+    let mut s = Summary {
+        requests: records.len() as u64,
+        ..Summary::default()
+    };
+    let mut ttft = Vec::new();
+    let mut e2e = Vec::new();
+    let mut good_tokens = 0u64;
+    let mut backend_ttft: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for r in records {
+        s.tokens += r.tokens as u64;
+        match &r.broken {
+            None => {
+                s.completed += 1;
+                good_tokens += r.tokens as u64;
+                if let Some(e) = r.e2e_ms {
+                    e2e.push(e);
+                }
+            }
+            Some(why) => {
+                s.broken += 1;
+                *s.broken_by_reason.entry(why.clone()).or_default() += 1;
+            }
+        }
+        if let Some(t) = r.ttft_ms {
+            ttft.push(t);
+        }
+        if let Some(b) = &r.backend {
+            let e = s.backends.entry(b.clone()).or_default();
+            e.sessions += 1;
+            e.tokens += r.tokens as u64;
+            if r.broken.is_none() {
+                e.completed += 1;
+            } else {
+                e.broken += 1;
+            }
+            if let Some(t) = r.ttft_ms {
+                backend_ttft.entry(b.clone()).or_default().push(t);
+            }
+        }
+    }
+    let per_s = |n: u64| {
+        if elapsed_s > 0.0 {
+            r3(n as f64 / elapsed_s)
+        } else {
+            0.0
+        }
+    };
+    for (name, b) in s.backends.iter_mut() {
+        b.tokens_per_s = per_s(b.tokens);
+        b.ttft_ms = Percentiles::of(backend_ttft.get(name).map_or(&[][..], |v| v));
+    }
+    s.ttft_ms = Percentiles::of(&ttft);
+    s.itl_ms = Percentiles::of(gaps);
+    s.e2e_ms = Percentiles::of(&e2e);
+    s.goodput_tokens_per_s = per_s(good_tokens);
+    s.affinity = affinity(records);
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(conv: u64, turn: u32, backend: Option<&str>, broken: Option<&str>) -> Record {
+        Record {
+            start_ms: 0.0,
+            client: "10.0.0.1".into(),
+            conversation: conv,
+            turn,
+            backend: backend.map(str::to_owned),
+            ttft_ms: backend.map(|_| 100.0 + conv as f64),
+            itl_ms_p50: None,
+            itl_ms_p99: None,
+            itl_ms_max: None,
+            e2e_ms: Some(1000.0),
+            tokens: 10,
+            broken: broken.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<f64> = (1..=1000).map(f64::from).collect();
+        let p = Percentiles::of(&v);
+        assert_eq!(
+            (p.p50, p.p90, p.p99, p.p99_9, p.max),
+            (
+                Some(500.0),
+                Some(900.0),
+                Some(990.0),
+                Some(999.0),
+                Some(1000.0)
+            )
+        );
+        assert_eq!(p.mean, Some(500.5));
+        // Order does not matter; NaN is dropped; one sample is every percentile.
+        let p = Percentiles::of(&[3.0, f64::NAN, 1.0, 2.0]);
+        assert_eq!((p.count, p.p50, p.p99), (3, Some(2.0), Some(3.0)));
+        assert_eq!(Percentiles::of(&[7.0]).p99_9, Some(7.0));
+        assert_eq!(Percentiles::of(&[]), Percentiles::default());
+        // Ten samples: p90 is the 9th, p99 and p99.9 the 10th.
+        let ten: Vec<f64> = (1..=10).map(f64::from).collect();
+        let p = Percentiles::of(&ten);
+        assert_eq!((p.p90, p.p99, p.p99_9), (Some(9.0), Some(10.0), Some(10.0)));
+    }
+
+    #[test]
+    fn affinity_counts_later_turns_on_the_first_backend() {
+        let records = vec![
+            rec(1, 0, Some("a"), None),
+            rec(1, 1, Some("a"), None),
+            rec(1, 2, Some("b"), None),
+            rec(2, 1, Some("b"), None), // turn 0 unknown below: not counted
+            rec(2, 0, None, Some("connect")),
+            rec(3, 0, Some("c"), None),
+            rec(3, 1, None, Some("connect")), // no backend: not counted
+            rec(3, 2, Some("c"), Some("reset")),
+        ];
+        let a = affinity(&records);
+        assert_eq!((a.later_turns, a.kept), (3, 2));
+        assert_eq!(a.fraction, Some(2.0 / 3.0));
+        assert_eq!(affinity(&[rec(1, 0, Some("a"), None)]).fraction, None);
+    }
+
+    #[test]
+    fn imbalance_is_max_over_mean_averaged_over_time() {
+        let samples = vec![
+            vec![0.5, 0.5],
+            vec![0.9, 0.3], // max 0.9 / mean 0.6 = 1.5
+            vec![0.0, 0.0], // idle: skipped
+            vec![],
+        ];
+        assert_eq!(imbalance(&samples), Some(1.25));
+        assert_eq!(imbalance(&[vec![0.0]]), None);
+    }
+
+    #[test]
+    fn summary_counts_goodput_of_completed_streams_only() {
+        let records = vec![
+            rec(1, 0, Some("a"), None),
+            rec(2, 0, Some("b"), None),
+            rec(3, 0, Some("b"), Some("reset")),
+            rec(4, 0, None, Some("connect")),
+        ];
+        let s = summarise(&records, &[20.0, 30.0, 40.0], 2.0);
+        assert_eq!((s.requests, s.completed, s.broken), (4, 2, 2));
+        assert_eq!(s.broken_by_reason["reset"], 1);
+        assert_eq!(s.broken_by_reason["connect"], 1);
+        assert_eq!(s.tokens, 40);
+        assert_eq!(s.goodput_tokens_per_s, 10.0);
+        assert_eq!(s.backends["b"].sessions, 2);
+        assert_eq!(s.backends["b"].broken, 1);
+        assert_eq!(s.backends["b"].tokens_per_s, 10.0);
+        assert_eq!(s.itl_ms.p50, Some(30.0));
+        assert_eq!(s.ttft_ms.count, 3);
+        assert_eq!(s.backends["a"].ttft_ms.p50, Some(101.0));
+    }
+}
