@@ -564,15 +564,15 @@ impl DaemonLab {
         Ok((status, json))
     }
 
-    /// Adds `n` client addresses (10.111.0.160 on) to the client's interface, for a load
-    /// generator with many sources; returns them.
+    /// Adds `n` client addresses (10.111.0.75 on, above the 64 backends a topology may have)
+    /// to the client's interface, for a load generator with many sources; returns them.
     pub fn add_client_sources(&self, n: u8) -> Result<Vec<IpAddr>> {
-        if n > 64 {
-            bail!("at most 64 client sources, not {n}");
+        if n > 180 {
+            bail!("at most 180 client sources, not {n}");
         }
         let mut out = Vec::new();
         for k in 0..n {
-            let a = Ipv4Addr::new(10, 111, 0, 160 + k);
+            let a = Ipv4Addr::new(10, 111, 0, 75 + k);
             self.topo.client.ns.ip(&[
                 "addr",
                 "add",

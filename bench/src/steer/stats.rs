@@ -15,7 +15,6 @@ pub struct Record {
     pub turn: u64,
     pub backend: Option<String>,
     pub ttft_ms: Option<f64>,
-    pub tokens: u64,
     /// `None`: completed.
     pub broken: Option<String>,
 }
@@ -30,7 +29,6 @@ impl Record {
             turn: v["turn"].as_u64().unwrap_or(0),
             backend: s("backend").filter(|b| !b.is_empty()),
             ttft_ms: v["ttft_ms"].as_f64(),
-            tokens: v["tokens"].as_u64().unwrap_or(0),
             broken: s("broken"),
         }
     }
@@ -75,16 +73,6 @@ pub fn broken_by_reason(records: &[Record]) -> BTreeMap<String, u64> {
         }
     }
     m
-}
-
-/// Tokens per second of completed streams over `secs`.
-pub fn goodput(records: &[Record], secs: f64) -> f64 {
-    let tokens: u64 = records
-        .iter()
-        .filter(|r| r.broken.is_none())
-        .map(|r| r.tokens)
-        .sum();
-    tokens as f64 / secs.max(1e-9)
 }
 
 /// Of the later turns of conversations whose first turn landed on a backend outside
@@ -197,7 +185,6 @@ mod tests {
             turn,
             backend: backend.map(Into::into),
             ttft_ms: backend.map(|_| 100.0 + start_ms),
-            tokens: 10,
             broken: broken.map(Into::into),
         }
     }
@@ -237,7 +224,6 @@ mod tests {
             ])
         );
         assert_eq!(avoided_after_ms(&rs, 25.0), 15.0);
-        assert_eq!(goodput(&rs, 2.0), 20.0);
         assert_eq!(ttfts(&rs).len(), 5);
         assert_eq!(broken_by_reason(&rs)["connect"], 1);
     }

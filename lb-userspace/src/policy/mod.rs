@@ -10,10 +10,11 @@
 //!   hysteresis band ([`score`]);
 //! - congestion, saturation, throttling or stale telemetry moves the backend away (weight 0
 //!   for new sessions, established ones stay) under an exponential cooldown, and a return
-//!   ramps up over `slow_start` ([`cooldown`]). Saturation must hold for
-//!   [`SATURATION_STEPS`] steps in a row: a queue or KV reading at its threshold for one
-//!   scrape is a burst a healthy fleet at 65% load sees every few minutes, and each move costs
-//!   affinity and two weight changes;
+//!   ramps up over `slow_start` ([`cooldown`]). Saturation counts only for a backend more
+//!   loaded than its VIP's others, and only after [`SATURATION_STEPS`] steps in a row: a
+//!   queue or KV reading at its threshold for one scrape is a burst a healthy fleet at 65%
+//!   load sees every few minutes, each move costs affinity and two weight changes, and a
+//!   whole VIP saturated is admission control's business ([`Policy::trigger`]);
 //! - a down backend gets weight 0 ([`health`] tracks up/down);
 //! - full backends and the VIP's shed level come from [`admission`], with `cooldown_base`
 //!   as the shed period.
@@ -212,6 +213,11 @@ pub struct Policy {
 /// A backend's view within one step.
 struct Work<'a> {
     input: &'a BackendInput<'a>,
+    /// Every condition that holds in the telemetry.
+    conditions: Vec<Trigger>,
+    /// This step's load pressure (fresh telemetry only).
+    pressure: Option<f64>,
+    /// The condition acted on (see [`Policy::trigger`]).
     trigger: Option<Trigger>,
     eligible: bool,
     wants_out: bool,
@@ -235,8 +241,9 @@ impl Policy {
         let pools = pools(inputs);
         self.shedders.retain(|p, _| pools.values().any(|q| q == p));
 
-        let work: Vec<Work> = inputs.iter().map(|i| self.observe(now, i)).collect();
+        let mut work: Vec<Work> = inputs.iter().map(|i| self.observe(now, i)).collect();
         self.relevel(&work);
+        self.trigger(now, &mut work);
         let kept = self.guard(&work);
 
         let mut out = Decisions {
@@ -275,44 +282,90 @@ impl Policy {
             m.steering.on_up(now);
         }
         m.healthy = input.healthy;
-        let trigger = input.telemetry.and_then(|t| {
-            if !t.stale {
-                m.score.update(score::pressure(&t.sample, cfg), cfg);
-            }
-            let all = score::triggers(t, cfg);
-            let saturated = all.iter().any(|t| t.reason == Reason::Saturation);
-            m.saturated = if saturated { m.saturated + 1 } else { 0 };
-            all.into_iter()
-                .filter(|t| t.reason != Reason::Saturation || m.saturated >= SATURATION_STEPS)
-                .max_by_key(|t| t.reason.severity())
-        });
-        let eligible = input.healthy && input.weight > 0;
-        let reason = trigger.as_ref().map(|t| t.reason);
+        let fresh = input.telemetry.filter(|t| !t.stale);
+        let pressure = fresh.and_then(|t| score::pressure(&t.sample, cfg));
+        if fresh.is_some() {
+            m.score.update(pressure, cfg);
+        }
         Work {
             input,
-            eligible,
-            wants_out: eligible && m.steering.wants_out(now, reason),
-            trigger,
+            conditions: input
+                .telemetry
+                .map(|t| score::triggers(t, cfg))
+                .unwrap_or_default(),
+            pressure,
+            trigger: None,
+            eligible: input.healthy && input.weight > 0,
+            wants_out: false,
         }
     }
 
-    /// Sets each scored backend's level from its score against its VIP's mean score (over
-    /// the eligible backends with fresh telemetry).
+    /// Picks the condition each backend acts on: the most severe. Saturation counts only
+    /// when the backend is more loaded than its VIP's others (pressure over
+    /// `1 + LOAD_BAND` times the mean pressure in rotation) for [`SATURATION_STEPS`] steps
+    /// in a row: when the whole VIP is saturated, moving one away only saturates the rest
+    /// harder (the steer benchmark's healthy fleet cascaded so), and admission control is
+    /// what deals with a full fleet.
+    fn trigger(&mut self, now: Duration, work: &mut [Work]) {
+        let means: BTreeMap<String, f64> = self
+            .vip_means(work, |_, w| w.pressure.unwrap_or(0.0))
+            .into_iter()
+            .map(|(vip, (sum, n))| (vip.to_owned(), sum / f64::from(n)))
+            .collect();
+        for w in work.iter_mut() {
+            let m = self.backends.get_mut(&w.input.id).expect("observed");
+            let mean = means.get(w.input.vip).copied();
+            let hotter =
+                mean.is_none_or(|mean| w.pressure.unwrap_or(0.0) > (1.0 + score::LOAD_BAND) * mean);
+            let saturated = hotter && w.conditions.iter().any(|t| t.reason == Reason::Saturation);
+            m.saturated = if saturated { m.saturated + 1 } else { 0 };
+            let act = m.saturated >= SATURATION_STEPS;
+            w.trigger = w
+                .conditions
+                .iter()
+                .filter(|t| t.reason != Reason::Saturation || act)
+                .max_by_key(|t| t.reason.severity())
+                .cloned();
+            let reason = w.trigger.as_ref().map(|t| t.reason);
+            w.wants_out = w.eligible && m.steering.wants_out(now, reason);
+        }
+    }
+
+    /// Sets each scored backend's level from its score against its VIP's mean score over
+    /// the backends in rotation with fresh telemetry (one moved away is empty because it was
+    /// emptied, and counting it would make the others look loaded).
     fn relevel(&mut self, work: &[Work]) {
         let scored = |w: &&Work| w.eligible && w.input.telemetry.is_some_and(|t| !t.stale);
-        let mut sums: BTreeMap<&str, (f64, u32)> = BTreeMap::new();
+        let sums = self.vip_means(work, |m, _| m.score.value());
         for w in work.iter().filter(scored) {
-            let e = sums.entry(w.input.vip).or_default();
-            e.0 += self.backends[&w.input.id].score.value();
-            e.1 += 1;
-        }
-        for w in work.iter().filter(scored) {
-            let (sum, n) = sums[w.input.vip];
+            let Some(&(sum, n)) = sums.get(w.input.vip) else {
+                continue;
+            };
             let m = self.backends.get_mut(&w.input.id).expect("observed");
             let target =
                 score::relative_level(m.score.value(), sum / f64::from(n), self.cfg.weight_levels);
             m.score.relevel(target, &self.cfg);
         }
+    }
+
+    /// Per VIP, the sum and count of `value` over its eligible backends in rotation with
+    /// fresh telemetry.
+    fn vip_means<'w>(
+        &self,
+        work: &[Work<'w>],
+        value: impl Fn(&Memory, &Work) -> f64,
+    ) -> BTreeMap<&'w str, (f64, u32)> {
+        let mut sums: BTreeMap<&str, (f64, u32)> = BTreeMap::new();
+        for w in work {
+            let m = &self.backends[&w.input.id];
+            let fresh = w.input.telemetry.is_some_and(|t| !t.stale);
+            if w.eligible && fresh && matches!(m.steering.phase, Phase::InRotation { .. }) {
+                let e = sums.entry(w.input.vip).or_default();
+                e.0 += value(m, w);
+                e.1 += 1;
+            }
+        }
+        sums
     }
 
     /// Indexes of backends the guard keeps in (see the module docs).

@@ -295,22 +295,27 @@ fn never_all_backends_moved_away() {
         sim.sample(i).kv_cache = Some(kv);
     }
     sim.run_until(10 * S);
+    // The whole VIP saturated: nobody moves (that would only load the rest harder).
     for i in 0..4 {
         sim.sample(i).kv_cache = Some(0.9);
     }
-    // Saturation counts from its second step in a row.
-    assert!(sim
-        .step()
-        .backends
-        .iter()
-        .all(|b| b.state == SteerState::Active));
+    for d in sim.run_until(15 * S) {
+        assert!(
+            d.backends.iter().all(|b| b.state == SteerState::Active),
+            "{d:?}"
+        );
+    }
+    for (i, kv) in [0.7, 0.2, 0.5, 0.1].into_iter().enumerate() {
+        sim.sample(i).kv_cache = Some(kv);
+        sim.sample(i).cnp_rate = Some(1e4);
+    }
     let d = sim.step();
     let states: Vec<SteerState> = d.backends.iter().map(|b| b.state).collect();
-    // The least-loaded half (by score) stays in, at a score-based weight.
+    // Every backend congested: the least-loaded half (by score) stays in, at a score weight.
     use SteerState::{Guarded, MovedAway};
     assert_eq!(states, [MovedAway, Guarded, MovedAway, Guarded]);
     assert!(d.backends[1].weight > 0 && d.backends[3].weight > 0);
-    assert_eq!(d.backends[3].reason, Some(Reason::Saturation));
+    assert_eq!(d.backends[3].reason, Some(Reason::Congestion));
 
     // A lone backend with stale telemetry stays in.
     let mut sim = Sim::new(PolicyConfig::default(), 1);
@@ -449,9 +454,10 @@ fn noise(rng: &mut u64) -> f64 {
     (*rng % 10_000) as f64 / 10_000.0
 }
 
-/// Issue 15, flaw 1: three healthy backends saturate while carrying a throttled one's share;
-/// the throttled one, emptied, has the lowest score. The guard must keep two of the
-/// saturated ones, not the throttled one.
+/// Issue 15, flaw 1: the three healthy backends fill up while carrying a throttled one's
+/// share; the throttled one, emptied, has the lowest score. Saturated together they stay in;
+/// when they all want out too (congested), the guard keeps two of them, not the throttled
+/// one.
 #[test]
 fn guard_keeps_the_saturated_in_and_the_throttled_out() {
     let mut sim = Sim::new(PolicyConfig::default(), 4);
@@ -468,7 +474,15 @@ fn guard_keeps_the_saturated_in_and_the_throttled_out() {
     for i in 1..4 {
         sim.sample(i).kv_cache = Some(0.9);
     }
-    for d in sim.run_until(30 * S).iter().skip(1) {
+    for d in sim.run_until(30 * S) {
+        let b = &d.backends[0];
+        assert_eq!((b.state, b.weight), (SteerState::MovedAway, 0), "{b:?}");
+        assert!(d.backends[1..].iter().all(|b| b.weight > 0), "{d:?}");
+    }
+    for i in 1..4 {
+        sim.sample(i).ecn_rate = Some(5000.0);
+    }
+    for d in sim.run_until(40 * S) {
         let b = &d.backends[0];
         assert_eq!((b.state, b.weight), (SteerState::MovedAway, 0), "{b:?}");
         let guarded = d
