@@ -58,9 +58,9 @@ const USAGE: &str = "usage: sluice-bench steer [--scenarios a,b] [--policies a,b
   --duration      seconds of load per cell (default 50)
   --backends      simulated accelerators, 4..=8 (default 4)
   --capacity-rps  requests per second one healthy accelerator sustains with the default
-                  workload (default 4.0, estimated: see docs/benchmarks.md); scenarios offer
+                  workload (default 3.0, measured: see docs/benchmarks.md); scenarios offer
                   a fraction of backends x this
-  --max-sessions  adaptive+admission's per-backend session cap (default 16: a batch of 8,
+  --max-sessions  adaptive+admission's per-backend session cap (default 24: a batch of 16,
                   a short queue, and flows of ended streams until they idle out)
   --sources       client source addresses, 1..=180 (default 180)
   --accel-args    more sluice-accel arguments for every accelerator, space-separated
@@ -92,8 +92,8 @@ impl Args {
             duration: Duration::from_secs(50),
             backends: 4,
             seed: 7,
-            capacity_rps: 4.0,
-            max_sessions: 16,
+            capacity_rps: 3.0,
+            max_sessions: 24,
             sources: 180,
             accel_args: words(DEFAULT_ACCEL_ARGS),
             out: "bench/results/steer.json".into(),

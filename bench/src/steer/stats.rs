@@ -81,7 +81,7 @@ pub fn broken_by_reason(records: &[Record]) -> BTreeMap<String, u64> {
 pub fn affinity_kept(records: &[Record], faulty: &[&str]) -> Option<f64> {
     let mut first: BTreeMap<(&str, u64), &str> = BTreeMap::new();
     let mut sorted: Vec<&Record> = records.iter().collect();
-    sorted.sort_by(|a, b| (a.conversation, a.turn).cmp(&(b.conversation, b.turn)));
+    sorted.sort_by_key(|r| (r.conversation, r.turn));
     let (mut kept, mut total) = (0u64, 0u64);
     for r in sorted {
         let Some(b) = r.backend.as_deref() else {
