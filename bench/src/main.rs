@@ -10,11 +10,13 @@
 //!   `sluice-bench tokens --help`); needs no root.
 //! - `reads`: `sluice backend list`, a `/metrics` scrape and a policy step with a full
 //!   connection table, and the daemon's CPU use at one scrape per second.
+//! - `steer`: adaptive steering against plain Maglev on simulated accelerators (`steer/`).
 
 mod failover;
 mod maglev;
 mod reads;
 mod report;
+mod steer;
 mod sys;
 pub mod tokens;
 mod xdp;
@@ -25,7 +27,7 @@ fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let Some(name) = args.next() else {
         eprintln!(
-            "usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover, reads, tokens"
+            "usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover, reads, tokens, steer"
         );
         return ExitCode::from(2);
     };
@@ -36,8 +38,11 @@ fn main() -> ExitCode {
         "failover" => failover::main(&args),
         "reads" => reads::main(&args),
         "tokens" => tokens::main(&args),
+        "steer" => steer::main(&args),
         _ => {
-            eprintln!("unknown benchmark: {name} (known: xdp, maglev, failover, reads, tokens)");
+            eprintln!(
+                "unknown benchmark: {name} (known: xdp, maglev, failover, reads, tokens, steer)"
+            );
             return ExitCode::from(2);
         }
     };

@@ -425,13 +425,14 @@ pub struct PolicyConfig {
     pub weight_levels: u32,
     /// Relative change a signal must make to move a level, 0 <= h < 0.5.
     pub hysteresis: f64,
-    /// GPU utilisation (0..1] above which a backend counts as hot.
+    /// GPU utilisation (0..1] at or above which a GPU counts as busy (scored only for a
+    /// backend without engine metrics).
     pub gpu_util_high: f64,
-    /// KV-cache usage (0..1] above which a backend counts as hot.
+    /// KV-cache usage (0..1] at which a backend counts as saturated.
     pub kv_cache_high: f64,
-    /// Waiting requests above which a backend counts as hot, >= 1.
+    /// Waiting requests at which a backend counts as saturated, >= 1.
     pub queue_depth_high: u32,
-    /// GPU temperature (°C) above which a backend counts as hot, 0 < t <= 150.
+    /// GPU temperature (°C) above which a backend counts as throttling, 0 < t <= 150.
     pub temp_high_c: f64,
     /// ECN-marked packets per second above which a backend's fabric counts as congested.
     pub ecn_rate_high: f64,

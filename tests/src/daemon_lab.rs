@@ -18,6 +18,11 @@
 //! (after printing the end of the daemon's log if the test failed), then the data planes
 //! and namespaces. [`DaemonLab::start`] removes what a crashed earlier run left.
 //!
+//! With [`DaemonLabOptions::accel`] every backend runs a simulated accelerator
+//! (`sluice-accel`: OpenAI-style streams paced by a batching model) instead of the token
+//! server; it serves its own dcgm, vLLM and RoCE pages, which the daemon scrapes, and takes
+//! faults on a control listener ([`DaemonLab::accel_request`]).
+//!
 //! Timings are fast so tests are short: health every 200 ms (rise 2, fall 2), telemetry every
 //! 250 ms (stale after 1 s), policy cooldown 2 s and slow start 2 s, flows idle after 3 s;
 //! [`DaemonLabOptions::set`] changes any key.
@@ -46,7 +51,7 @@ use crate::{
     backend_host::{start_all, BackendHost, NotifySocket},
     netns::{
         mac_string, run_output, switch_port, tool, CmdOutput, ProcId, Topology, TopologySpec, DEV,
-        ENCAP_SRC_V4, ENCAP_SRC_V6, SEED, TCP_PORT, VIP4, VIP6,
+        ENCAP_SRC_V4, ENCAP_SRC_V6, PREFIX_LEN_V4, SEED, TCP_PORT, VIP4, VIP6,
     },
     stream::TokenStream,
 };
@@ -57,6 +62,8 @@ pub const PREFIX: &str = "sluice-lab-";
 pub const EXPORTER_PORT: u16 = 9400;
 /// The backends' health-check port: their token servers also listen on their own addresses.
 pub const HEALTH_PORT: u16 = TCP_PORT;
+/// The control listener of a simulated accelerator, on the backend's own IPv4 address.
+pub const ACCEL_CONTROL_PORT: u16 = 9500;
 /// Bound on every CLI command.
 pub const CLI_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the daemon may take to answer on its admin socket after it is started.
@@ -78,8 +85,10 @@ pub struct VipDef {
     /// 0: no cap.
     pub max_sessions: u32,
     /// dcgm, engine (vllm) and roce sources on the backend's fake exporter (needs
-    /// [`DaemonLabOptions::exporters`]).
+    /// [`DaemonLabOptions::exporters`]) or simulated accelerator.
     pub telemetry: bool,
+    /// The flow hash: "five-tuple" or "source" (client affinity).
+    pub hash: &'static str,
 }
 
 impl VipDef {
@@ -94,6 +103,7 @@ impl VipDef {
             weight: 100,
             max_sessions: 0,
             telemetry: false,
+            hash: "five-tuple",
         }
     }
 }
@@ -123,6 +133,17 @@ pub struct DaemonLabOptions {
     /// Put before the binary when a daemon (LB or backend host) starts, e.g. `setpriv` with
     /// a systemd unit's capabilities; empty by default.
     pub prefix: Vec<String>,
+    /// Simulated accelerators instead of token servers (see the module docs).
+    pub accel: Option<Accel>,
+}
+
+/// The simulated accelerators of a lab.
+#[derive(Clone, Debug)]
+pub struct Accel {
+    /// The `sluice-accel` binary.
+    pub binary: PathBuf,
+    /// More arguments for backend `i` (e.g. `--slow 0.5`), where given.
+    pub args: Vec<Vec<String>>,
 }
 
 impl DaemonLabOptions {
@@ -142,6 +163,7 @@ impl DaemonLabOptions {
             settings: BTreeMap::new(),
             sluice: None,
             prefix: Vec::new(),
+            accel: None,
         };
         for (section, key, value) in [
             ("daemon", "keep_dataplane_on_exit", "false"),
@@ -416,7 +438,8 @@ pub struct DaemonLab {
 impl DaemonLab {
     pub fn start(opts: DaemonLabOptions) -> Result<DaemonLab> {
         let t = Instant::now();
-        let built = require_daemon_prerequisites(&opts.server)?;
+        let server = opts.accel.as_ref().map_or(&opts.server, |a| &a.binary);
+        let built = require_daemon_prerequisites(server)?;
         let sluice = opts.sluice.clone().unwrap_or(built);
         sweep_stale();
         let topo = Topology::build(&opts.topology)?;
@@ -477,6 +500,9 @@ impl DaemonLab {
     }
 
     fn start_servers(&mut self) -> Result<()> {
+        if let Some(accel) = self.opts.accel.clone() {
+            return self.start_accels(&accel);
+        }
         let lifetime = self.opts.server_lifetime;
         for i in 0..self.topo.backends.len() {
             let b = self.topo.backends[i].clone();
@@ -508,6 +534,89 @@ impl DaemonLab {
             }
         }
         Ok(())
+    }
+
+    /// `sluice-accel` on every backend, serving the VIPs and the backend's own addresses.
+    fn start_accels(&mut self, accel: &Accel) -> Result<()> {
+        if !accel.binary.is_file() {
+            bail!(
+                "the simulated accelerator {} does not exist: build the workspace",
+                accel.binary.display()
+            );
+        }
+        for i in 0..self.topo.backends.len() {
+            let b = self.topo.backends[i].clone();
+            let mut args = vec!["--name".to_string(), b.name.clone()];
+            let own = [
+                SocketAddr::new(b.addr(false), HEALTH_PORT),
+                SocketAddr::new(b.addr(true), HEALTH_PORT),
+            ];
+            for a in self.opts.serve.iter().chain(own.iter()) {
+                args.push("--listen".into());
+                args.push(a.to_string());
+            }
+            args.push("--control".into());
+            args.push(self.accel_control(i).to_string());
+            args.push("--seed".into());
+            args.push(i.to_string());
+            args.extend(accel.args.get(i).cloned().unwrap_or_default());
+            let label = format!("sluice-accel {}", b.name);
+            let id = self.topo.spawn(&b.ns, &label, &accel.binary, &args)?;
+            self.topo
+                .wait_line(id, "sluice-accel", Duration::from_secs(10))?;
+            self.servers.push(id);
+        }
+        Ok(())
+    }
+
+    /// Backend `i`'s accelerator control listener.
+    pub fn accel_control(&self, i: usize) -> SocketAddr {
+        SocketAddr::new(self.topo.backends[i].addr(false), ACCEL_CONTROL_PORT)
+    }
+
+    /// One request to backend `i`'s accelerator control listener (`POST /fault`, `GET
+    /// /state`): (status, JSON body).
+    pub fn accel_request(
+        &self,
+        i: usize,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<(u16, Value)> {
+        let addr = self.accel_control(i);
+        let body = body.map(Value::to_string).unwrap_or_default();
+        let req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let (status, text) = self.topo.backends[i]
+            .ns
+            .run(move || http_exchange(addr, &req, Duration::from_secs(5)))?
+            .with_context(|| format!("{method} http://{addr}{path}"))?;
+        let json = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        Ok((status, json))
+    }
+
+    /// Adds `n` client addresses (10.111.0.75 on, above the 64 backends a topology may have)
+    /// to the client's interface, for a load generator with many sources; returns them.
+    pub fn add_client_sources(&self, n: u8) -> Result<Vec<IpAddr>> {
+        if n > 180 {
+            bail!("at most 180 client sources, not {n}");
+        }
+        let mut out = Vec::new();
+        for k in 0..n {
+            let a = Ipv4Addr::new(10, 111, 0, 75 + k);
+            self.topo.client.ns.ip(&[
+                "addr",
+                "add",
+                &format!("{a}/{PREFIX_LEN_V4}"),
+                "dev",
+                DEV,
+            ])?;
+            out.push(IpAddr::V4(a));
+        }
+        Ok(out)
     }
 
     /// The file backend `i`'s fake exporter serves.
@@ -587,12 +696,13 @@ impl DaemonLab {
         for v in &o.vips {
             text += &format!(
                 "\n[[vip]]\nname = {}\naddress = \"{}\"\nport = {}\nprotocol = \"{}\"\n\
-                 priority = {}\nring_size = 4099\n",
+                 priority = {}\nring_size = 4099\nhash = \"{}\"\n",
                 toml_str(&v.name),
                 v.addr.ip(),
                 v.addr.port(),
                 v.protocol,
-                v.priority
+                v.priority,
+                v.hash
             );
             for &i in &v.backends {
                 let b = &self.topo.backends[i];
@@ -606,11 +716,18 @@ impl DaemonLab {
                     b.name
                 );
                 if v.telemetry {
-                    let url = format!("http://{}/metrics", self.exporter_addr(i));
+                    // A simulated accelerator serves one page per exporter; the fake
+                    // exporter serves them all on one.
+                    let [dcgm, engine, roce] = if self.opts.accel.is_some() {
+                        let at = SocketAddr::new(b.addr(false), HEALTH_PORT);
+                        ["dcgm", "metrics", "roce"].map(|p| format!("http://{at}/{p}"))
+                    } else {
+                        [(); 3].map(|_| format!("http://{}/metrics", self.exporter_addr(i)))
+                    };
                     text += &format!(
-                        "  dcgm = {{ url = \"{url}\" }}\n  \
-                         engine = {{ url = \"{url}\", kind = \"vllm\" }}\n  \
-                         roce = {{ url = \"{url}\", device = \"mlx5_0\", port = \"1\" }}\n"
+                        "  dcgm = {{ url = \"{dcgm}\" }}\n  \
+                         engine = {{ url = \"{engine}\", kind = \"vllm\" }}\n  \
+                         roce = {{ url = \"{roce}\", device = \"mlx5_0\", port = \"1\" }}\n"
                     );
                 }
             }
@@ -1089,6 +1206,43 @@ fn section(text: &mut String, name: &str, kv: Option<&BTreeMap<String, String>>)
     }
 }
 
+/// Sends `req` (a whole HTTP/1.1 request with `Connection: close`) to `addr` and reads the
+/// answer: (status, body), the body de-chunked.
+pub fn http_exchange(addr: SocketAddr, req: &str, timeout: Duration) -> Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, timeout)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.write_all(req.as_bytes())?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| anyhow!("no end of headers in {} bytes", raw.len()))?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| anyhow!("bad status line: {}", head.lines().next().unwrap_or("")))?;
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    Ok((status, if chunked { dechunk(body) } else { body.into() }))
+}
+
+/// The data of a chunked body (sizes in hex, each chunk followed by CRLF).
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let n = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
 /// Writes `path` through a temporary file and a rename, so no reader sees half of it.
 pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
     let tmp = path.with_extension("tmp");
@@ -1126,6 +1280,14 @@ fn strip_ansi(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunked_bodies_are_joined() {
+        assert_eq!(
+            dechunk("4\r\n{\"a\"\r\n3\r\n: 1\r\n1\r\n}\r\n0\r\n\r\n"),
+            "{\"a\": 1}"
+        );
+    }
 
     #[test]
     fn ansi_codes_are_stripped() {

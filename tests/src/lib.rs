@@ -6,6 +6,7 @@ pub mod daemon_lab;
 pub mod frames;
 pub mod fuzz;
 pub mod netns;
+pub mod openai;
 pub mod stream;
 
 use std::net::IpAddr;

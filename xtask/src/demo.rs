@@ -1,8 +1,11 @@
 //! `cargo xtask demo`: setup, build (release), then the daemon-lab demo: a client namespace
-//! streams tokens (IPv4 and IPv6) through the real `sluice run` daemon (native XDP in an LB
-//! namespace) from three accelerator backends; mid-run gpu0 is drained through the CLI and
-//! gpu1's fake exporter reports RoCE congestion; a live view shows the streams, the daemon's
-//! view of each backend and its events; the lab is removed at the end, also on Ctrl-C.
+//! opens OpenAI-style token streams (IPv4 and IPv6) through the real `sluice run` daemon
+//! (native XDP in an LB namespace) to three simulated accelerators (`sluice-accel`); mid-run
+//! gpu0 is drained through the CLI and gpu1 is throttled through its control listener; a live
+//! view shows the streams, each backend's time to first token and tokens/s, the daemon's view
+//! of each backend and its events, and a summary ends it (streams completed and broken, p99
+//! time to first token, where new sessions went after each event); the lab is removed at the
+//! end, also on Ctrl-C.
 //!
 //! The demo itself is `sluice-demo` from the sluice-tests crate (tests/src/bin/sluice-demo.rs,
 //! built on `sluice_tests::daemon_lab`). It runs about 20 s; `SLUICE_DEMO_SECONDS=N` changes

@@ -4,7 +4,10 @@
 //! within `flap_window` of its last return (a flap): then it is twice the previous cooldown,
 //! capped at `cooldown_max`. The previous cooldown decays back to `cooldown_base` once the
 //! backend has stayed in rotation for `stable_period`. A backend returns only when its
-//! cooldown is over and no condition holds, and then ramps up over `slow_start`.
+//! cooldown is over and no condition holds, and then ramps up over `slow_start`, unless it
+//! was out for saturation: its hardware is fine and its queue has drained, and in the steer
+//! benchmark 30-second ramps after saturation moves kept a loaded fleet short of capacity
+//! until the others saturated in turn.
 
 use std::time::Duration;
 
@@ -83,9 +86,9 @@ impl Steering {
                     flap,
                 })
             }
-            (Phase::MovedAway { until, .. }, None) if now >= *until => {
+            (Phase::MovedAway { until, reason }, None) if now >= *until => {
                 self.phase = Phase::InRotation {
-                    ramp_from: Some(now),
+                    ramp_from: (*reason != Reason::Saturation).then_some(now),
                 };
                 self.returned_at = Some(now);
                 Some(Change::Returned)
@@ -180,6 +183,16 @@ mod tests {
         assert_eq!(st.update(10 * S, Some(Reason::Throttling), &cfg), None);
         assert!(!st.wants_out(11 * S, None));
         assert_eq!(st.update(11 * S, None, &cfg), Some(Change::Returned));
+    }
+
+    #[test]
+    fn no_ramp_after_saturation() {
+        let cfg = PolicyConfig::default();
+        let mut st = Steering::new(None);
+        st.update(Duration::ZERO, Some(Reason::Saturation), &cfg);
+        assert_eq!(st.update(10 * S, None, &cfg), Some(Change::Returned));
+        assert!(!st.ramping());
+        assert_eq!(st.ramp_level(10 * S, 7, &cfg), 7);
     }
 
     #[test]

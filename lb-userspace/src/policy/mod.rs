@@ -5,18 +5,26 @@
 //! clock and does no I/O, so the daemon drives it and tests script it.
 //!
 //! Per step and backend (see the submodules for each rule):
-//! - the load score (an EWMA of the largest normalised pressure) sets a weight level
-//!   `1..=weight_levels`, moved only past a hysteresis band ([`score`]);
+//! - the load score (an EWMA of the largest normalised load signal), compared with the mean
+//!   of the VIP's backends, sets a weight level `1..=weight_levels`, moved only past a
+//!   hysteresis band ([`score`]);
 //! - congestion, saturation, throttling or stale telemetry moves the backend away (weight 0
 //!   for new sessions, established ones stay) under an exponential cooldown, and a return
-//!   ramps up over `slow_start` ([`cooldown`]);
+//!   ramps up over `slow_start` ([`cooldown`]). Saturation counts only for a backend more
+//!   loaded than its VIP's others, and only after [`SATURATION_STEPS`] steps in a row: a
+//!   queue or KV reading at its threshold for one scrape is a burst a healthy fleet at 65%
+//!   load sees every few minutes, each move costs affinity and two weight changes, and a
+//!   whole VIP saturated is admission control's business ([`Policy::trigger`]);
 //! - a down backend gets weight 0 ([`health`] tracks up/down);
 //! - full backends and the VIP's shed level come from [`admission`], with `cooldown_base`
 //!   as the shed period.
 //!
 //! Guard: telemetry alone never empties a VIP. When every healthy backend of positive weight
-//! would be moved away, the least-loaded half of them (rounded up; stale ones count as most
-//! loaded) stays in at its score weight, and admission control deals with real overload.
+//! would be moved away, half of them (rounded up) stay in at their score weight, and
+//! admission control deals with real overload. They are ranked first by why they are out
+//! (throttled > congested > saturated > stale: [`Reason::severity`]), then by score: a
+//! throttled backend that was emptied has a low score because it carries nothing, not
+//! because it would serve well.
 
 mod admission;
 mod cooldown;
@@ -180,11 +188,16 @@ fn opt_secs<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error
     }
 }
 
+/// Consecutive steps a saturation condition must hold to move a backend away.
+pub const SATURATION_STEPS: u32 = 2;
+
 /// What the policy remembers of a backend between steps.
 struct Memory {
     score: Score,
     steering: Steering,
     healthy: bool,
+    /// Consecutive steps with a saturation condition.
+    saturated: u32,
     /// The weight last decided; `None` before the first.
     weight: Option<u32>,
 }
@@ -200,6 +213,11 @@ pub struct Policy {
 /// A backend's view within one step.
 struct Work<'a> {
     input: &'a BackendInput<'a>,
+    /// Every condition that holds in the telemetry.
+    conditions: Vec<Trigger>,
+    /// This step's load pressure (fresh telemetry only).
+    pressure: Option<f64>,
+    /// The condition acted on (see [`Policy::trigger`]).
     trigger: Option<Trigger>,
     eligible: bool,
     wants_out: bool,
@@ -229,7 +247,9 @@ impl Policy {
         let pools = pools(inputs);
         self.shedders.retain(|p, _| pools.values().any(|q| q == p));
 
-        let work: Vec<Work> = inputs.iter().map(|i| self.observe(now, i)).collect();
+        let mut work: Vec<Work> = inputs.iter().map(|i| self.observe(now, i)).collect();
+        self.relevel(&work);
+        self.trigger(now, &mut work);
         let kept = self.guard(&work);
 
         let mut out = Decisions {
@@ -261,26 +281,97 @@ impl Policy {
             score: Score::new(cfg),
             steering: Steering::new(ramp),
             healthy: input.healthy,
+            saturated: 0,
             weight: None,
         });
         if input.healthy && !m.healthy {
             m.steering.on_up(now);
         }
         m.healthy = input.healthy;
-        let trigger = input.telemetry.and_then(|t| {
-            if !t.stale {
-                m.score.update(score::pressure(&t.sample, cfg), cfg);
-            }
-            score::triggers(t, cfg).into_iter().next()
-        });
-        let eligible = input.healthy && input.weight > 0;
-        let reason = trigger.as_ref().map(|t| t.reason);
+        let fresh = input.telemetry.filter(|t| !t.stale);
+        let pressure = fresh.and_then(|t| score::pressure(&t.sample, cfg));
+        if fresh.is_some() {
+            m.score.update(pressure, cfg);
+        }
         Work {
             input,
-            eligible,
-            wants_out: eligible && m.steering.wants_out(now, reason),
-            trigger,
+            conditions: input
+                .telemetry
+                .map(|t| score::triggers(t, cfg))
+                .unwrap_or_default(),
+            pressure,
+            trigger: None,
+            eligible: input.healthy && input.weight > 0,
+            wants_out: false,
         }
+    }
+
+    /// Picks the condition each backend acts on: the most severe. Saturation counts only
+    /// when the backend is more loaded than its VIP's others (pressure over
+    /// `1 + LOAD_BAND` times the mean pressure in rotation) for [`SATURATION_STEPS`] steps
+    /// in a row: when the whole VIP is saturated, moving one away only saturates the rest
+    /// harder (the steer benchmark's healthy fleet cascaded so), and admission control is
+    /// what deals with a full fleet.
+    fn trigger(&mut self, now: Duration, work: &mut [Work]) {
+        let means: BTreeMap<String, f64> = self
+            .vip_means(work, |_, w| w.pressure.unwrap_or(0.0))
+            .into_iter()
+            .map(|(vip, (sum, n))| (vip.to_owned(), sum / f64::from(n)))
+            .collect();
+        for w in work.iter_mut() {
+            let m = self.backends.get_mut(&w.input.id).expect("observed");
+            let mean = means.get(w.input.vip).copied();
+            let hotter =
+                mean.is_none_or(|mean| w.pressure.unwrap_or(0.0) > (1.0 + score::LOAD_BAND) * mean);
+            let saturated = hotter && w.conditions.iter().any(|t| t.reason == Reason::Saturation);
+            m.saturated = if saturated { m.saturated + 1 } else { 0 };
+            let act = m.saturated >= SATURATION_STEPS;
+            w.trigger = w
+                .conditions
+                .iter()
+                .filter(|t| t.reason != Reason::Saturation || act)
+                .max_by_key(|t| t.reason.severity())
+                .cloned();
+            let reason = w.trigger.as_ref().map(|t| t.reason);
+            w.wants_out = w.eligible && m.steering.wants_out(now, reason);
+        }
+    }
+
+    /// Sets each scored backend's level from its score against its VIP's mean score over
+    /// the backends in rotation with fresh telemetry (one moved away is empty because it was
+    /// emptied, and counting it would make the others look loaded).
+    fn relevel(&mut self, work: &[Work]) {
+        let scored = |w: &&Work| w.eligible && w.input.telemetry.is_some_and(|t| !t.stale);
+        let sums = self.vip_means(work, |m, _| m.score.value());
+        for w in work.iter().filter(scored) {
+            let Some(&(sum, n)) = sums.get(w.input.vip) else {
+                continue;
+            };
+            let m = self.backends.get_mut(&w.input.id).expect("observed");
+            let target =
+                score::relative_level(m.score.value(), sum / f64::from(n), self.cfg.weight_levels);
+            m.score.relevel(target, &self.cfg);
+        }
+    }
+
+    /// Per VIP, the sum and count of `value` over its eligible backends in rotation with
+    /// fresh telemetry.
+    fn vip_means<'w>(
+        &self,
+        work: &[Work<'w>],
+        value: impl Fn(&Memory, &Work) -> f64,
+    ) -> BTreeMap<&'w str, (f64, u32)> {
+        let mut sums: BTreeMap<&str, (f64, u32)> = BTreeMap::new();
+        for w in work {
+            let m = &self.backends[&w.input.id];
+            let fresh = w.input.telemetry.is_some_and(|t| !t.stale);
+            if w.eligible && fresh && matches!(m.steering.phase, Phase::InRotation { .. }) {
+                let e = sums.entry(w.input.vip).or_default();
+                e.0 += value(m, w);
+                e.1 += 1;
+            }
+        }
+        sums
     }
 
     /// Indexes of backends the guard keeps in (see the module docs).
@@ -295,8 +386,14 @@ impl Policy {
                 continue;
             }
             let load = |i: usize| {
-                let stale = work[i].input.telemetry.is_some_and(|t| t.stale);
-                (stale, self.backends[&work[i].input.id].score.value())
+                let m = &self.backends[&work[i].input.id];
+                let reason = match &m.steering.phase {
+                    Phase::MovedAway { reason, .. } => Some(*reason),
+                    Phase::InRotation { .. } => None,
+                };
+                let why = work[i].trigger.as_ref().map(|t| t.reason).into_iter();
+                let severity = why.chain(reason).map(Reason::severity).max();
+                (severity, m.score.value())
             };
             pool.sort_by(|&a, &b| {
                 let (a, b) = (load(a), load(b));

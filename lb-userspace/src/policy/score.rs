@@ -1,10 +1,16 @@
 //! Load score, weight level and move-away triggers from one backend's telemetry.
 //!
-//! Pressure of a sample = the largest of `signal / threshold` over the signals present
-//! (GPU utilisation, KV cache, queue depth, temperature, ECN rate, CNP rate), capped at 1.
-//! The score is its EWMA (`ewma_alpha`). The weight level is `(1 - score) * weight_levels`
-//! rounded, clamped to `1..=weight_levels`, and it only moves when that value is more than
-//! `0.5 + hysteresis * weight_levels` levels from the current level.
+//! Pressure of a sample = the largest of `signal / threshold` over the signals that grow with
+//! load (KV cache, queue depth) or with fabric trouble (ECN rate, CNP rate), capped at 1.
+//! GPU utilisation says only idle vs busy (a continuous-batching engine is busy whenever it
+//! has any work), so it counts only for a backend without engine metrics: [`BUSY`] when at
+//! or over `gpu_util_high`, else 0. Temperature does not load a backend; over `temp_high_c`
+//! it is a throttling trigger. The score is the pressure's EWMA (`ewma_alpha`).
+//!
+//! The weight level compares the score with the VIP's mean ([`relative_level`]): a backend
+//! within [`LOAD_BAND`] of the mean, or all backends equally loaded, keeps full weight; a
+//! more loaded one gets weight in proportion to how much more. The level only moves when the
+//! target is more than `0.5 + hysteresis * weight_levels` levels from the current level.
 
 use serde::Serialize;
 
@@ -23,6 +29,20 @@ pub enum Reason {
     Throttling,
     /// Telemetry too old to trust: treated as saturated.
     Stale,
+}
+
+impl Reason {
+    /// How strongly the reason argues against new sessions: a throttled accelerator is slow
+    /// whatever its load; congestion slows its collectives; saturation passes as load moves
+    /// elsewhere; stale telemetry is no evidence at all.
+    pub fn severity(self) -> u8 {
+        match self {
+            Reason::Stale => 0,
+            Reason::Saturation => 1,
+            Reason::Congestion => 2,
+            Reason::Throttling => 3,
+        }
+    }
 }
 
 /// A move-away condition that holds now, with the numbers behind it.
@@ -101,21 +121,42 @@ pub fn triggers(t: &BackendTelemetry, cfg: &PolicyConfig) -> Vec<Trigger> {
     out
 }
 
+/// The pressure of a busy GPU whose engine reports no load: its depth is unknown.
+pub const BUSY: f64 = 0.5;
+
+/// Score above the VIP's mean (as a fraction of it) that still counts as evenly loaded.
+pub const LOAD_BAND: f64 = 0.25;
+
+/// Added to scores before comparing them, so that light-load noise (0.17 against a mean of
+/// 0.06, seen in the demo's first seconds) is not read as three times the load.
+const LOAD_FLOOR: f64 = 0.2;
+
 /// The sample's pressure in 0..=1, or `None` when it carries none of the scored signals.
 pub fn pressure(s: &Sample, cfg: &PolicyConfig) -> Option<f64> {
+    let engine = s.kv_cache.is_some() || s.queue_depth.is_some();
+    let util = s
+        .gpu_util
+        .filter(|_| !engine)
+        .map(|u| if u >= cfg.gpu_util_high { BUSY } else { 0.0 });
     [
-        (s.gpu_util, cfg.gpu_util_high),
         (s.kv_cache, cfg.kv_cache_high),
         (s.queue_depth, f64::from(cfg.queue_depth_high)),
-        (s.gpu_temp_c, cfg.temp_high_c),
         (s.ecn_rate, cfg.ecn_rate_high),
         (s.cnp_rate, cfg.cnp_rate_high),
+        (util, 1.0),
     ]
     .into_iter()
     .filter_map(|(v, high)| v.filter(|v| v.is_finite()).map(|v| v / high))
     // Capped so one huge spike decays as fast as a reading at the threshold.
     .map(|p| p.clamp(0.0, 1.0))
     .reduce(f64::max)
+}
+
+/// The level (unrounded, `0..=levels`) a backend of score `score` deserves beside others
+/// whose mean score is `mean`: full within the band, then in inverse proportion to the load.
+pub fn relative_level(score: f64, mean: f64, levels: u32) -> f64 {
+    let share = (1.0 + LOAD_BAND) * (mean + LOAD_FLOOR) / (score + LOAD_FLOOR);
+    share.min(1.0) * f64::from(levels)
 }
 
 /// A backend's smoothed score and the weight level it maps to.
@@ -146,10 +187,13 @@ impl Score {
             .ewma
             .map_or(p, |e| cfg.ewma_alpha * p + (1.0 - cfg.ewma_alpha) * e);
         self.ewma = Some(ewma);
+    }
+
+    /// Moves the level toward `target` (unrounded) if it is outside the hysteresis band.
+    pub fn relevel(&mut self, target: f64, cfg: &PolicyConfig) {
         let levels = f64::from(cfg.weight_levels);
-        let x = (1.0 - ewma) * levels;
-        if (x - f64::from(self.level)).abs() > 0.5 + cfg.hysteresis * levels {
-            self.level = (x.round() as u32).clamp(1, cfg.weight_levels);
+        if (target - f64::from(self.level)).abs() > 0.5 + cfg.hysteresis * levels {
+            self.level = (target.round() as u32).clamp(1, cfg.weight_levels);
         }
     }
 }
@@ -173,8 +217,14 @@ mod tests {
         let cfg = PolicyConfig::default();
         let mut s = sample();
         assert_eq!(pressure(&s, &cfg), None);
-        s.gpu_util = Some(0.475);
+        // Utilisation alone: idle or busy.
+        s.gpu_util = Some(0.5);
+        assert_eq!(pressure(&s, &cfg), Some(0.0));
+        s.gpu_util = Some(1.0);
+        assert_eq!(pressure(&s, &cfg), Some(BUSY));
+        // With engine metrics utilisation says nothing more; temperature never loads.
         s.queue_depth = Some(4.0);
+        s.gpu_temp_c = Some(84.0);
         assert_eq!(pressure(&s, &cfg), Some(0.8));
         s.ecn_rate = Some(1e9);
         assert_eq!(pressure(&s, &cfg), Some(1.0));
@@ -207,11 +257,14 @@ mod tests {
     fn first_level_is_quantised_and_floored_at_one() {
         let cfg = PolicyConfig::default();
         let mut s = Score::new(&cfg);
-        s.update(Some(0.5), &cfg);
-        assert_eq!(s.level, 4);
-        for _ in 0..20 {
-            s.update(Some(1.0), &cfg);
-        }
+        s.relevel(relative_level(0.5, 0.5, 8), &cfg);
+        assert_eq!(s.level, 8, "as loaded as the rest: full weight");
+        // Over twice the others' load: 1.25 * (0.4 + 0.2) / (0.9 + 0.2) * 8 = 5.45.
+        s.relevel(relative_level(0.9, 0.4, 8), &cfg);
+        assert_eq!(s.level, 5);
+        s.relevel(relative_level(1.0, 0.0, 8), &cfg);
+        assert_eq!(s.level, 2);
+        s.relevel(0.0, &cfg);
         assert_eq!(s.level, 1);
         assert_eq!(scaled(100, 1, &cfg), 12);
         assert_eq!(scaled(3, 1, &cfg), 1);

@@ -262,17 +262,19 @@ fn noise_within_the_hysteresis_band_changes_no_weight() {
         let mut sim = Sim::new(cfg, 2);
         let mut rng = 0x2545_f491_4f6c_dd1d_u64;
         let mut changes = 0;
-        sim.sample(0).gpu_util = Some(0.5); // level 4 from the start
+        sim.sample(0).kv_cache = Some(0.5);
+        sim.sample(1).kv_cache = Some(0.2);
         for _ in 0..1000 {
             let d = sim.step();
             assert_eq!(d.backends[0].state, SteerState::Active);
             changes += kinds(&d, 1).len();
-            // gpu_util 0.4..0.6: pressure 0.42..0.63, (1 - score) * 8 in 2.95..4.63: never
-            // over 0.5 + 0.1 * 8 = 1.3 levels from 4.
+            // kv 0.4..0.6 against 0.2: pressures 0.5..0.75 against 0.25, relative level
+            // 1.25 * (mean + 0.2) / (score + 0.2) * 8 in 7.37..8.75 (capped at 8): never
+            // over 0.5 + 0.1 * 8 = 1.3 levels from 8.
             rng ^= rng << 13;
             rng ^= rng >> 7;
             rng ^= rng << 17;
-            sim.sample(0).gpu_util = Some(0.4 + 0.2 * (rng % 1000) as f64 / 1000.0);
+            sim.sample(0).kv_cache = Some(0.4 + 0.2 * (rng % 1000) as f64 / 1000.0);
         }
         changes
     };
@@ -289,20 +291,31 @@ fn noise_within_the_hysteresis_band_changes_no_weight() {
 #[test]
 fn never_all_backends_moved_away() {
     let mut sim = Sim::new(PolicyConfig::default(), 4);
-    for (i, util) in [0.9, 0.2, 0.5, 0.1].into_iter().enumerate() {
-        sim.sample(i).gpu_util = Some(util);
+    for (i, kv) in [0.7, 0.2, 0.5, 0.1].into_iter().enumerate() {
+        sim.sample(i).kv_cache = Some(kv);
     }
     sim.run_until(10 * S);
+    // The whole VIP saturated: nobody moves (that would only load the rest harder).
     for i in 0..4 {
         sim.sample(i).kv_cache = Some(0.9);
     }
+    for d in sim.run_until(15 * S) {
+        assert!(
+            d.backends.iter().all(|b| b.state == SteerState::Active),
+            "{d:?}"
+        );
+    }
+    for (i, kv) in [0.7, 0.2, 0.5, 0.1].into_iter().enumerate() {
+        sim.sample(i).kv_cache = Some(kv);
+        sim.sample(i).cnp_rate = Some(1e4);
+    }
     let d = sim.step();
     let states: Vec<SteerState> = d.backends.iter().map(|b| b.state).collect();
-    // The least-loaded half (by score) stays in, at a score-based weight.
+    // Every backend congested: the least-loaded half (by score) stays in, at a score weight.
     use SteerState::{Guarded, MovedAway};
     assert_eq!(states, [MovedAway, Guarded, MovedAway, Guarded]);
     assert!(d.backends[1].weight > 0 && d.backends[3].weight > 0);
-    assert_eq!(d.backends[3].reason, Some(Reason::Saturation));
+    assert_eq!(d.backends[3].reason, Some(Reason::Congestion));
 
     // A lone backend with stale telemetry stays in.
     let mut sim = Sim::new(PolicyConfig::default(), 1);
@@ -431,4 +444,148 @@ fn vips_sharing_hosts_are_one_pool_and_its_lower_classes_are_shed_first() {
         .map(|e| e.vip.as_str())
         .collect();
     assert!(starts.iter().all(|v| *v == "free+premium"), "{starts:?}");
+}
+
+/// xorshift64: noise that is the same on every run.
+fn noise(rng: &mut u64) -> f64 {
+    *rng ^= *rng << 13;
+    *rng ^= *rng >> 7;
+    *rng ^= *rng << 17;
+    (*rng % 10_000) as f64 / 10_000.0
+}
+
+/// Issue 15, flaw 1: the three healthy backends fill up while carrying a throttled one's
+/// share; the throttled one, emptied, has the lowest score. Saturated together they stay in;
+/// when they all want out too (congested), the guard keeps two of them, not the throttled
+/// one.
+#[test]
+fn guard_keeps_the_saturated_in_and_the_throttled_out() {
+    let mut sim = Sim::new(PolicyConfig::default(), 4);
+    for i in 0..4 {
+        sim.sample(i).kv_cache = Some(0.5);
+    }
+    sim.run_until(10 * S);
+    sim.sample(0).throttle = Some(0x20);
+    let d = sim.step();
+    assert_eq!(d.backends[0].reason, Some(Reason::Throttling));
+    // It empties while the others fill up past kv_cache_high.
+    sim.sample(0).kv_cache = Some(0.0);
+    sim.run_until(20 * S);
+    for i in 1..4 {
+        sim.sample(i).kv_cache = Some(0.9);
+    }
+    for d in sim.run_until(30 * S) {
+        let b = &d.backends[0];
+        assert_eq!((b.state, b.weight), (SteerState::MovedAway, 0), "{b:?}");
+        assert!(d.backends[1..].iter().all(|b| b.weight > 0), "{d:?}");
+    }
+    for i in 1..4 {
+        sim.sample(i).ecn_rate = Some(5000.0);
+    }
+    for d in sim.run_until(40 * S) {
+        let b = &d.backends[0];
+        assert_eq!((b.state, b.weight), (SteerState::MovedAway, 0), "{b:?}");
+        let guarded = d
+            .backends
+            .iter()
+            .filter(|b| b.state == SteerState::Guarded && b.weight > 0)
+            .count();
+        assert_eq!(guarded, 2, "half the VIP, rounded up, stays in");
+    }
+}
+
+/// Issue 15, flaw 2: every loaded batching engine reports ~100% utilisation; the weights
+/// must still tell the more loaded backend from the others, by queue and KV use.
+#[test]
+fn weights_follow_relative_load_not_utilisation() {
+    let mut sim = Sim::new(PolicyConfig::default(), 4);
+    for i in 0..4 {
+        let s = sim.sample(i);
+        s.gpu_util = Some(1.0);
+        s.kv_cache = Some(if i == 3 { 0.7 } else { 0.3 });
+        s.queue_depth = Some(if i == 3 { 4.0 } else { 0.0 });
+    }
+    let d = sim.run_until(10 * S).pop().unwrap();
+    let weights: Vec<u32> = d.backends.iter().map(|b| b.weight).collect();
+    // Pressure 0.875 against 0.375: 1.25 * (0.5 + 0.2) / (0.875 + 0.2) * 8 = 6.5 levels.
+    assert_eq!(weights, [100, 100, 100, 87]);
+    assert!(d.backends.iter().all(|b| b.state == SteerState::Active));
+    // Without engine metrics, utilisation still tells an idle GPU from a busy one.
+    let mut sim = Sim::new(PolicyConfig::default(), 2);
+    sim.sample(0).gpu_util = Some(1.0);
+    let d = sim.run_until(10 * S).pop().unwrap();
+    assert!(d.backends[0].weight < d.backends[1].weight, "{d:?}");
+}
+
+/// Issue 15, flaw 3: an idle GPU at room temperature is idle; temperature matters only past
+/// its limit, as throttling.
+#[test]
+fn temperature_sets_no_floor_and_counts_only_over_its_limit() {
+    let mut sim = Sim::new(PolicyConfig::default(), 2);
+    for i in 0..2 {
+        sim.sample(i).gpu_temp_c = Some(45.0);
+    }
+    sim.sample(1).gpu_temp_c = Some(80.0);
+    for d in sim.run_until(10 * S) {
+        assert_eq!(d.weights(), BTreeMap::from([(1, 100), (2, 100)]));
+    }
+    sim.sample(1).gpu_temp_c = Some(86.0);
+    let d = sim.step();
+    assert_eq!(d.backends[1].state, SteerState::MovedAway);
+    assert_eq!(d.backends[1].reason, Some(Reason::Throttling));
+}
+
+/// Issue 15, flaw 4: a healthy fleet at about 65% load for ten minutes (noisy KV, queue,
+/// utilisation and temperature, and now and then one scrape with a burst over the
+/// saturation thresholds) moves nobody away and changes each weight at most 12 times; a
+/// real slowdown still moves its backend away within 2 s.
+#[test]
+fn healthy_fleet_does_not_churn_and_a_slowdown_moves_within_two_seconds() {
+    let mut sim = Sim::new(PolicyConfig::default(), 4);
+    let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut decisions = Vec::new();
+    let mut bursts = 0;
+    while sim.now < 600 * S {
+        for i in 0..4 {
+            let s = sim.sample(i);
+            s.gpu_util = Some(0.6 + 0.4 * noise(&mut rng));
+            s.gpu_temp_c = Some(55.0 + 20.0 * noise(&mut rng));
+            s.kv_cache = Some(0.3 + 0.35 * noise(&mut rng));
+            s.queue_depth = Some((3.0 * noise(&mut rng)).floor());
+        }
+        // A one-scrape burst on some backend about every 15 s.
+        if noise(&mut rng) < 1.0 / 15.0 {
+            let i = (noise(&mut rng) * 4.0) as usize;
+            sim.sample(i).queue_depth = Some(6.0);
+            sim.sample(i).kv_cache = Some(0.82);
+            bursts += 1;
+        }
+        decisions.push(sim.step());
+    }
+    assert!(bursts > 24, "{bursts} bursts: the test must exercise them");
+    let events: Vec<&Event> = decisions.iter().flat_map(|d| &d.events).collect();
+    let reroutes = events
+        .iter()
+        .filter(|e| e.kind == EventKind::Reroute)
+        .count();
+    assert_eq!(reroutes, 0, "a one-scrape burst is no reason to move");
+    for id in 1..=4 {
+        let changes = events
+            .iter()
+            .filter(|e| e.kind == EventKind::WeightChange && e.backend == Some(addr(id)))
+            .count();
+        assert!(
+            changes <= 12,
+            "backend {id}: {changes} weight changes in 10 minutes"
+        );
+    }
+    // A real slowdown: backend 1's queue and KV stay high. Out within two steps (2 s).
+    sim.sample(0).kv_cache = Some(0.9);
+    sim.sample(0).queue_depth = Some(8.0);
+    let out = [sim.step(), sim.step()];
+    assert_eq!(out[1].backends[0].state, SteerState::MovedAway);
+    assert_eq!(out[1].backends[0].reason, Some(Reason::Saturation));
+    // Throttling: out at the first step.
+    sim.sample(1).throttle = Some(0x40);
+    assert_eq!(sim.step().backends[1].state, SteerState::MovedAway);
 }

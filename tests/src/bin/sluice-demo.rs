@@ -1,15 +1,19 @@
 //! The namespace-lab demo (`cargo xtask demo`), run as an operator would run Sluice: the
 //! load balancer in the LB namespace is the real daemon (`sluice run --config`, see
 //! `sluice_tests::daemon_lab`), driven through the `sluice` CLI. A client namespace opens
-//! LLM-style token streams to the VIPs (IPv4 and IPv6); the daemon spreads them over three
-//! accelerator backends (gpu0..gpu2, each with a fake dcgm/vLLM/RoCE exporter the daemon
-//! scrapes); the tokens come straight back from the backends (DSR). At a third of the run
-//! gpu0 is drained (`sluice backend drain`), at two thirds gpu1's exporter reports RoCE
-//! congestion and the policy moves it away for new sessions. A live view shows each stream,
-//! each backend as the client and as the daemon see it, and the daemon's events; everything
-//! is removed at the end, also on Ctrl-C or failure.
+//! OpenAI-style streaming completions (`POST /v1/chat/completions`, server-sent events) to
+//! the VIPs (IPv4 and IPv6); the daemon spreads them over three simulated accelerators
+//! (gpu0..gpu2: `sluice-accel`, paced by a continuous-batching model, each serving its own
+//! dcgm/vLLM/RoCE telemetry, which the daemon scrapes); the tokens come straight back from
+//! the accelerators (DSR). At a third of the run gpu0 is drained (`sluice backend drain`), at
+//! two thirds gpu1 is throttled to 0.4x (through its control listener, not through Sluice)
+//! and the policy moves it away for new sessions. A live view shows each stream, each
+//! backend as the client (time to first token, tokens/s) and the daemon see it, and the
+//! daemon's events; the summary says how many streams completed and broke, the p99 time to
+//! first token, and where new sessions went after each event. Everything is removed at the
+//! end, also on Ctrl-C or failure.
 //!
-//! `sluice-demo [--seconds N] [--streams N] [--server PATH]` (as root).
+//! `sluice-demo [--seconds N] [--streams N] [--accel PATH]` (as root).
 
 use std::{
     collections::{BTreeMap, HashSet},
@@ -28,21 +32,21 @@ use std::{
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use sluice_tests::{
-    daemon_lab::{DaemonLab, DaemonLabOptions, FakeTelemetry, VipDef, PREFIX},
+    daemon_lab::{Accel, DaemonLab, DaemonLabOptions, VipDef, PREFIX},
     netns::{
         lab_namespaces, Netns, TopologySpec, BRIDGE, DEV, GATEWAY_V4, GATEWAY_V6, NS_PREFIX,
         TCP_PORT, VIP4, VIP6, VIP_NET_V4, VIP_NET_V6,
     },
-    stream::{Event, TokenStream},
+    openai::{ChatStream, Event},
 };
 
 static STOP: AtomicBool = AtomicBool::new(false);
-/// 0: before the drain, 1: after draining gpu0, 2: after gpu1's congestion.
+/// 0: before the drain, 1: after draining gpu0, 2: after gpu1's throttling.
 static PHASE: AtomicUsize = AtomicUsize::new(0);
 const PHASES: [&str; 3] = [
     "before any action",
     "after draining gpu0",
-    "after gpu1's congestion",
+    "after throttling gpu1",
 ];
 /// The daemon's VIPs: (name, address).
 const VIPS: [(&str, bool); 2] = [("chat", false), ("chat6", true)];
@@ -63,16 +67,16 @@ fn vip_addr(v6: bool) -> SocketAddr {
 struct Opts {
     seconds: u64,
     streams: usize,
-    server: PathBuf,
+    accel: PathBuf,
 }
 
 fn parse_args() -> Result<Opts> {
     let mut o = Opts {
         seconds: 20,
         streams: 12,
-        server: std::env::current_exe()
+        accel: std::env::current_exe()
             .context("locating this executable")?
-            .with_file_name("sluice-testsrv"),
+            .with_file_name("sluice-accel"),
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -80,11 +84,11 @@ fn parse_args() -> Result<Opts> {
         match a.as_str() {
             "--seconds" => o.seconds = val("a number of seconds")?.parse()?,
             "--streams" => o.streams = val("a number of streams")?.parse()?,
-            "--server" => o.server = val("a path")?.into(),
+            "--accel" => o.accel = val("a path")?.into(),
             "-h" | "--help" => {
                 println!(
                     "usage: sluice-demo [--seconds N (default 20)] [--streams N (default 12)] \
-                     [--server PATH]"
+                     [--accel PATH (the sluice-accel binary)]"
                 );
                 std::process::exit(0);
             }
@@ -108,7 +112,7 @@ struct Slot {
     backend: String,
     received: u32,
     expected: u32,
-    rate: u32,
+    ttft_ms: Option<f64>,
     state: &'static str,
     completed: u32,
     errors: u32,
@@ -120,8 +124,24 @@ struct Shared {
     slots: Vec<Slot>,
     /// Per backend: (streams opened, tokens received by the client).
     by_backend: BTreeMap<String, (u64, u64)>,
+    /// Per backend: time to first token of each stream, ms.
+    ttfts: BTreeMap<String, Vec<f64>>,
     /// New sessions per backend in each phase.
     by_phase: [BTreeMap<String, u64>; 3],
+    /// Time to first token of the streams started in each phase, ms.
+    phase_ttfts: [Vec<f64>; 3],
+}
+
+/// Nearest-rank 99th percentile, ms; `None` for no sample.
+fn p99(v: &[f64]) -> Option<f64> {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let rank = (s.len() as f64 * 0.99).ceil() as usize;
+    s.get(rank.max(1) - 1).copied()
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or("-".into(), |v| format!("{v:.0} ms"))
 }
 
 fn main() -> ExitCode {
@@ -266,15 +286,15 @@ fn wait_settled(lab: &DaemonLab) -> bool {
 
 /// Runs the demo; Ok(false) when some stream failed.
 fn run(opts: &Opts) -> Result<bool> {
-    if !opts.server.is_file() {
+    if !opts.accel.is_file() {
         bail!(
-            "the backend server {} is missing: build the workspace (`cargo xtask build`)",
-            opts.server.display()
+            "the simulated accelerator {} is missing: build the workspace (`cargo xtask build`)",
+            opts.accel.display()
         );
     }
     println!(
-        "Sluice daemon demo: {} token streams for {} s through `sluice run` (XDP) to 3 \
-         accelerator backends; gpu0 is drained at {:.0} s, gpu1 congested at {:.0} s\n",
+        "Sluice daemon demo: {} OpenAI-style token streams for {} s through `sluice run` (XDP) \
+         to 3 simulated accelerators; gpu0 is drained at {:.0} s, gpu1 throttled at {:.0} s\n",
         opts.streams,
         opts.seconds,
         opts.seconds as f64 / 3.0,
@@ -289,13 +309,15 @@ fn run(opts: &Opts) -> Result<bool> {
             v
         })
         .collect();
-    let mut lo = DaemonLabOptions::new(&opts.server, BACKENDS.len(), vips);
+    let mut lo = DaemonLabOptions::new(&opts.accel, BACKENDS.len(), vips);
     lo.topology = TopologySpec {
         backends: BACKENDS.iter().map(|b| b.to_string()).collect(),
         ..TopologySpec::default()
     };
-    lo.exporters = true;
-    lo.server_lifetime = Duration::from_secs(opts.seconds + 90);
+    lo.accel = Some(Accel {
+        binary: opts.accel.clone(),
+        args: Vec::new(),
+    });
     let lab = DaemonLab::start(lo).context("starting the daemon lab")?;
     print_topology(&lab, t0.elapsed());
     if STOP.load(Ordering::SeqCst) {
@@ -335,6 +357,8 @@ fn run(opts: &Opts) -> Result<bool> {
     let mut next_frame = start;
     let mut next_events = start;
     let mut actions: Vec<String> = Vec::new();
+    // Client-side tokens per backend at the last frame, for the tokens/s column.
+    let mut last_tokens: (Instant, BTreeMap<String, u64>) = (start, BTreeMap::new());
     loop {
         let now = Instant::now();
         let t = start.elapsed();
@@ -358,15 +382,13 @@ fn run(opts: &Opts) -> Result<bool> {
             PHASE.store(1, Ordering::SeqCst);
         }
         if PHASE.load(Ordering::SeqCst) == 1 && now >= congest_at {
-            let hot = FakeTelemetry {
-                ecn_per_s: 5000.0,
-                ..FakeTelemetry::default()
-            };
-            let line = match lab.set_telemetry(1, &hot) {
-                Ok(()) => "gpu1's exporter now reports 5000 ECN-marked RoCE packets/s \
-                           (threshold 1000/s)"
+            let fault = serde_json::json!({"kind": "throttle", "factor": 0.4});
+            let line = match lab.accel_request(1, "POST", "/fault", Some(&fault)) {
+                Ok((200, _)) => "gpu1 throttled to 0.4x (its DCGM page now sets clock-throttle \
+                                 reasons; POST /fault on its control listener)"
                     .to_string(),
-                Err(e) => format!("could not set gpu1's telemetry: {e:#}"),
+                Ok((code, body)) => format!("gpu1 refused the fault: {code} {body}"),
+                Err(e) => format!("could not throttle gpu1: {e:#}"),
             };
             actions.push(format!("t={:>5.1} s  {line}", t.as_secs_f64()));
             if !tty {
@@ -381,10 +403,12 @@ fn run(opts: &Opts) -> Result<bool> {
         let done = handles.iter().all(|h| h.is_finished());
         if done || now >= next_frame {
             let view = daemon_view(&lab);
+            let rates = token_rates(&shared, &mut last_tokens);
             let text = render(
                 &lab,
                 &shared,
                 &view,
+                &rates,
                 &actions,
                 &events,
                 t,
@@ -417,22 +441,6 @@ fn run(opts: &Opts) -> Result<bool> {
     let errors: u32 = s.slots.iter().map(|x| x.errors).sum();
     let tokens: u64 = s.by_backend.values().map(|v| v.1).sum();
     let interrupted = STOP.load(Ordering::SeqCst) && Instant::now() < deadline;
-    println!(
-        "{}: {completed} streams completed, {tokens} tokens received, {errors} failed streams",
-        if interrupted { "interrupted" } else { "done" }
-    );
-    for (b, (streams, toks)) in &s.by_backend {
-        println!("  {b}: {streams} streams, {toks} tokens");
-    }
-    println!("where new sessions went:");
-    for (i, what) in PHASES.iter().enumerate() {
-        let m = &s.by_phase[i];
-        let list: Vec<String> = BACKENDS
-            .iter()
-            .map(|b| format!("{b} {}", m.get(*b).copied().unwrap_or(0)))
-            .collect();
-        println!("  {what:<24} {}", list.join(", "));
-    }
     println!("actions:");
     for a in &actions {
         println!("  {a}");
@@ -440,6 +448,37 @@ fn run(opts: &Opts) -> Result<bool> {
     println!("the daemon's events during the run:");
     for e in &events {
         println!("  {e}");
+    }
+    let all: Vec<f64> = s.ttfts.values().flatten().copied().collect();
+    println!(
+        "\n{}: {completed} streams completed, {errors} broken, {tokens} tokens; p99 time to \
+         first token {}",
+        if interrupted {
+            "INTERRUPTED"
+        } else {
+            "SUMMARY"
+        },
+        ms(p99(&all))
+    );
+    for (b, (streams, toks)) in &s.by_backend {
+        let t = s.ttfts.get(b).map(|v| p99(v)).unwrap_or_default();
+        println!(
+            "  {b}: {streams} streams, {toks} tokens, p99 TTFT {}",
+            ms(t)
+        );
+    }
+    println!("where new sessions went:");
+    for (i, what) in PHASES.iter().enumerate() {
+        let m = &s.by_phase[i];
+        let list: Vec<String> = BACKENDS
+            .iter()
+            .map(|b| format!("{b} {:>3}", m.get(*b).copied().unwrap_or(0)))
+            .collect();
+        println!(
+            "  {what:<22} {}   p99 TTFT {}",
+            list.join(", "),
+            ms(p99(&s.phase_ttfts[i]))
+        );
     }
     for (i, x) in s.slots.iter().enumerate() {
         if let Some(e) = &x.last_error {
@@ -484,8 +523,8 @@ fn print_topology(lab: &DaemonLab, took: Duration) {
     );
     for b in &t.backends {
         println!(
-            "  {:<7} {:<18} {:<13} {:<15} sluice backend-host (decap on {DEV}, VIPs on lo), token server, \
-             fake exporter :9400",
+            "  {:<7} {:<18} {:<13} {:<15} sluice backend-host (decap on {DEV}, VIPs on lo), sluice-accel \
+             (OpenAI API, /dcgm /metrics /roce on :{TCP_PORT})",
             b.name,
             b.ns.name(),
             b.v4,
@@ -503,8 +542,8 @@ fn print_topology(lab: &DaemonLab, took: Duration) {
     );
     println!(
         "  VIPs: chat {VIP4}:{TCP_PORT}/tcp and chat6 [{VIP6}]:{TCP_PORT}/tcp over the 3 \
-         backends, dcgm/vLLM/RoCE telemetry scraped every 250 ms; replies return directly \
-         (DSR)\n"
+         accelerators, dcgm/vLLM/RoCE telemetry scraped every 250 ms; replies return \
+         directly (DSR)\n"
     );
 }
 
@@ -534,23 +573,20 @@ fn slot_loop(k: usize, client: &Netns, deadline: Instant, shared: &Mutex<Shared>
             return;
         }
         n += 1;
-        // A mix of generation speeds (10 to 50 tokens/s) and lengths (3 to 8 s), cut to
-        // end before the deadline.
-        let rate = 10 + ((k as u32 * 7 + n * 13) % 41);
-        let secs = 3 + (k as u32 + n * 5) % 6;
-        let secs_fit = (left.as_millis() as u64).saturating_sub(800) / 1000;
-        let secs = (secs as u64).min(secs_fit.max(1)) as u32;
-        let interval = 1000 / rate;
-        let tokens = rate * secs;
+        // A mix of prompt (100 to 1500 tokens) and answer lengths (40 to 200 tokens: 1 to 5 s
+        // at the accelerator's pace), fewer tokens when the deadline is near.
+        let prompt = 100 + (k as u32 * 337 + n * 211) % 1400;
+        let tokens = 40 + (k as u32 * 53 + n * 37) % 161;
+        let tokens = tokens.min((left.as_millis() as u32 / 40).max(5));
         set(&mut |s| {
             s.stream_no = n;
             s.state = "connecting";
             s.backend.clear();
             s.received = 0;
             s.expected = tokens;
-            s.rate = rate;
+            s.ttft_ms = None;
         });
-        match run_stream(k, client, vip, tokens, interval, deadline, shared) {
+        match run_stream(k, client, vip, prompt, tokens, deadline, shared) {
             Ok(()) => set(&mut |s| {
                 s.completed += 1;
                 s.state = "done";
@@ -575,49 +611,68 @@ fn run_stream(
     k: usize,
     client: &Netns,
     vip: SocketAddr,
+    prompt: u32,
     tokens: u32,
-    interval: u32,
     deadline: Instant,
     shared: &Mutex<Shared>,
 ) -> Result<()> {
-    let mut st = TokenStream::open(client, vip, tokens, interval, Duration::from_secs(2))?;
+    let mut st = ChatStream::open(client, vip, prompt, tokens, Duration::from_secs(10))?;
+    let phase = PHASE.load(Ordering::SeqCst).min(2);
     {
         let mut s = shared.lock().unwrap();
         s.slots[k].backend = st.backend.clone();
-        s.slots[k].state = "streaming";
+        s.slots[k].state = "waiting";
         s.by_backend.entry(st.backend.clone()).or_default().0 += 1;
-        let phase = PHASE.load(Ordering::SeqCst).min(2);
         *s.by_phase[phase].entry(st.backend.clone()).or_default() += 1;
     }
-    let hard = deadline + Duration::from_secs(5);
+    let hard = deadline + Duration::from_secs(10);
     loop {
         if STOP.load(Ordering::SeqCst) {
-            st.close();
             bail!("stopped");
         }
         if Instant::now() >= hard {
             bail!(
                 "stream did not finish in time ({} of {tokens} tokens)",
-                st.received
+                st.tokens
             );
         }
         match st.next_event()? {
-            Event::Token { backend, .. } => {
-                if backend != st.backend {
-                    bail!("token from {backend} in a stream served by {}", st.backend);
-                }
+            Event::Token => {
                 let mut s = shared.lock().unwrap();
-                s.slots[k].received = st.received;
+                if st.tokens == 1 {
+                    let ttft = st.ttft.unwrap_or_default().as_secs_f64() * 1e3;
+                    s.slots[k].ttft_ms = Some(ttft);
+                    s.slots[k].state = "streaming";
+                    s.ttfts.entry(st.backend.clone()).or_default().push(ttft);
+                    s.phase_ttfts[phase].push(ttft);
+                }
+                s.slots[k].received = st.tokens;
                 s.by_backend.entry(st.backend.clone()).or_default().1 += 1;
             }
             Event::Done => break,
         }
     }
-    if st.received != st.expected {
-        bail!("{} of {} tokens before [DONE]", st.received, st.expected);
+    if st.tokens != tokens {
+        bail!("{} of {tokens} tokens before [DONE]", st.tokens);
     }
-    st.close();
     Ok(())
+}
+
+/// Tokens per second per backend since the last call, as the client received them.
+fn token_rates(
+    shared: &Mutex<Shared>,
+    last: &mut (Instant, BTreeMap<String, u64>),
+) -> BTreeMap<String, f64> {
+    let now = Instant::now();
+    let secs = now.duration_since(last.0).as_secs_f64().max(1e-3);
+    let s = shared.lock().unwrap();
+    let mut out = BTreeMap::new();
+    for (b, (_, toks)) in &s.by_backend {
+        let before = last.1.insert(b.clone(), *toks).unwrap_or(0);
+        out.insert(b.clone(), (toks - before) as f64 / secs);
+    }
+    last.0 = now;
+    out
 }
 
 /// One VIP's entry for a backend in the daemon's view: state, steering state (reason),
@@ -643,6 +698,7 @@ fn render(
     lab: &DaemonLab,
     shared: &Mutex<Shared>,
     view: &DaemonView,
+    rates: &BTreeMap<String, f64>,
     actions: &[String],
     events: &[String],
     elapsed: Duration,
@@ -662,8 +718,8 @@ fn render(
     )?;
     writeln!(
         o,
-        "{:>4}  {:<24} {:<7} {:>5} {:>13}  {:>6} {:>6}  state",
-        "slot", "VIP", "backend", "no.", "tokens", "tok/s", "done"
+        "{:>4}  {:<24} {:<7} {:>5} {:>13}  {:>8} {:>6}  state",
+        "slot", "VIP", "backend", "no.", "tokens", "TTFT", "done"
     )?;
     for (i, x) in s.slots.iter().enumerate() {
         let vip = x.vip.map(|v| v.to_string()).unwrap_or_default();
@@ -679,14 +735,14 @@ fn render(
         };
         writeln!(
             o,
-            "{:>4}  {:<24} {:<7} {:>5} {:>6}/{:<6}  {:>6} {:>6}  {}{failed}",
+            "{:>4}  {:<24} {:<7} {:>5} {:>6}/{:<6}  {:>8} {:>6}  {}{failed}",
             i + 1,
             vip,
             backend,
             x.stream_no,
             x.received,
             x.expected,
-            x.rate,
+            ms(x.ttft_ms),
             x.completed,
             x.state,
         )?;
@@ -694,25 +750,34 @@ fn render(
     writeln!(o)?;
     writeln!(
         o,
-        "{:<7} {:>7} {:>7}  {:<46} daemon: chat6 (v6)",
-        "backend", "streams", "tokens", "daemon: chat (v4)"
+        "{:<7} {:>7} {:>7} {:>6} {:>9}  {:<46} daemon: chat6 (v6)",
+        "backend", "streams", "tokens", "tok/s", "TTFT p99", "daemon: chat (v4)"
     )?;
     for name in BACKENDS {
         let (streams, toks) = s.by_backend.get(name).copied().unwrap_or_default();
+        let rate = rates.get(name).copied().unwrap_or(0.0);
+        let ttft = s.ttfts.get(name).map(|v| p99(v)).unwrap_or_default();
         let cells: Vec<String> = VIPS
             .iter()
             .map(|(vip, _)| daemon_cell(view.get(vip).and_then(|m| m.get(name))))
             .collect();
         writeln!(
             o,
-            "{:<7} {:>7} {:>7}  {:<46} {}",
-            name, streams, toks, cells[0], cells[1]
+            "{:<7} {:>7} {:>7} {:>6.0} {:>9}  {:<46} {}",
+            name,
+            streams,
+            toks,
+            rate,
+            ms(ttft),
+            cells[0],
+            cells[1]
         )?;
     }
     writeln!(
         o,
-        "(streams and tokens as the client saw them; daemon: `sluice backend list --json`: \
-         state, steering state (reason), effective weight, active flows)"
+        "(streams, tokens, tokens/s and p99 time to first token as the client saw them; \
+         daemon: `sluice backend list --json`: state, steering state (reason), effective \
+         weight, active flows)"
     )?;
     if tty {
         writeln!(o)?;

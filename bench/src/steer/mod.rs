@@ -1,0 +1,731 @@
+//! `sluice-bench steer`: does adaptive steering put token streams where they are served
+//! fastest? The namespace lab with the real `sluice run` daemon in front of simulated
+//! accelerators (`sluice-accel`, one per backend namespace, its dcgm/vLLM/RoCE pages scraped
+//! by the daemon), and the load generator (`sluice-bench tokens`) in the client namespace
+//! with many source addresses. Every cell (scenario x policy) runs in a fresh lab with the
+//! same seeded workload; faults go to the accelerators' control listeners, never through
+//! Sluice. See [`scenario`] for the scenarios and policies.
+//!
+//! Writes `bench/results/steer.json` (command line, git revision, one entry per cell) and
+//! SVG plots under `bench/results/steer/`: the TTFT CDF of each scenario (one line per
+//! policy) and each cell's timeline (weights and steering states read from the daemon's
+//! admin API, KV use from each accelerator's `GET /state`, once a second).
+
+mod plot;
+pub mod scenario;
+mod stats;
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    net::SocketAddr,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::{json, Value};
+use sluice::admin::now_ms;
+use sluice_tests::{
+    daemon_lab::{wait_for, Accel, DaemonLab, DaemonLabOptions, VipDef},
+    netns::{TCP_PORT, VIP4},
+};
+
+use self::{
+    plot::{Point, Sample},
+    scenario::{list, Policy, Scenario, POLICIES, SCENARIOS},
+    stats::Record,
+};
+use crate::sys;
+
+const VIP: &str = "chat";
+
+/// Lab scale: a batch of 16 and an 8192-token KV cache per accelerator keep the real
+/// per-token pace while four accelerators at 70% stream about 2000 tokens/s, which a
+/// two-core machine carries (load generator, daemon and simulators). A batch of 8 was
+/// tried first: at 70% its queues reached seconds even under plain Maglev, so small a
+/// batch multiplexes too little for a fleet to have headroom.
+const DEFAULT_ACCEL_ARGS: &str = "--max-num-seqs 16 --kv-capacity-tokens 8192";
+
+fn words(s: &str) -> Vec<String> {
+    s.split_whitespace().map(str::to_owned).collect()
+}
+
+const USAGE: &str = "usage: sluice-bench steer [--scenarios a,b] [--policies a,b] [--duration SECS] \
+[--backends N] [--seed N] [--capacity-rps X] [--max-sessions N] [--sources N] [--accel-args ARGS] [--out FILE] [--plots DIR]
+  scenarios: healthy, heterogeneous, throttled, congested, dying, overload (default: all)
+  policies:  maglev, adaptive, adaptive+admission (default: all)
+  --duration      seconds of load per cell (default 50)
+  --backends      simulated accelerators, 4..=8 (default 4)
+  --capacity-rps  requests per second one healthy accelerator sustains with the default
+                  workload (default 3.0, measured: see docs/benchmarks.md); scenarios offer
+                  a fraction of backends x this
+  --max-sessions  adaptive+admission's per-backend session cap (default 24: a batch of 16,
+                  a short queue, and flows of ended streams until they idle out)
+  --sources       client source addresses, 1..=180 (default 180)
+  --accel-args    more sluice-accel arguments for every accelerator, space-separated
+                  (default \"--max-num-seqs 16 --kv-capacity-tokens 8192\": lab scale, see
+                  docs/benchmarks.md)
+  --out           default bench/results/steer.json; --plots default bench/results/steer";
+
+/// The benchmark's options.
+#[derive(Clone, Debug)]
+pub struct Args {
+    pub scenarios: Vec<Scenario>,
+    pub policies: Vec<Policy>,
+    pub duration: Duration,
+    pub backends: usize,
+    pub seed: u64,
+    pub capacity_rps: f64,
+    pub max_sessions: u32,
+    pub sources: u8,
+    pub accel_args: Vec<String>,
+    pub out: PathBuf,
+    pub plots: PathBuf,
+}
+
+impl Args {
+    pub fn parse(args: &[String]) -> Result<Args> {
+        let mut a = Args {
+            scenarios: SCENARIOS.to_vec(),
+            policies: POLICIES.to_vec(),
+            duration: Duration::from_secs(50),
+            backends: 4,
+            seed: 7,
+            capacity_rps: 3.0,
+            max_sessions: 24,
+            sources: 180,
+            accel_args: words(DEFAULT_ACCEL_ARGS),
+            out: "bench/results/steer.json".into(),
+            plots: "bench/results/steer".into(),
+        };
+        let mut it = args.iter();
+        while let Some(flag) = it.next() {
+            if flag == "--help" || flag == "-h" {
+                bail!("{USAGE}");
+            }
+            let v = it
+                .next()
+                .ok_or_else(|| anyhow!("{flag} needs a value\n{USAGE}"))?;
+            let bad = |e: &dyn std::fmt::Display| anyhow!("{flag} {v}: {e}\n{USAGE}");
+            match flag.as_str() {
+                "--scenarios" => a.scenarios = list(v, Scenario::parse)?,
+                "--policies" => a.policies = list(v, Policy::parse)?,
+                "--duration" => {
+                    a.duration = Duration::from_secs(v.parse().map_err(|e| bad(&e))?);
+                }
+                "--backends" => a.backends = v.parse().map_err(|e| bad(&e))?,
+                "--seed" => a.seed = v.parse().map_err(|e| bad(&e))?,
+                "--capacity-rps" => a.capacity_rps = v.parse().map_err(|e| bad(&e))?,
+                "--max-sessions" => a.max_sessions = v.parse().map_err(|e| bad(&e))?,
+                "--sources" => a.sources = v.parse().map_err(|e| bad(&e))?,
+                "--accel-args" => a.accel_args = words(v),
+                "--out" => a.out = v.into(),
+                "--plots" => a.plots = v.into(),
+                _ => bail!("unknown option {flag}\n{USAGE}"),
+            }
+        }
+        if !(4..=8).contains(&a.backends) {
+            bail!("--backends {}: 4 to 8 accelerators", a.backends);
+        }
+        if a.duration < Duration::from_secs(9) || a.duration > Duration::from_secs(3600) {
+            bail!("--duration {:?}: 9 s to 1 h", a.duration);
+        }
+        if !(a.capacity_rps > 0.0 && a.capacity_rps.is_finite()) {
+            bail!("--capacity-rps must be a positive number");
+        }
+        if a.sources == 0 || a.sources > 180 {
+            bail!("--sources: 1 to 180");
+        }
+        if a.scenarios.is_empty() || a.policies.is_empty() {
+            bail!("nothing to run\n{USAGE}");
+        }
+        Ok(a)
+    }
+}
+
+pub fn main(args: &[String]) -> Result<()> {
+    let args = Args::parse(args)?;
+    sys::require_root()?;
+    let doc = run(&args)?;
+    if let Some(dir) = args.out.parent() {
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    fs::write(&args.out, serde_json::to_string_pretty(&doc)? + "\n")
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    println!(
+        "wrote {} and plots under {}",
+        args.out.display(),
+        args.plots.display()
+    );
+    Ok(())
+}
+
+/// The binaries next to this one (a built workspace has them all in one directory).
+fn sibling(name: &str) -> Result<PathBuf> {
+    let p = std::env::current_exe()?.with_file_name(name);
+    if !p.is_file() {
+        bail!(
+            "{} is missing: build the workspace (`cargo xtask build`)",
+            p.display()
+        );
+    }
+    Ok(p)
+}
+
+/// Runs every cell; returns the results document (and writes the plots).
+pub fn run(args: &Args) -> Result<Value> {
+    let tools = Tools {
+        server: sibling("sluice-testsrv")?,
+        accel: sibling("sluice-accel")?,
+        bench: std::env::current_exe()?,
+    };
+    fs::create_dir_all(&args.plots)
+        .with_context(|| format!("creating {}", args.plots.display()))?;
+    let started = Instant::now();
+    let mut cells = Vec::new();
+    for &scenario in &args.scenarios {
+        let mut cdfs = Vec::new();
+        for &policy in &args.policies {
+            println!(
+                "== {} / {} ({:.0} s so far)",
+                scenario.name(),
+                policy.name(),
+                started.elapsed().as_secs_f64()
+            );
+            let cell = run_cell(args, &tools, scenario, policy)
+                .with_context(|| format!("cell {} / {}", scenario.name(), policy.name()))?;
+            print_cell(&cell.json);
+            let file =
+                args.plots
+                    .join(format!("timeline-{}-{}.svg", scenario.name(), slug(policy)));
+            fs::write(&file, &cell.timeline_svg)?;
+            cdfs.push((policy.name().to_owned(), cell.ttfts));
+            cells.push(cell.json);
+        }
+        let file = args.plots.join(format!("ttft-cdf-{}.svg", scenario.name()));
+        fs::write(
+            &file,
+            plot::cdf(&format!("{}: time to first token", scenario.name()), &cdfs),
+        )?;
+    }
+    let (git_head, _) = sys::git_state();
+    Ok(json!({
+        "benchmark": "steer",
+        "command_line": std::env::args().collect::<Vec<_>>().join(" "),
+        "git_head": git_head,
+        "date_utc": sys::utc_now(),
+        "kernel": sys::kernel_release(),
+        "cpu_model": sys::cpu_model(),
+        "cpus": sys::online_cpus(),
+        "backends": args.backends,
+        "duration_s": args.duration.as_secs(),
+        "seed": args.seed,
+        "capacity_rps_per_backend": args.capacity_rps,
+        "max_sessions": args.max_sessions,
+        "client_sources": args.sources,
+        "accel_args": args.accel_args.join(" "),
+        "wall_s": started.elapsed().as_secs(),
+        "cells": cells,
+        "aims": aims(&cells_by_key(&cells.iter().collect::<Vec<_>>())),
+    }))
+}
+
+fn slug(p: Policy) -> String {
+    p.name().replace('+', "-")
+}
+
+struct Tools {
+    server: PathBuf,
+    accel: PathBuf,
+    bench: PathBuf,
+}
+
+struct CellOut {
+    json: Value,
+    ttfts: Vec<f64>,
+    timeline_svg: String,
+}
+
+fn print_cell(c: &Value) {
+    println!(
+        "   ttft p50 {} p99 {} ms; itl p99 {} ms; goodput {} tok/s; completed {} broken {}; \
+         affinity {}; weight changes {}",
+        c["ttft_ms"]["p50"],
+        c["ttft_ms"]["p99"],
+        c["itl_ms"]["p99"],
+        c["goodput_tokens_per_s"],
+        c["sessions"]["completed"],
+        c["sessions"]["broken"],
+        c["affinity_kept"],
+        c["weight_changes"]
+    );
+}
+
+/// A scratch directory for one cell's load-generator files, removed on drop.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> Result<CellOut> {
+    let n = args.backends;
+    let vip_addr = SocketAddr::new(VIP4.into(), TCP_PORT);
+    let mut vip = VipDef::tcp(VIP, vip_addr, n);
+    vip.telemetry = policy.telemetry();
+    vip.max_sessions = policy.max_sessions(args.max_sessions);
+    // Each client address keeps its conversations on one accelerator (affinity by source).
+    vip.hash = "source";
+    // The lowest admission class: shed first (class 0 is never shed).
+    vip.priority = 7;
+    let mut opts = DaemonLabOptions::new(&tools.server, n, vec![vip]);
+    // The shipped defaults, not the lab's fast test timings.
+    for section in ["health", "telemetry", "policy"] {
+        opts.settings.remove(section);
+    }
+    for (section, key, value) in policy.settings() {
+        opts.set(section, key, value);
+    }
+    let mut per_backend = vec![args.accel_args.clone(); n];
+    if let Some((i, factor)) = scenario.slow() {
+        per_backend[i].extend(["--slow".to_string(), factor.to_string()]);
+    }
+    opts.accel = Some(Accel {
+        binary: tools.accel.clone(),
+        args: per_backend,
+    });
+    let mut lab = DaemonLab::start(opts).context("starting the lab")?;
+    let names: Vec<String> = lab.topo.backends.iter().map(|b| b.name.clone()).collect();
+    let addrs: Vec<String> = (0..n)
+        .map(|i| lab.backend_addr(i, vip_addr).to_string())
+        .collect();
+    wait_for(
+        "every backend healthy and scraped",
+        Duration::from_secs(20),
+        || {
+            let bs = backends_json(&lab).map_err(|e| format!("{e:#}"))?;
+            let ready = bs.len() == n
+                && bs.iter().all(|b| {
+                    b["healthy"] == true
+                        && (!policy.telemetry() || !b["steering"]["telemetry_age_s"].is_null())
+                });
+            Ok(ready.then_some(()))
+        },
+    )?;
+
+    let scratch = Scratch(std::env::temp_dir().join(format!("{}-steer", lab.id)));
+    fs::create_dir_all(&scratch.0)?;
+    let sources = lab.add_client_sources(args.sources)?;
+    let sources_file = scratch.0.join("sources.txt");
+    fs::write(
+        &sources_file,
+        sources.iter().map(|a| format!("{a}\n")).collect::<String>(),
+    )?;
+    let (summary_file, records_file) = (
+        scratch.0.join("summary.json"),
+        scratch.0.join("records.jsonl"),
+    );
+    let secs = args.duration.as_secs_f64();
+    let rate = scenario.load() * n as f64 * args.capacity_rps;
+    let gen_args: Vec<String> = [
+        "tokens",
+        "--target",
+        &vip_addr.to_string(),
+        "--rate",
+        &format!("{rate:.3}"),
+        "--duration",
+        &args.duration.as_secs().to_string(),
+        "--max-requests",
+        &((rate * secs * 2.0).ceil() as u64 + 10).to_string(),
+        "--seed",
+        &args.seed.to_string(),
+        "--sources-file",
+        &sources_file.display().to_string(),
+        "--json",
+        &summary_file.display().to_string(),
+        "--records",
+        &records_file.display().to_string(),
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let client = lab.topo.client.ns.clone();
+    let since_ms = now_ms();
+    let t0 = Instant::now();
+    let gen = lab
+        .topo
+        .spawn(&client, "sluice-bench tokens", &tools.bench, &gen_args)?;
+
+    let faults = scenario.faults();
+    let mut fired: Vec<(f64, String)> = Vec::new();
+    let mut timeline: Vec<Sample> = Vec::new();
+    let mut kv_samples: Vec<Vec<f64>> = Vec::new();
+    let limit = args.duration + Duration::from_secs(90);
+    let mut next_sample = Duration::ZERO;
+    let status = loop {
+        let t = t0.elapsed();
+        if let Some(f) = faults
+            .get(fired.len())
+            .filter(|f| t.as_secs_f64() >= f.at * secs)
+        {
+            // A killed accelerator answers nothing: the request's error is expected.
+            let r = lab.accel_request(f.backend, "POST", "/fault", Some(&f.body));
+            if f.body["kind"] != "kill" {
+                let (code, body) = r.with_context(|| format!("fault {}", f.label))?;
+                if code != 200 {
+                    bail!("fault {}: {code} {body}", f.label);
+                }
+            }
+            fired.push((t.as_secs_f64(), f.label.clone()));
+            continue;
+        }
+        if t >= next_sample {
+            let s = sample(&lab, &addrs, t.as_secs_f64());
+            kv_samples.push(s.points.iter().filter_map(|p| p.kv).collect());
+            timeline.push(s);
+            next_sample += Duration::from_secs(1);
+        }
+        if let Some(st) = lab.topo.try_wait(gen)? {
+            break st;
+        }
+        if t > limit {
+            lab.topo.signal(gen, libc::SIGKILL)?;
+            bail!("the load generator did not stop within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    if !status.success() {
+        bail!("the load generator failed ({status})");
+    }
+    let events = lab
+        .api("GET", "/v1/events", None)?
+        .1
+        .get("events")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let summary: Value = serde_json::from_str(
+        &fs::read_to_string(&summary_file)
+            .with_context(|| format!("reading {}", summary_file.display()))?,
+    )?;
+    let records: Vec<Record> = fs::read_to_string(&records_file)
+        .with_context(|| format!("reading {}", records_file.display()))?
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).map(|v| Record::parse(&v)))
+        .collect::<Result<_, _>>()
+        .context("parsing the records")?;
+    drop(lab);
+
+    let killed = scenario.killed().map(|i| names[i].clone());
+    let faulty: Vec<&str> = if scenario.faults().is_empty() && scenario.slow().is_none() {
+        Vec::new()
+    } else {
+        vec![names[scenario::FAULTY].as_str()]
+    };
+    let ttfts = stats::ttfts(&records);
+    let (completed, broken, on_killed) = stats::sessions(&records, killed.as_deref());
+    let changes = stats::weight_changes(&events, since_ms);
+    let total_changes: u64 = changes.values().sum();
+    let max_changes = changes.values().copied().max().unwrap_or(0);
+    let mut after = Vec::new();
+    for (k, (at, label)) in fired.iter().enumerate() {
+        let to = fired.get(k + 1).map_or(f64::MAX, |f| f.0) * 1000.0;
+        // New sessions from 2 s after the fault (detection and one scrape) to the next one.
+        after.push(json!({
+            "fault": label,
+            "at_s": (at * 10.0).round() / 10.0,
+            "new_sessions": stats::landed(&records, at * 1000.0 + 2000.0, to),
+            "ttft_ms": stats::quantiles(&window_ttfts(&records, at * 1000.0, to)),
+        }));
+    }
+    let json = json!({
+        "scenario": scenario.name(),
+        "policy": policy.name(),
+        "offered_rps": (rate * 1000.0).round() / 1000.0,
+        "duration_s": secs,
+        "ttft_ms": stats::quantiles(&ttfts),
+        "itl_ms": itl(&summary),
+        // Over the generator's whole run (requests start for `duration`, then finish).
+        "goodput_tokens_per_s": summary["summary"]["goodput_tokens_per_s"],
+        "sessions": {
+            "completed": completed,
+            "broken": broken,
+            "broken_on_killed_backend": on_killed,
+            "broken_by_reason": stats::broken_by_reason(&records),
+            "per_backend": stats::landed(&records, 0.0, f64::MAX),
+        },
+        "imbalance": (stats::imbalance(&kv_samples) * 1000.0).round() / 1000.0,
+        "affinity_kept": stats::affinity_kept(&records, &faulty),
+        "weight_changes": total_changes,
+        "weight_changes_per_backend": changes,
+        "weight_changes_per_backend_per_10min": (max_changes as f64 * 600.0 / secs).round(),
+        "after_faults": after,
+        "new_sessions_failed_for_ms_after_kill": fired
+            .first()
+            .filter(|_| killed.is_some())
+            .map(|(at, _)| stats::avoided_after_ms(&records, at * 1000.0).round()),
+        "backends": names,
+        "timeline": timeline.iter().map(|s| json!({
+            "t_s": (s.t * 10.0).round() / 10.0,
+            "weight": s.points.iter().map(|p| p.weight).collect::<Vec<_>>(),
+            "state": s.points.iter().map(|p| p.state.clone()).collect::<Vec<_>>(),
+            "kv": s.points.iter().map(|p| p.kv.map(|k| (k * 1000.0).round() / 1000.0)).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "generator_summary": summary,
+    });
+    let title = format!("{} / {}", scenario.name(), policy.name());
+    let timeline_svg = plot::timeline(&title, secs, &names, &timeline, &fired, 100.0);
+    Ok(CellOut {
+        json,
+        ttfts,
+        timeline_svg,
+    })
+}
+
+/// TTFTs of the requests started in `[from_ms, to_ms)`.
+fn window_ttfts(records: &[Record], from_ms: f64, to_ms: f64) -> Vec<f64> {
+    records
+        .iter()
+        .filter(|r| r.start_ms >= from_ms && r.start_ms < to_ms)
+        .filter_map(|r| r.ttft_ms)
+        .collect()
+}
+
+/// The inter-token latency quantiles of the generator's summary (over every gap).
+fn itl(summary: &Value) -> Value {
+    summary["summary"]["itl_ms"].clone()
+}
+
+/// The VIP's backends from the admin API.
+fn backends_json(lab: &DaemonLab) -> Result<Vec<Value>> {
+    let (code, v) = lab.api("GET", &format!("/v1/vips/{VIP}"), None)?;
+    if code != 200 {
+        bail!("GET /v1/vips/{VIP}: {code} {v}");
+    }
+    Ok(v["backends"].as_array().cloned().unwrap_or_default())
+}
+
+/// One timeline sample: weights and states from the daemon, KV use from the accelerators.
+fn sample(lab: &DaemonLab, addrs: &[String], t: f64) -> Sample {
+    let daemon: BTreeMap<String, Value> = backends_json(lab)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|b| Some((b["address"].as_str()?.to_owned(), b)))
+        .collect();
+    let points = addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let b = daemon.get(a);
+            let state = b.and_then(|b| {
+                b["steering"]["state"]
+                    .as_str()
+                    .map(str::to_owned)
+                    .or_else(|| {
+                        Some(
+                            if b["healthy"] == true {
+                                "active"
+                            } else {
+                                "down"
+                            }
+                            .into(),
+                        )
+                    })
+            });
+            let kv = lab
+                .accel_request(i, "GET", "/state", None)
+                .ok()
+                .and_then(|(c, v)| (c == 200).then(|| v["kv_used_fraction"].as_f64()).flatten());
+            Point {
+                weight: b.and_then(|b| b["effective_weight"].as_f64()),
+                state,
+                kv,
+            }
+        })
+        .collect();
+    Sample { t, points }
+}
+
+/// Cells by (scenario, policy).
+fn cells_by_key<'a>(cells: &[&'a Value]) -> BTreeMap<(String, String), &'a Value> {
+    cells
+        .iter()
+        .map(|c| {
+            (
+                (
+                    c["scenario"].as_str().unwrap_or("").to_owned(),
+                    c["policy"].as_str().unwrap_or("").to_owned(),
+                ),
+                *c,
+            )
+        })
+        .collect()
+}
+
+/// The issue's aims, each with the figures behind it and whether it held (absent when the
+/// cells it needs were not run).
+pub fn aims(cells: &BTreeMap<(String, String), &Value>) -> Vec<Value> {
+    let get = |s: &str, p: &str| cells.get(&(s.to_owned(), p.to_owned())).copied();
+    let f = |c: &Value, ptr: &str| c.pointer(ptr).and_then(Value::as_f64);
+    let mut out = Vec::new();
+    let mut aim = |name: String, held: Option<bool>, figures: Value| {
+        if let Some(held) = held {
+            out.push(json!({"aim": name, "held": held, "figures": figures}));
+        }
+    };
+    for s in ["heterogeneous", "throttled", "congested"] {
+        if let (Some(m), Some(a)) = (get(s, "maglev"), get(s, "adaptive")) {
+            let ratio = |ptr| Some(f(a, ptr)? / f(m, ptr)?.max(1e-9));
+            let t = ratio("/ttft_ms/p99");
+            let i = ratio("/itl_ms/p99");
+            let broken = f(a, "/sessions/broken");
+            aim(
+                format!("{s}: adaptive p99 TTFT <= 0.5x maglev"),
+                t.map(|t| t <= 0.5),
+                json!({"ratio": t}),
+            );
+            aim(
+                format!("{s}: adaptive p99 ITL <= 0.7x maglev"),
+                i.map(|i| i <= 0.7),
+                json!({"ratio": i}),
+            );
+            aim(
+                format!("{s}: adaptive 0 broken streams"),
+                broken.map(|b| b == 0.0),
+                json!({"broken": broken}),
+            );
+        }
+    }
+    if let Some(a) = get("dying", "adaptive") {
+        let (b, k) = (
+            f(a, "/sessions/broken"),
+            f(a, "/sessions/broken_on_killed_backend"),
+        );
+        let after = f(a, "/new_sessions_failed_for_ms_after_kill");
+        aim(
+            "dying: only the killed accelerator's streams break".into(),
+            b.zip(k).map(|(b, k)| b == k),
+            json!({"broken": b, "on_killed": k}),
+        );
+        // Default health: interval 1 s, fall 2: (fall + 1) intervals.
+        aim(
+            "dying: new sessions avoid it within interval x (fall + 1) = 3 s".into(),
+            after.map(|ms| ms <= 3000.0),
+            json!({"new_sessions_failed_for_ms": after}),
+        );
+    }
+    if let (Some(m), Some(a)) = (get("healthy", "maglev"), get("healthy", "adaptive")) {
+        let t = f(a, "/ttft_ms/p99")
+            .zip(f(m, "/ttft_ms/p99"))
+            .map(|(a, m)| a / m.max(1e-9));
+        aim(
+            "healthy: adaptive p99 TTFT <= 1.05x maglev".into(),
+            t.map(|t| t <= 1.05),
+            json!({"ratio": t}),
+        );
+        let w = f(a, "/weight_changes_per_backend_per_10min");
+        aim(
+            "healthy: <= 12 weight changes per backend per 10 min".into(),
+            w.map(|w| w <= 12.0),
+            json!({"per_backend_per_10min": w}),
+        );
+    }
+    if let (Some(h), Some(o), Some(m)) = (
+        get("healthy", "adaptive+admission"),
+        get("overload", "adaptive+admission"),
+        get("overload", "maglev"),
+    ) {
+        let i = f(o, "/itl_ms/p99")
+            .zip(f(h, "/itl_ms/p99"))
+            .map(|(o, h)| o / h.max(1e-9));
+        aim(
+            "overload: with admission, p99 ITL <= 1.5x the healthy run's".into(),
+            i.map(|i| i <= 1.5),
+            json!({"ratio": i}),
+        );
+        let g = f(o, "/goodput_tokens_per_s").zip(f(m, "/goodput_tokens_per_s"));
+        aim(
+            "overload: with admission, goodput > maglev's".into(),
+            g.map(|(o, m)| o > m),
+            json!({"admission": g.map(|g| g.0), "maglev": g.map(|g| g.1)}),
+        );
+    }
+    let worst = cells
+        .values()
+        .filter(|c| c["policy"] != "maglev")
+        .filter_map(|c| f(c, "/affinity_kept"))
+        .fold(None, |m: Option<f64>, a| Some(m.map_or(a, |m| m.min(a))));
+    aim(
+        "affinity kept >= 99% of turns whose backend stayed healthy (steered policies)".into(),
+        worst.map(|w| w >= 0.99),
+        json!({"worst": worst}),
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_default_and_check() {
+        let a = Args::parse(&[]).unwrap();
+        assert_eq!((a.scenarios.len(), a.policies.len(), a.backends), (6, 3, 4));
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let a = Args::parse(&s(&[
+            "--scenarios",
+            "throttled",
+            "--policies",
+            "maglev,adaptive",
+            "--duration",
+            "15",
+        ]))
+        .unwrap();
+        assert_eq!(a.scenarios, [Scenario::Throttled]);
+        assert_eq!(a.duration, Duration::from_secs(15));
+        assert!(Args::parse(&s(&["--backends", "9"])).is_err());
+        assert!(Args::parse(&s(&["--duration"])).is_err());
+        assert!(Args::parse(&s(&["--policies", "katran"])).is_err());
+    }
+
+    #[test]
+    fn aims_compare_the_same_scenarios_cells() {
+        let cell = |s: &str, p: &str, ttft: f64, broken: u64| {
+            json!({"scenario": s, "policy": p, "ttft_ms": {"p99": ttft}, "itl_ms": {"p99": 50.0},
+                   "sessions": {"broken": broken, "broken_on_killed_backend": 0},
+                   "affinity_kept": 1.0})
+        };
+        let cells = [
+            cell("throttled", "maglev", 3000.0, 0),
+            cell("throttled", "adaptive", 600.0, 0),
+        ];
+        let refs: Vec<&Value> = cells.iter().collect();
+        let aims = aims(&cells_by_key(&refs));
+        let held: Vec<(String, bool)> = aims
+            .iter()
+            .map(|a| (a["aim"].as_str().unwrap().to_owned(), a["held"] == true))
+            .collect();
+        assert_eq!(
+            held,
+            [
+                (
+                    "throttled: adaptive p99 TTFT <= 0.5x maglev".to_owned(),
+                    true
+                ),
+                (
+                    "throttled: adaptive p99 ITL <= 0.7x maglev".to_owned(),
+                    false
+                ),
+                ("throttled: adaptive 0 broken streams".to_owned(), true),
+                (
+                    "affinity kept >= 99% of turns whose backend stayed healthy (steered policies)"
+                        .to_owned(),
+                    true
+                ),
+            ]
+        );
+    }
+}

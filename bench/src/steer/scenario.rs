@@ -1,0 +1,206 @@
+//! The steer benchmark's scenarios and policies: what each cell offers, which fault it puts
+//! into which accelerator when, and how the daemon is configured.
+
+use anyhow::{bail, Result};
+use serde_json::{json, Value};
+
+/// The accelerator the faults hit (b1: not the first, so nothing depends on ordering).
+pub const FAULTY: usize = 1;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scenario {
+    /// Homogeneous fleet, ~70% of its capacity offered.
+    Healthy,
+    /// One accelerator at half speed from the start.
+    Heterogeneous,
+    /// One accelerator throttled to 0.4x at 1/3 of the run, recovered at 2/3.
+    Throttled,
+    /// One accelerator's fabric congested over the middle third.
+    Congested,
+    /// One accelerator killed at 1/2.
+    Dying,
+    /// Offered load 1.3x the fleet's capacity.
+    Overload,
+}
+
+pub const SCENARIOS: [Scenario; 6] = [
+    Scenario::Healthy,
+    Scenario::Heterogeneous,
+    Scenario::Throttled,
+    Scenario::Congested,
+    Scenario::Dying,
+    Scenario::Overload,
+];
+
+/// A fault put into an accelerator at a fraction of the run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fault {
+    /// 0..1 of the run.
+    pub at: f64,
+    pub backend: usize,
+    /// The body of `POST /fault`.
+    pub body: Value,
+    /// For plots and the summary.
+    pub label: String,
+}
+
+impl Scenario {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scenario::Healthy => "healthy",
+            Scenario::Heterogeneous => "heterogeneous",
+            Scenario::Throttled => "throttled",
+            Scenario::Congested => "congested",
+            Scenario::Dying => "dying",
+            Scenario::Overload => "overload",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Scenario> {
+        match SCENARIOS.iter().find(|c| c.name() == s) {
+            Some(c) => Ok(*c),
+            None => bail!(
+                "unknown scenario {s:?}; known: {}",
+                SCENARIOS.map(Scenario::name).join(", ")
+            ),
+        }
+    }
+
+    /// Offered load as a fraction of the healthy fleet's capacity.
+    pub fn load(self) -> f64 {
+        match self {
+            Scenario::Overload => 1.3,
+            _ => 0.7,
+        }
+    }
+
+    /// `sluice-accel --slow` of the slow accelerator, if any.
+    pub fn slow(self) -> Option<(usize, f64)> {
+        (self == Scenario::Heterogeneous).then_some((FAULTY, 0.5))
+    }
+
+    /// The faults, in time order.
+    pub fn faults(self) -> Vec<Fault> {
+        let f = |at: f64, body: Value, label: &str| Fault {
+            at,
+            backend: FAULTY,
+            body,
+            label: label.to_owned(),
+        };
+        let clear = json!({"kind": "clear"});
+        match self {
+            Scenario::Throttled => vec![
+                f(
+                    1.0 / 3.0,
+                    json!({"kind": "throttle", "factor": 0.4}),
+                    "b1 throttled 0.4x",
+                ),
+                f(2.0 / 3.0, clear, "b1 recovered"),
+            ],
+            Scenario::Congested => vec![
+                f(
+                    1.0 / 3.0,
+                    json!({"kind": "congest", "factor": 0.6}),
+                    "b1 fabric congested",
+                ),
+                f(2.0 / 3.0, clear, "b1 fabric clear"),
+            ],
+            Scenario::Dying => vec![f(0.5, json!({"kind": "kill"}), "b1 killed")],
+            _ => Vec::new(),
+        }
+    }
+
+    /// The accelerator whose streams may break (killed).
+    pub fn killed(self) -> Option<usize> {
+        (self == Scenario::Dying).then_some(FAULTY)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// Plain weighted Maglev with a connection table: no telemetry, no health-driven changes.
+    Maglev,
+    /// Sluice's defaults.
+    Adaptive,
+    /// Defaults plus per-backend session caps and shedding (RST).
+    Admission,
+}
+
+pub const POLICIES: [Policy; 3] = [Policy::Maglev, Policy::Adaptive, Policy::Admission];
+
+impl Policy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Maglev => "maglev",
+            Policy::Adaptive => "adaptive",
+            Policy::Admission => "adaptive+admission",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Policy> {
+        match POLICIES.iter().find(|p| p.name() == s) {
+            Some(p) => Ok(*p),
+            None => bail!(
+                "unknown policy {s:?}; known: {}",
+                POLICIES.map(Policy::name).join(", ")
+            ),
+        }
+    }
+
+    pub fn telemetry(self) -> bool {
+        self != Policy::Maglev
+    }
+
+    /// Configuration keys (section, key, TOML value) over the lab's: the shipped defaults
+    /// for health, telemetry and policy (the lab's fast test timings removed), health checks
+    /// an hour apart for `maglev` (never within a run: no health-driven change), RST
+    /// shedding with admission.
+    pub fn settings(self) -> Vec<(&'static str, &'static str, &'static str)> {
+        match self {
+            Policy::Maglev => vec![
+                ("health", "interval", "\"1h\""),
+                ("health", "timeout", "\"1s\""),
+            ],
+            Policy::Adaptive => Vec::new(),
+            Policy::Admission => vec![("policy", "shed", "\"rst\"")],
+        }
+    }
+
+    /// `max_sessions` per backend (0: no cap).
+    pub fn max_sessions(self, cap: u32) -> u32 {
+        if self == Policy::Admission {
+            cap
+        } else {
+            0
+        }
+    }
+}
+
+/// Splits a comma-separated list and parses each item.
+pub fn list<T>(s: &str, parse: fn(&str) -> Result<T>) -> Result<Vec<T>> {
+    s.split(',').filter(|x| !x.is_empty()).map(parse).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_faults_are_in_order() {
+        for s in SCENARIOS {
+            assert_eq!(Scenario::parse(s.name()).unwrap(), s);
+            let at: Vec<f64> = s.faults().iter().map(|f| f.at).collect();
+            assert!(
+                at.windows(2).all(|w| w[0] < w[1]) && at.iter().all(|a| (0.0..1.0).contains(a))
+            );
+        }
+        for p in POLICIES {
+            assert_eq!(Policy::parse(p.name()).unwrap(), p);
+        }
+        assert!(Scenario::parse("calm").is_err());
+        assert_eq!(
+            list("maglev,adaptive", Policy::parse).unwrap(),
+            [Policy::Maglev, Policy::Adaptive]
+        );
+    }
+}

@@ -1,0 +1,250 @@
+//! A cell's figures from the load generator's per-request records, the sampled timeline and
+//! the daemon's events: pure functions, unit-tested.
+
+use std::collections::BTreeMap;
+
+use serde_json::{json, Value};
+
+/// One request as `sluice-bench tokens --records` writes it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Record {
+    /// Since the run's start.
+    pub start_ms: f64,
+    pub client: String,
+    pub conversation: u64,
+    pub turn: u64,
+    pub backend: Option<String>,
+    pub ttft_ms: Option<f64>,
+    /// `None`: completed.
+    pub broken: Option<String>,
+}
+
+impl Record {
+    pub fn parse(v: &Value) -> Record {
+        let s = |k: &str| v[k].as_str().map(str::to_owned);
+        Record {
+            start_ms: v["start_ms"].as_f64().unwrap_or(0.0),
+            client: s("client").unwrap_or_default(),
+            conversation: v["conversation"].as_u64().unwrap_or(0),
+            turn: v["turn"].as_u64().unwrap_or(0),
+            backend: s("backend").filter(|b| !b.is_empty()),
+            ttft_ms: v["ttft_ms"].as_f64(),
+            broken: s("broken"),
+        }
+    }
+}
+
+/// Nearest-rank percentile (`q` in 0..=100) of an unsorted sample; 0 when empty.
+pub fn percentile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let rank = ((q / 100.0) * s.len() as f64).ceil() as usize;
+    s[rank.clamp(1, s.len()) - 1]
+}
+
+/// TTFTs (ms) of the requests that got a first token.
+pub fn ttfts(records: &[Record]) -> Vec<f64> {
+    records.iter().filter_map(|r| r.ttft_ms).collect()
+}
+
+/// (completed, broken, broken on `killed`).
+pub fn sessions(records: &[Record], killed: Option<&str>) -> (u64, u64, u64) {
+    let broken: Vec<&Record> = records.iter().filter(|r| r.broken.is_some()).collect();
+    let on_killed = broken
+        .iter()
+        .filter(|r| killed.is_some() && r.backend.as_deref() == killed)
+        .count();
+    (
+        (records.len() - broken.len()) as u64,
+        broken.len() as u64,
+        on_killed as u64,
+    )
+}
+
+/// Broken streams by reason.
+pub fn broken_by_reason(records: &[Record]) -> BTreeMap<String, u64> {
+    let mut m = BTreeMap::new();
+    for r in records {
+        if let Some(b) = &r.broken {
+            *m.entry(b.clone()).or_default() += 1;
+        }
+    }
+    m
+}
+
+/// Of the later turns of conversations whose first turn landed on a backend outside
+/// `faulty` (one that stayed healthy), the fraction on the first turn's backend; `None`
+/// when there are none.
+pub fn affinity_kept(records: &[Record], faulty: &[&str]) -> Option<f64> {
+    let mut first: BTreeMap<(&str, u64), &str> = BTreeMap::new();
+    let mut sorted: Vec<&Record> = records.iter().collect();
+    sorted.sort_by_key(|r| (r.conversation, r.turn));
+    let (mut kept, mut total) = (0u64, 0u64);
+    for r in sorted {
+        let Some(b) = r.backend.as_deref() else {
+            continue;
+        };
+        let key = (r.client.as_str(), r.conversation);
+        match first.get(&key) {
+            None => {
+                first.insert(key, b);
+            }
+            Some(f) if !faulty.contains(f) => {
+                total += 1;
+                kept += u64::from(*f == b);
+            }
+            Some(_) => {}
+        }
+    }
+    (total > 0).then(|| kept as f64 / total as f64)
+}
+
+/// Where new sessions went from `from_ms` to `to_ms`: sessions per backend (`"none"`: no
+/// backend answered).
+pub fn landed(records: &[Record], from_ms: f64, to_ms: f64) -> BTreeMap<String, u64> {
+    let mut m = BTreeMap::new();
+    for r in records
+        .iter()
+        .filter(|r| r.start_ms >= from_ms && r.start_ms < to_ms)
+    {
+        let b = r.backend.clone().unwrap_or_else(|| "none".into());
+        *m.entry(b).or_default() += 1;
+    }
+    m
+}
+
+/// After a kill at `at_ms`: how long new sessions still failed (the start of the last
+/// session that found no backend, relative to the kill), in ms; 0 when none did.
+pub fn avoided_after_ms(records: &[Record], at_ms: f64) -> f64 {
+    records
+        .iter()
+        .filter(|r| r.start_ms >= at_ms && r.backend.is_none() && r.broken.is_some())
+        .map(|r| r.start_ms - at_ms)
+        .fold(0.0, f64::max)
+}
+
+/// Mean over samples of max/mean KV use across the backends sampled then (samples whose
+/// mean is 0 are skipped); 1.0 is a perfect balance.
+pub fn imbalance(kv: &[Vec<f64>]) -> f64 {
+    let ratios: Vec<f64> = kv
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| {
+            let mean = s.iter().sum::<f64>() / s.len() as f64;
+            (mean > 0.0).then(|| s.iter().copied().fold(0.0, f64::max) / mean)
+        })
+        .collect();
+    if ratios.is_empty() {
+        return 1.0;
+    }
+    ratios.iter().sum::<f64>() / ratios.len() as f64
+}
+
+/// Weight changes per backend address among the daemon's events at or after `since_ms`.
+pub fn weight_changes(events: &[Value], since_ms: u64) -> BTreeMap<String, u64> {
+    let mut m = BTreeMap::new();
+    for e in events {
+        if e["kind"] == "weight-change" && e["time_ms"].as_u64().unwrap_or(0) >= since_ms {
+            let b = e["backend"].as_str().unwrap_or("?").to_owned();
+            *m.entry(b).or_default() += 1;
+        }
+    }
+    m
+}
+
+/// `{"p50", "p90", "p99", "p99.9"}` of a sample, rounded to 0.1 ms.
+pub fn quantiles(v: &[f64]) -> Value {
+    let r = |x: f64| (x * 10.0).round() / 10.0;
+    json!({
+        "p50": r(percentile(v, 50.0)),
+        "p90": r(percentile(v, 90.0)),
+        "p99": r(percentile(v, 99.0)),
+        "p99.9": r(percentile(v, 99.9)),
+        "n": v.len(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(
+        conv: u64,
+        turn: u64,
+        start_ms: f64,
+        backend: Option<&str>,
+        broken: Option<&str>,
+    ) -> Record {
+        Record {
+            start_ms,
+            client: "10.111.0.160".into(),
+            conversation: conv,
+            turn,
+            backend: backend.map(Into::into),
+            ttft_ms: backend.map(|_| 100.0 + start_ms),
+            broken: broken.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), 50.0);
+        assert_eq!(percentile(&v, 99.0), 99.0);
+        assert_eq!(percentile(&v, 99.9), 100.0);
+        assert_eq!(percentile(&[3.0], 0.0), 3.0);
+        assert_eq!(percentile(&[], 50.0), 0.0);
+    }
+
+    #[test]
+    fn sessions_affinity_and_landing() {
+        let rs = vec![
+            rec(1, 0, 0.0, Some("b0"), None),
+            rec(1, 1, 10.0, Some("b0"), None),
+            rec(1, 2, 20.0, Some("b2"), None),
+            rec(2, 0, 5.0, Some("b1"), None),
+            rec(2, 1, 30.0, Some("b1"), Some("reset")),
+            rec(3, 0, 40.0, None, Some("connect")),
+        ];
+        assert_eq!(sessions(&rs, Some("b1")), (4, 2, 1));
+        assert_eq!(sessions(&rs, None), (4, 2, 0));
+        // Conversation 2 started on the faulty b1: not counted. Conversation 1: 1 of 2 kept.
+        assert_eq!(affinity_kept(&rs, &["b1"]), Some(0.5));
+        assert_eq!(affinity_kept(&rs, &[]), Some(2.0 / 3.0));
+        assert_eq!(
+            landed(&rs, 10.0, 41.0),
+            BTreeMap::from([
+                ("b0".into(), 1),
+                ("b2".into(), 1),
+                ("b1".into(), 1),
+                ("none".into(), 1)
+            ])
+        );
+        assert_eq!(avoided_after_ms(&rs, 25.0), 15.0);
+        assert_eq!(ttfts(&rs).len(), 5);
+        assert_eq!(broken_by_reason(&rs)["connect"], 1);
+    }
+
+    #[test]
+    fn imbalance_is_the_mean_max_over_mean() {
+        assert_eq!(imbalance(&[vec![0.5, 0.5], vec![0.0, 0.0]]), 1.0);
+        assert_eq!(imbalance(&[vec![0.6, 0.2], vec![0.3, 0.3]]), 1.25);
+    }
+
+    #[test]
+    fn weight_changes_count_per_backend_since_the_start() {
+        let ev = vec![
+            json!({"kind": "weight-change", "backend": "10.111.0.12", "time_ms": 5}),
+            json!({"kind": "weight-change", "backend": "10.111.0.12", "time_ms": 15}),
+            json!({"kind": "reroute", "backend": "10.111.0.12", "time_ms": 15}),
+            json!({"kind": "weight-change", "backend": "10.111.0.13", "time_ms": 20}),
+        ];
+        assert_eq!(
+            weight_changes(&ev, 10),
+            BTreeMap::from([("10.111.0.12".into(), 1), ("10.111.0.13".into(), 1)])
+        );
+    }
+}
