@@ -1074,19 +1074,22 @@ fn print_stats(out: &mut dyn Write, v: &Value) -> Result<()> {
 }
 
 fn print_events(out: &mut dyn Write, v: &Value) -> Result<()> {
-    let rows: Vec<Vec<String>> = items(&v["events"])
-        .iter()
-        .map(|e| {
-            vec![
-                e["time_ms"].as_u64().map_or_else(|| "-".into(), timestamp),
-                cell(&e["kind"]),
-                cell(&e["vip"]),
-                cell(&e["backend"]),
-                cell(&e["reason"]),
-            ]
-        })
-        .collect();
-    table(out, &["TIME", "KIND", "VIP", "BACKEND", "REASON"], &rows)
+    let rows: Vec<Vec<String>> = items(&v["events"]).iter().map(event_row).collect();
+    table(out, &EVENT_COLUMNS, &rows)
+}
+
+/// The columns of an event listing ([`event_row`]).
+pub(crate) const EVENT_COLUMNS: [&str; 5] = ["TIME", "KIND", "VIP", "BACKEND", "REASON"];
+
+/// One event of the daemon's event log as a table row.
+pub(crate) fn event_row(e: &Value) -> Vec<String> {
+    vec![
+        e["time_ms"].as_u64().map_or_else(|| "-".into(), timestamp),
+        cell(&e["kind"]),
+        cell(&e["vip"]),
+        cell(&e["backend"]),
+        cell(&e["reason"]),
+    ]
 }
 
 #[cfg(test)]

@@ -59,6 +59,46 @@ pub fn config_text(vips: &[IpAddr], bpffs: &Path) -> String {
     )
 }
 
+/// Starts `<prefix> sluice <args> --config <config>` in `ns` as its systemd unit would: in
+/// the namespace through nsenter, readiness over `notify`'s `$NOTIFY_SOCKET`, output to `log`,
+/// in its own process group; it dies with the test thread that started it.
+pub fn spawn_as_unit(
+    ns: &Netns,
+    prefix: &[String],
+    sluice: &Path,
+    args: &[&str],
+    config: &Path,
+    notify: &NotifySocket,
+    log: File,
+) -> Result<Child> {
+    let mut cmd = Command::new(tool("nsenter")?);
+    cmd.arg(format!("--net={}", ns.path().display()))
+        .arg("--")
+        .args(prefix)
+        .arg(sluice)
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .env("NOTIFY_SOCKET", &notify.path)
+        .env("NO_COLOR", "1")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0);
+    // SAFETY: prctl is async-signal-safe; nsenter (and setpriv) exec in the same process,
+    // which keeps the signal: the daemon dies with the test thread that started it.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(cmd.spawn()?)
+}
+
 /// The lab's side of systemd's readiness protocol: a datagram socket whose path a daemon
 /// gets as `$NOTIFY_SOCKET`. Removed when dropped.
 pub struct NotifySocket {
@@ -152,33 +192,17 @@ impl BackendHost {
         self.starts += 1;
         let log =
             File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
-        let mut cmd = Command::new(tool("nsenter")?);
-        cmd.arg(format!("--net={}", self.ns.path().display()))
-            .arg("--")
-            .args(&self.prefix)
-            .arg(&self.sluice)
-            .args(["backend-host", "run", "--config"])
-            .arg(&self.config)
-            .env("NOTIFY_SOCKET", &notify.path)
-            .env("NO_COLOR", "1")
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .process_group(0);
-        // SAFETY: prctl is async-signal-safe; nsenter (and setpriv) exec in the same process,
-        // which keeps the signal: the daemon dies with the test thread that started it.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
         self.child = Some(
-            cmd.spawn()
-                .context("starting the backend host with nsenter")?,
+            spawn_as_unit(
+                &self.ns,
+                &self.prefix,
+                &self.sluice,
+                &["backend-host", "run"],
+                &self.config,
+                &notify,
+                log,
+            )
+            .context("starting the backend host with nsenter")?,
         );
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {

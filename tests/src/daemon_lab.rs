@@ -32,9 +32,8 @@ use std::{
     fs::{self, File},
     io::{Read, Write},
     net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream},
-    os::unix::process::CommandExt,
     path::{Path, PathBuf},
-    process::{Child, Command, ExitStatus, Stdio},
+    process::{Child, Command, ExitStatus},
     sync::{
         atomic::{AtomicUsize, Ordering},
         OnceLock,
@@ -48,7 +47,7 @@ use serde_json::Value;
 use sluice::{client::Client, dataplane::remove_pinned};
 
 use crate::{
-    backend_host::{start_all, BackendHost, NotifySocket},
+    backend_host::{spawn_as_unit, start_all, BackendHost, NotifySocket},
     netns::{
         mac_string, run_output, switch_port, tool, CmdOutput, ProcId, Topology, TopologySpec, DEV,
         ENCAP_SRC_V4, ENCAP_SRC_V6, PREFIX_LEN_V4, SEED, TCP_PORT, VIP4, VIP6,
@@ -775,31 +774,16 @@ impl DaemonLab {
             File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
         // The daemon's readiness, as a Type=notify unit reports it.
         let mut notify = NotifySocket::bind(self.dir.join("notify-lb.sock"))?;
-        let mut cmd = Command::new(tool("nsenter")?);
-        cmd.arg(format!("--net={}", self.topo.lb.ns.path().display()))
-            .arg("--")
-            .args(&self.opts.prefix)
-            .arg(&self.sluice)
-            .args(["run", "--config"])
-            .arg(&self.config)
-            .env("NOTIFY_SOCKET", &notify.path)
-            .env("NO_COLOR", "1")
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .process_group(0);
-        // SAFETY: prctl is async-signal-safe. nsenter execs the daemon in the same process,
-        // which keeps the signal: the daemon dies with the test thread that started it.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let child = cmd.spawn().context("starting the daemon with nsenter")?;
+        let child = spawn_as_unit(
+            &self.topo.lb.ns,
+            &self.opts.prefix,
+            &self.sluice,
+            &["run"],
+            &self.config,
+            &notify,
+            log,
+        )
+        .context("starting the daemon with nsenter")?;
         self.daemon = Some(child);
         let deadline = Instant::now() + START_TIMEOUT;
         loop {

@@ -11,7 +11,7 @@ use std::{
 use anyhow::{bail, Result};
 use serde_json::Value;
 
-use super::{cell, items, table, timestamp};
+use super::{cell, event_row, items, table, EVENT_COLUMNS};
 use crate::client::{path_segment, Client};
 
 /// Cursor home, then the frame, then clear to the end of the screen: no flicker, no
@@ -192,17 +192,9 @@ pub(super) fn render_top(
         .iter()
         .rev()
         .take(events)
-        .map(|e| {
-            vec![
-                e["time_ms"].as_u64().map_or_else(|| "-".into(), timestamp),
-                cell(&e["kind"]),
-                cell(&e["vip"]),
-                cell(&e["backend"]),
-                cell(&e["reason"]),
-            ]
-        })
+        .map(event_row)
         .collect();
-    table(out, &["TIME", "KIND", "VIP", "BACKEND", "REASON"], &recent)
+    table(out, &EVENT_COLUMNS, &recent)
 }
 
 #[cfg(test)]
