@@ -59,6 +59,32 @@ pub fn config_text(vips: &[IpAddr], bpffs: &Path) -> String {
     )
 }
 
+/// Sends `sig` to the daemon in `child` (`what` names it in errors) and waits until it exits
+/// (at most `timeout`); the slot is emptied once it has.
+pub fn signal_and_wait(
+    child: &mut Option<Child>,
+    what: &str,
+    sig: i32,
+    timeout: Duration,
+) -> Result<ExitStatus> {
+    let c = child
+        .as_mut()
+        .ok_or_else(|| anyhow!("{what} is not running"))?;
+    // SAFETY: a plain kill(2) of our own child.
+    unsafe { libc::kill(c.id() as i32, sig) };
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(s) = c.try_wait()? {
+            *child = None;
+            return Ok(s);
+        }
+        if Instant::now() >= deadline {
+            bail!("{what} did not exit within {timeout:?} of signal {sig}");
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Starts `<prefix> sluice <args> --config <config>` in `ns` as its systemd unit would: in
 /// the namespace through nsenter, readiness over `notify`'s `$NOTIFY_SOCKET`, output to `log`,
 /// in its own process group; it dies with the test thread that started it.
@@ -260,23 +286,8 @@ impl BackendHost {
     }
 
     fn signal_and_wait(&mut self, sig: i32, timeout: Duration) -> Result<ExitStatus> {
-        let child = self
-            .child
-            .as_mut()
-            .ok_or_else(|| anyhow!("the backend host of {} is not running", self.name))?;
-        // SAFETY: a plain kill(2) of our own child.
-        unsafe { libc::kill(child.id() as i32, sig) };
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(s) = child.try_wait()? {
-                self.child = None;
-                return Ok(s);
-            }
-            if Instant::now() >= deadline {
-                bail!("the backend host did not exit within {timeout:?} of signal {sig}");
-            }
-            thread::sleep(Duration::from_millis(10));
-        }
+        let what = format!("the backend host of {}", self.name);
+        signal_and_wait(&mut self.child, &what, sig, timeout)
     }
 
     /// A crash: SIGKILL, and wait until the process is gone.

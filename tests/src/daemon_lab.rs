@@ -47,7 +47,7 @@ use serde_json::Value;
 use sluice::{client::Client, dataplane::remove_pinned};
 
 use crate::{
-    backend_host::{spawn_as_unit, start_all, BackendHost, NotifySocket},
+    backend_host::{signal_and_wait, spawn_as_unit, start_all, BackendHost, NotifySocket},
     netns::{
         mac_string, run_output, switch_port, tool, CmdOutput, ProcId, Topology, TopologySpec, DEV,
         ENCAP_SRC_V4, ENCAP_SRC_V6, PREFIX_LEN_V4, SEED, TCP_PORT, VIP4, VIP6,
@@ -832,23 +832,7 @@ impl DaemonLab {
     }
 
     fn signal_and_wait(&mut self, sig: i32, timeout: Duration) -> Result<ExitStatus> {
-        let child = self
-            .daemon
-            .as_mut()
-            .ok_or_else(|| anyhow!("the daemon is not running"))?;
-        // SAFETY: a plain kill(2) of our own child.
-        unsafe { libc::kill(child.id() as i32, sig) };
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(s) = child.try_wait()? {
-                self.daemon = None;
-                return Ok(s);
-            }
-            if Instant::now() >= deadline {
-                bail!("the daemon did not exit within {timeout:?} of signal {sig}");
-            }
-            thread::sleep(Duration::from_millis(10));
-        }
+        signal_and_wait(&mut self.daemon, "the daemon", sig, timeout)
     }
 
     /// SIGHUP: the daemon re-reads its configuration file.
