@@ -11,8 +11,11 @@
 //! - `reads`: `sluice backend list`, a `/metrics` scrape and a policy step with a full
 //!   connection table, and the daemon's CPU use at one scrape per second.
 //! - `steer`: adaptive steering against plain Maglev on simulated accelerators (`steer/`).
+//! - `history`: ring-slot owner changes when the steer runs' weights are published, and the
+//!   share of streams each second-chance history depth would lose (`history.rs`).
 
 mod failover;
+mod history;
 mod maglev;
 mod reads;
 mod report;
@@ -27,7 +30,7 @@ fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let Some(name) = args.next() else {
         eprintln!(
-            "usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover, reads, tokens, steer"
+            "usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover, reads, tokens, steer, history"
         );
         return ExitCode::from(2);
     };
@@ -39,9 +42,10 @@ fn main() -> ExitCode {
         "reads" => reads::main(&args),
         "tokens" => tokens::main(&args),
         "steer" => steer::main(&args),
+        "history" => history::main(&args),
         _ => {
             eprintln!(
-                "unknown benchmark: {name} (known: xdp, maglev, failover, reads, tokens, steer)"
+                "unknown benchmark: {name} (known: xdp, maglev, failover, reads, tokens, steer, history)"
             );
             return ExitCode::from(2);
         }

@@ -4,7 +4,7 @@ use std::{collections::BTreeMap, fmt::Write as _};
 
 use serde_json::{json, Value};
 
-use crate::xdp::{case, CaseDef, CaseResult, Variant, CASES};
+use crate::xdp::{case, CaseDef, CaseId, CaseResult, Variant, CASES};
 
 /// Median, minimum and 90th percentile (nearest rank) of a sample.
 #[derive(Clone, Copy, Debug)]
@@ -212,6 +212,32 @@ impl Report {
                 r.def.katran_net_ns.unwrap_or(f64::NAN),
                 (nk + KATRAN_BASELINE_NS) / KATRAN_BASELINE_NS,
             );
+        }
+        println!(
+            "\nsecond chance against table mode, same run (net kernel ns; second chance / table):"
+        );
+        let pairs = [
+            (CaseId::Established, CaseId::ScEstablished),
+            (CaseId::SynNew, CaseId::ScSynNew),
+            (CaseId::Established200k, CaseId::ScEstablished200k),
+            (CaseId::EstablishedV6, CaseId::ScEstablishedV6),
+        ];
+        for &v in &self.variants {
+            for (t, sc) in pairs {
+                let net = |id| {
+                    self.rows_of(v)
+                        .find(|r| r.def.id == id)
+                        .and_then(|r| r.net_kernel)
+                };
+                if let (Some(t), Some(s)) = (net(t), net(sc)) {
+                    println!(
+                        "  [{:<8}] {:<36} table {t:>6.1}  second chance {s:>6.1}  {:.2}x",
+                        v.name(),
+                        case(sc).label,
+                        s / t
+                    );
+                }
+            }
         }
     }
 
@@ -437,6 +463,9 @@ fn path_summary(r: &Row) -> String {
         "tx",
         "redirect",
         "pass_not_vip",
+        "second_chance_steered",
+        "decap_ok",
+        "decap_second_hop",
     ];
     let parts: Vec<String> = keys
         .iter()

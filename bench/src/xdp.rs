@@ -35,12 +35,12 @@ use aya::{
 };
 use lb_common::{
     stat, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
-    BACKEND_ACTIVE, CONN_TABLE_SIZE, FAMILY_V4, PROTO_TCP,
+    BACKEND_ACTIVE, BACKEND_F_GUE, CONN_TABLE_SIZE, FAMILY_V4, PROTO_TCP, VIP_F_SECOND_CHANCE,
 };
 use serde_json::{json, Value};
 use sluice::{
     addr::to_words,
-    dataplane::{Dataplane, LoadOptions, PROG_PASS, PROG_XDP},
+    dataplane::{Dataplane, LoadOptions, PROG_DECAP, PROG_PASS, PROG_XDP},
     maglev::{self, MaglevBackend},
     object::BPF_OBJECT,
 };
@@ -249,6 +249,15 @@ pub enum CaseId {
     NonVip,
     Established1500,
     EstablishedV6,
+    /// Second-chance VIPs: the same traffic steered by the ring alone (GUE to the backend).
+    ScSynNew,
+    ScEstablished,
+    ScEstablished200k,
+    ScEstablishedV6,
+    /// The backend program (`sluice_decap`) on the LB's GUE output, and its baseline.
+    PassGue,
+    BackendSocket,
+    BackendForward,
 }
 
 /// Which loaded data plane (and so which conn table) a case runs against.
@@ -261,6 +270,9 @@ enum Dp {
     New = 1,
     /// New flows into a small table kept full: every insert evicts.
     Full = 2,
+    /// Second-chance VIPs and GUE backends whose every ring slot names a previous owner (the
+    /// most work: each packet carries a second-hop address); also the backend-program cases.
+    Sc = 3,
 }
 
 pub struct CaseDef {
@@ -388,7 +400,88 @@ pub const CASES: &[CaseDef] = &[
         katran_net_ns: None,
         headline: false,
     },
+    sc_case(
+        CaseId::ScSynNew,
+        "sc_syn_new_flow",
+        "second chance: SYN, new flow",
+    ),
+    sc_case(
+        CaseId::ScEstablished,
+        "sc_established",
+        "second chance: established",
+    ),
+    sc_case(
+        CaseId::ScEstablished200k,
+        "sc_established_many",
+        "second chance: cycling N flows",
+    ),
+    sc_case(
+        CaseId::ScEstablishedV6,
+        "sc_established_v6",
+        "second chance: IPv6",
+    ),
+    CaseDef {
+        id: CaseId::PassGue,
+        key: "pass_gue",
+        label: "baseline sluice_pass, GUE frame",
+        dp: Dp::Sc,
+        prog: PROG_PASS,
+        baseline: None,
+        aim: None,
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
+    },
+    backend_case(
+        CaseId::BackendSocket,
+        "backend_socket_found",
+        "backend: socket here, decap",
+    ),
+    backend_case(
+        CaseId::BackendForward,
+        "backend_forwarded",
+        "backend: no socket, passed on",
+    ),
 ];
+
+const fn sc_case(id: CaseId, key: &'static str, label: &'static str) -> CaseDef {
+    CaseDef {
+        id,
+        key,
+        label,
+        dp: Dp::Sc,
+        prog: PROG_XDP,
+        baseline: Some(CaseId::Pass),
+        aim: None,
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
+    }
+}
+
+/// A case of the backend program. Its frames are the LB's GUE output and it looks up
+/// sockets and next hops in the `fib` namespace, so it runs in that variant only.
+const fn backend_case(id: CaseId, key: &'static str, label: &'static str) -> CaseDef {
+    CaseDef {
+        id,
+        key,
+        label,
+        dp: Dp::Sc,
+        prog: PROG_DECAP,
+        baseline: Some(CaseId::PassGue),
+        aim: None,
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
+    }
+}
+
+fn fib_only(id: CaseId) -> bool {
+    matches!(
+        id,
+        CaseId::PassGue | CaseId::BackendSocket | CaseId::BackendForward
+    )
+}
 
 pub fn case(id: CaseId) -> &'static CaseDef {
     CASES
@@ -399,7 +492,11 @@ pub fn case(id: CaseId) -> &'static CaseDef {
 
 fn expected_action(id: CaseId, v: Variant) -> u32 {
     match id {
-        CaseId::Pass | CaseId::Pass1500 | CaseId::NonVip => XDP_PASS,
+        CaseId::Pass
+        | CaseId::Pass1500
+        | CaseId::PassGue
+        | CaseId::NonVip
+        | CaseId::BackendSocket => XDP_PASS,
         _ => v.steered_action(),
     }
 }
@@ -525,7 +622,16 @@ fn config() -> LbConfig {
     }
 }
 
-fn add_vip(dp: &mut Dataplane, id: u32, addr: &str, backends: &[(u32, &str)]) -> Result<()> {
+/// Adds a VIP with `backends`. A second-chance VIP's backends run the backend program
+/// (GUE), and its ring is published twice, the second table moving every slot to the next
+/// backend, so every slot names a previous owner and every packet carries one.
+fn add_vip(
+    dp: &mut Dataplane,
+    id: u32,
+    addr: &str,
+    backends: &[(u32, &str)],
+    second_chance: bool,
+) -> Result<()> {
     let (a, family) = to_words(addr.parse()?);
     let key = VipKey {
         addr: a,
@@ -535,7 +641,11 @@ fn add_vip(dp: &mut Dataplane, id: u32, addr: &str, backends: &[(u32, &str)]) ->
     };
     let meta = VipMeta {
         id,
-        flags: 0,
+        flags: if second_chance {
+            VIP_F_SECOND_CHANCE
+        } else {
+            0
+        },
         ring_size: RING,
         active_ring: 0,
         affinity_secs: 0,
@@ -549,6 +659,7 @@ fn add_vip(dp: &mut Dataplane, id: u32, addr: &str, backends: &[(u32, &str)]) ->
                 addr: ba,
                 family: bf,
                 state: BACKEND_ACTIVE,
+                flags: if second_chance { BACKEND_F_GUE } else { 0 },
                 vip: id,
                 ..Default::default()
             },
@@ -563,13 +674,25 @@ fn add_vip(dp: &mut Dataplane, id: u32, addr: &str, backends: &[(u32, &str)]) ->
         })
         .collect();
     let table = maglev::build(&mb, RING, SEED).map_err(|e| anyhow!("maglev: {e:?}"))?;
+    if second_chance {
+        let ids: Vec<u32> = backends.iter().map(|(id, _)| *id).collect();
+        let rotated: Vec<u32> = table
+            .iter()
+            .map(|b| {
+                let i = ids.iter().position(|x| x == b).expect("a table backend");
+                ids[(i + 1) % ids.len()]
+            })
+            .collect();
+        dp.publish(&key, meta, &rotated)?;
+    }
     dp.publish(&key, meta, &table)?;
     Ok(())
 }
 
 /// Loads one data plane with the benchmark's VIPs (IPv4 and IPv6, 4 backends each, full
-/// 65537-slot Maglev rings) and a conn table of `conn_table_size`.
-fn load_dp(object: &[u8], conn_table_size: u32) -> Result<Dataplane> {
+/// 65537-slot Maglev rings, in table or second-chance mode) and a conn table of
+/// `conn_table_size`.
+fn load_dp(object: &[u8], conn_table_size: u32, second_chance: bool) -> Result<Dataplane> {
     let opts = LoadOptions {
         conn_table_size,
         affinity_table_size: AFFINITY_TABLE_SIZE,
@@ -578,8 +701,8 @@ fn load_dp(object: &[u8], conn_table_size: u32) -> Result<Dataplane> {
     };
     let mut dp = Dataplane::load(object, &opts).context("loading the data plane")?;
     dp.set_config(&config())?;
-    add_vip(&mut dp, 0, VIP4, &BACKENDS4)?;
-    add_vip(&mut dp, 1, VIP6, &BACKENDS6)?;
+    add_vip(&mut dp, 0, VIP4, &BACKENDS4, second_chance)?;
+    add_vip(&mut dp, 1, VIP6, &BACKENDS6, second_chance)?;
     Ok(dp)
 }
 
@@ -805,9 +928,11 @@ pub fn main(args: &[String]) -> Result<()> {
     };
     let object: &[u8] = external.as_deref().unwrap_or(BPF_OBJECT);
     let mut dps = [
-        load_dp(object, opts.conn_table)?,
-        load_dp(object, opts.conn_table)?,
-        load_dp(object, full_size)?,
+        load_dp(object, opts.conn_table, false)?,
+        load_dp(object, opts.conn_table, false)?,
+        load_dp(object, full_size, false)?,
+        // Second chance keeps no TCP flows: the smallest table.
+        load_dp(object, full_size, true)?,
     ];
     // The devmap resolves ifindexes in the writer's namespace: write it from `fib`.
     sys::enter_netns(&ns_fib)?;
@@ -816,7 +941,7 @@ pub fn main(args: &[String]) -> Result<()> {
     }
     sys::enter_netns(&ns_fallback)?;
     println!(
-        "loaded 3 data planes (conn tables {}, {}, {full_size}) in {:.2} s",
+        "loaded 4 data planes (conn tables {}, {}, {full_size}, second chance) in {:.2} s",
         opts.conn_table,
         opts.conn_table,
         t.elapsed().as_secs_f64()
@@ -964,6 +1089,52 @@ pub fn main(args: &[String]) -> Result<()> {
         mtu_check = json!([at1500, at9000]);
     }
 
+    // The backend program's frames: the LB's own GUE output (second-chance data plane, `fib`
+    // namespace) for a flow whose connection is on this host, and for one whose is not (only
+    // the VIP's listener is here and the ACK carries no cookie of its, so it is passed on to
+    // the previous owner the LB named). The sockets live until the end of the run.
+    let mut backend = None;
+    if opts.variants.contains(&Variant::Fib) {
+        enter_variant(&ns_fib, &mut dps)?;
+        sys::sh(&format!("ip addr add {VIP4}/32 dev lo"))?;
+        let listener = std::net::TcpListener::bind((VIP4, VIP_PORT))?;
+        let client = std::net::TcpStream::connect((VIP4, VIP_PORT))?;
+        let (server, _) = listener.accept()?;
+        let c = client.local_addr()?;
+        let dp = &mut dps[Dp::Sc as usize];
+        let mut gue = |inner: &[u8]| -> Result<Vec<u8>> {
+            let (a, len) = run_once(dp, PROG_XDP, inner, &mut out)?;
+            let f = out[..len].to_vec();
+            // UDP to the GUE port, and a previous backend named.
+            if a != XDP_REDIRECT || f[23] != 17 || f[36..38] != lb_common::GUE_PORT.to_be_bytes() {
+                bail!("the second-chance LB did not send GUE: action {a}, {len} B");
+            }
+            if f[50..54] == [0; 4] {
+                bail!("the LB's GUE names no previous backend");
+            }
+            Ok(f)
+        };
+        let here = gue(&v4_tcp_frame(
+            &c.ip().to_string(),
+            c.port(),
+            VIP4,
+            VIP_PORT,
+            ACK,
+            b"",
+        ))?;
+        let elsewhere = gue(&ack4)?;
+        for (f, want, what) in [
+            (&here, XDP_PASS, "a packet of a connection here"),
+            (&elsewhere, XDP_REDIRECT, "a packet without a socket here"),
+        ] {
+            let (a, _) = run_once(dp, PROG_DECAP, f, &mut out)?;
+            if a != want {
+                bail!("backend program on {what}: action {a}, expected {want}");
+            }
+        }
+        backend = Some((here, elsewhere, (listener, client, server)));
+    }
+
     // The measured cases.
     let mut sources: Vec<(CaseId, Frames)> = vec![
         (CaseId::Pass, Frames::Fixed(ack4.clone())),
@@ -997,13 +1168,40 @@ pub fn main(args: &[String]) -> Result<()> {
         (CaseId::NonVip, Frames::Fixed(non_vip.clone())),
         (CaseId::Established1500, Frames::Fixed(data1500.clone())),
         (CaseId::EstablishedV6, Frames::Fixed(ack6.clone())),
+        (
+            CaseId::ScSynNew,
+            Frames::Fresh {
+                frame: syn_tpl.clone(),
+                block: BLOCK_SYN,
+                next: 0,
+            },
+        ),
+        (CaseId::ScEstablished, Frames::Fixed(ack4.clone())),
+        (
+            CaseId::ScEstablished200k,
+            Frames::Cycle {
+                frame: many_tpl.clone(),
+                block: BLOCK_MANY,
+                next: 0,
+                count: opts.flows as u64,
+            },
+        ),
+        (CaseId::ScEstablishedV6, Frames::Fixed(ack6.clone())),
     ];
+    if let Some((here, elsewhere, _)) = &backend {
+        sources.push((CaseId::PassGue, Frames::Fixed(elsewhere.clone())));
+        sources.push((CaseId::BackendSocket, Frames::Fixed(here.clone())));
+        sources.push((CaseId::BackendForward, Frames::Fixed(elsewhere.clone())));
+    }
     if let Some(only) = &opts.cases {
         sources.retain(|(id, _)| case(*id).baseline.is_none() || only.contains(id));
     }
     let mut results: Vec<CaseResult> = Vec::new();
     for &v in &opts.variants {
         for (id, f) in &sources {
+            if v == Variant::Fallback && fib_only(*id) {
+                continue;
+            }
             results.push(CaseResult {
                 variant: v,
                 id: *id,
@@ -1173,6 +1371,8 @@ pub fn main(args: &[String]) -> Result<()> {
             "fib_egress_mtu": FIB_MTU,
             "mtu_check_1514B_frame_fib_netns": mtu_check,
             "vips": "IPv4 10.200.0.1:443/tcp and IPv6 fd00:200::1:443/tcp, 4 backends each, 65537-slot Maglev rings, no affinity, flood guard off",
+            "second_chance": "sc_* cases: the same VIPs with flow_state second-chance on a fourth data plane, backends marked as running the backend program (GUE); the ring was published twice, the second table moving every slot, so every packet's GUE names a previous backend (the most work). No conn-table lookup or insert for TCP",
+            "backend": "backend_* cases (fib variant only): sluice_decap on the second-chance LB's GUE output, in the fib namespace with the VIP on lo: backend_socket_found carries an ACK of a TCP connection open on that host (bpf_skc_lookup_tcp finds it: decap, XDP_PASS); backend_forwarded an ACK for which only the VIP's listener is there (SYN-cookie check fails) and is readdressed to the previous backend (FIB lookup, XDP_REDIRECT). Baseline pass_gue: sluice_pass on the same GUE frame",
             "frames": "untagged Ethernet; TCP without options; 54 B (IPv4), 74 B (IPv6), 1514 B (IPv4, 1460 B payload)",
         },
         "elapsed_s": started.elapsed().as_secs_f64(),

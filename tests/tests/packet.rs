@@ -1585,6 +1585,215 @@ fn backend_never_passes_on_a_syn_and_counts_a_missing_socket_with_no_previous_ba
     assert_eq!(lab.stat(stat::DECAP_OK), 2);
 }
 
+/// A raw IPv4 TCP socket in the test's namespace: sends hand-made IPv4/TCP packets (any
+/// source address) and reads the TCP segments the host receives, each read bounded.
+struct RawTcp(std::os::fd::OwnedFd);
+
+impl RawTcp {
+    fn open() -> RawTcp {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_TCP) };
+        assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let tv = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 200_000,
+        };
+        let rc = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                &tv as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::timeval>() as u32,
+            )
+        };
+        assert_eq!(rc, 0, "SO_RCVTIMEO: {}", std::io::Error::last_os_error());
+        let on: libc::c_int = 1;
+        let rc = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::IPPROTO_IP,
+                libc::IP_HDRINCL,
+                &on as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as u32,
+            )
+        };
+        assert_eq!(rc, 0, "IP_HDRINCL: {}", std::io::Error::last_os_error());
+        RawTcp(fd)
+    }
+
+    /// Sends an IPv4 packet to its destination address.
+    fn send(&self, packet: &[u8]) {
+        use std::os::fd::AsRawFd;
+        let sa = libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: 0,
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_ne_bytes(packet[16..20].try_into().unwrap()),
+            },
+            sin_zero: [0; 8],
+        };
+        let n = unsafe {
+            libc::sendto(
+                self.0.as_raw_fd(),
+                packet.as_ptr() as *const libc::c_void,
+                packet.len(),
+                0,
+                &sa as *const _ as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_in>() as u32,
+            )
+        };
+        assert_eq!(
+            n,
+            packet.len() as isize,
+            "sendto: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+
+    /// The TCP header of the first segment from port `from` to port `to` with `flags` set
+    /// that the host receives within 2 s; fails naming the segments seen instead.
+    fn wait_for(&self, from: u16, to: u16, flags: u8) -> Vec<u8> {
+        use std::os::fd::AsRawFd;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 2048];
+        while std::time::Instant::now() < deadline {
+            let n = unsafe {
+                libc::recv(
+                    self.0.as_raw_fd(),
+                    buf.as_mut_ptr() as *mut libc::c_void,
+                    buf.len(),
+                    0,
+                )
+            };
+            if n < 20 {
+                continue;
+            }
+            let ihl = (buf[0] & 0x0f) as usize * 4;
+            let t = &buf[ihl..n as usize];
+            let (sp, dp) = (
+                u16::from_be_bytes([t[0], t[1]]),
+                u16::from_be_bytes([t[2], t[3]]),
+            );
+            if sp == from && dp == to && t[13] & flags == flags {
+                return t[..20].to_vec();
+            }
+            seen.push(format!("{sp}->{dp} flags {:#04x}", t[13]));
+        }
+        panic!("no segment {from}->{to} with flags {flags:#04x} within 2 s; seen: {seen:?}");
+    }
+}
+
+/// An IPv4/TCP packet `src`:`sport` -> `dst`:`dport` without payload, checksummed.
+fn tcp_packet(
+    (src, sport): (&str, u16),
+    (dst, dport): (&str, u16),
+    seq: u32,
+    ack: u32,
+    flags: u8,
+) -> Vec<u8> {
+    let mut t = tcp(sport, dport, flags, b"");
+    t[4..8].copy_from_slice(&seq.to_be_bytes());
+    t[8..12].copy_from_slice(&ack.to_be_bytes());
+    let (s4, d4): (std::net::Ipv4Addr, std::net::Ipv4Addr) =
+        (src.parse().unwrap(), dst.parse().unwrap());
+    let mut pseudo = [s4.octets(), d4.octets()].concat();
+    pseudo.extend_from_slice(&[0, PROTO_TCP, 0, t.len() as u8]);
+    pseudo.extend_from_slice(&t);
+    t[16..18].copy_from_slice(&csum(&pseudo).to_be_bytes());
+    V4::new(src, dst, PROTO_TCP).build(&t)
+}
+
+fn sysctl(setting: &str) {
+    let ok = std::process::Command::new("sysctl")
+        .args(["-qw", setting])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "sysctl -w {setting}");
+}
+
+/// The handshake's last ACK of a connection opened with a SYN cookie: no socket but the
+/// listener exists for it, and only the cookie (checked by `bpf_tcp_check_syncookie`) tells
+/// that it is this host's. With the right cookie it is delivered; with a wrong one it is
+/// another host's and passed on.
+#[test]
+fn backend_delivers_the_last_ack_of_a_syn_cookie_handshake_and_passes_on_a_wrong_cookie() {
+    let (mut lab, _l, _c, _cport, sport) = backend_host();
+    // Cookies for every SYN, in this test's namespace only: the SYN leaves no request socket.
+    sysctl("net.ipv4.tcp_syncookies=2");
+    let raw = RawTcp::open();
+    let (cport, isn) = (40123, 7000);
+    let (client, server) = (("127.0.0.1", cport), ("127.0.0.1", sport));
+    raw.send(&tcp_packet(client, server, isn, 0, SYN));
+    let synack = raw.wait_for(sport, cport, SYN | ACK);
+    let cookie = u32::from_be_bytes(synack[4..8].try_into().unwrap());
+    let inner = |ack: u32| tcp_packet(client, server, isn + 1, ack, ACK);
+    let good = inner(cookie.wrapping_add(1));
+    let (a, out) = decap_run(&mut lab, &from_lb(&good, Some("10.1.0.2"), 0));
+    assert_eq!(a, XDP_PASS, "the cookie is this host's: delivered");
+    assert_eq!(out, eth([0x02, 0, 0, 0, 0x0b, 0x01], LB_MAC, ETH_IP, &good));
+    assert_eq!(lab.stat(stat::DECAP_OK), 1);
+    assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 0);
+    // (Its low bits encode the MSS: only a change above them makes a cookie invalid.)
+    let bad = inner(cookie.wrapping_add(1) ^ 0x00ff_0000);
+    let (a, _) = decap_run(&mut lab, &from_lb(&bad, Some("10.1.0.2"), 0));
+    assert_eq!(a, XDP_REDIRECT, "a cookie not of this host: passed on");
+    assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 1);
+    assert_eq!(lab.stat(stat::DECAP_OK), 1);
+}
+
+/// The handshake's last ACK while the connection is a request socket (the SYN answered, the
+/// ACK not yet seen) is this host's, whatever its numbers; an ACK of another client is not.
+#[test]
+fn backend_delivers_the_last_ack_to_a_request_socket() {
+    let (mut lab, _l, _c, _cport, _sport) = backend_host();
+    sysctl("net.ipv4.tcp_syncookies=0");
+    // A listener on the segment's address, and a client beyond a route through the (silent)
+    // previous backend: the SYN-ACK leaves, no RST comes back, the request socket stays.
+    let listener = std::net::TcpListener::bind("10.1.0.254:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let ok = std::process::Command::new("ip")
+        .args(["route", "add", "10.5.5.0/24", "via", "10.1.0.2"])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "ip route add 10.5.5.0/24 via 10.1.0.2");
+    let server = ("10.1.0.254", port);
+    RawTcp::open().send(&tcp_packet(("10.5.5.5", 40124), server, 9000, 0, SYN));
+    // Bounded wait for the request socket (state 03, SYN_RECV, in this thread's namespace).
+    // /proc/net/tcp: local then remote address (the __be32 printed as a native u32) and
+    // port, then the state.
+    let want = format!("FE00010A:{port:04X} 0505050A:9CBC 03");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let mut table = String::new();
+    while std::time::Instant::now() < deadline {
+        table = std::fs::read_to_string("/proc/thread-self/net/tcp").unwrap();
+        if table.lines().any(|l| l.contains(&want)) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(
+        table.lines().any(|l| l.contains(&want)),
+        "no request socket {want} within 2 s:\n{table}"
+    );
+    let ack = tcp_packet(("10.5.5.5", 40124), server, 9001, 1, ACK);
+    let (a, _) = decap_run(&mut lab, &from_lb(&ack, Some("10.1.0.2"), 0));
+    assert_eq!(a, XDP_PASS, "the request socket is here: delivered");
+    assert_eq!(lab.stat(stat::DECAP_OK), 1);
+    assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 0);
+    let other = tcp_packet(("10.5.5.5", 40125), server, 9001, 1, ACK);
+    let (a, _) = decap_run(&mut lab, &from_lb(&other, Some("10.1.0.2"), 0));
+    assert_eq!(
+        a, XDP_REDIRECT,
+        "another client's ACK meets only the listener: passed on"
+    );
+    assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 1);
+}
+
 #[test]
 fn second_chance_vip_steers_tcp_by_the_ring_alone_and_udp_keeps_the_table() {
     let mut lab = Lab::new();
