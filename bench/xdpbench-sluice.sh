@@ -33,13 +33,14 @@ BE=sxb-be-$TAG
 DAEMON=
 HEALTH=
 cleanup() {
-    [ -n "$DAEMON" ] && kill "$DAEMON" 2>/dev/null && wait "$DAEMON" 2>/dev/null
-    [ -n "$HEALTH" ] && kill "$HEALTH" 2>/dev/null && wait "$HEALTH" 2>/dev/null
-    ip netns del "$LB" 2>/dev/null || true
-    ip netns del "$BE" 2>/dev/null || true
+    # Every step runs whatever the one before returned (a killed child's wait returns 143).
+    set +e
+    if [ -n "$DAEMON" ]; then kill "$DAEMON" 2>/dev/null; wait "$DAEMON" 2>/dev/null; fi
+    if [ -n "$HEALTH" ]; then kill "$HEALTH" 2>/dev/null; wait "$HEALTH" 2>/dev/null; fi
+    ip netns del "$LB" 2>/dev/null
+    ip netns del "$BE" 2>/dev/null
     mountpoint -q "$W/bpf" && umount "$W/bpf"
     rm -rf "$W"
-    true
 }
 trap cleanup EXIT
 

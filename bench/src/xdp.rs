@@ -20,6 +20,10 @@
 //!   backends and forwarding on (`bpf_fib_lookup` succeeds: XDP_REDIRECT through the devmap,
 //!   the production path). The data-plane counters of every batch confirm the path taken.
 //! - Every loop is bounded in calls and in time.
+//! - Second chance: the `sc_*` cases send the same traffic to the same VIPs in
+//!   `second-chance` mode (a fourth data plane), so the two modes compare within one run; the
+//!   `backend_*` cases run `sluice_decap` on that LB's GUE output (`fib` variant only: the
+//!   socket and FIB lookups happen there) against `sluice_pass` on the same frame.
 
 use std::{
     collections::BTreeMap,
