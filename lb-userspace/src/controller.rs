@@ -20,7 +20,7 @@ use serde_json::json;
 
 use crate::{
     private_file,
-    state::{Admin, Backend, BackendSpec, Limits, Op, OpError, State, VipSpec},
+    state::{Admin, Backend, BackendSpec, FlowState, Limits, Op, OpError, State, VipSpec},
 };
 
 /// What adaptive steering lays over the operator's state: it changes how new sessions are
@@ -441,9 +441,13 @@ impl<P: Plane> Controller<P> {
     }
 
     /// Completes drains: a draining backend is removed once it has no active flow, or at
-    /// its deadline (its remaining flows then re-steer). Returns what happened.
+    /// its deadline (its remaining flows then re-steer). A TCP VIP in second-chance mode keeps
+    /// no flows in the LB's table, so a count of zero says nothing there: its drains end at
+    /// the deadline only (removing the backend earlier would break its streams, which the
+    /// second hop can reach only while it serves). Returns what happened.
     pub fn tick(&mut self, now_ms: u64) -> Result<Vec<Event>> {
-        let draining: Vec<(String, IpAddr, u32, u64, Option<u64>)> = self
+        #[allow(clippy::type_complexity)]
+        let draining: Vec<(String, IpAddr, u32, u64, Option<u64>, bool)> = self
             .state
             .vips
             .values()
@@ -458,6 +462,8 @@ impl<P: Plane> Controller<P> {
                         b.id,
                         since_ms,
                         deadline_ms,
+                        v.spec.flow_state == FlowState::Table
+                            || v.spec.protocol == crate::state::Protocol::Udp,
                     )),
                     Admin::Active => None,
                 })
@@ -468,7 +474,7 @@ impl<P: Plane> Controller<P> {
         }
         let flows = self.active_flows()?;
         let mut out = vec![];
-        for (vip, addr, id, since_ms, deadline) in draining {
+        for (vip, addr, id, since_ms, deadline, counted) in draining {
             let left = flows.get(&id).copied().unwrap_or(0);
             // A count taken before the drain began may miss a flow that arrived just before
             // it: wait for a newer one before calling the backend empty.
@@ -476,7 +482,7 @@ impl<P: Plane> Controller<P> {
                 .plane
                 .flows_counted()
                 .is_some_and(|c| c.taken_ms < since_ms);
-            let (kind, reason) = if left == 0 && !stale {
+            let (kind, reason) = if counted && left == 0 && !stale {
                 ("drain-complete", "no active flows left".to_string())
             } else if deadline.is_some_and(|d| now_ms >= d) {
                 (
@@ -637,6 +643,41 @@ mod tests {
         assert!(c.plane().applied.last().unwrap().vips.is_empty());
         let audit = fs::read_to_string(d.join("audit.jsonl")).unwrap();
         assert!(audit.contains("injected failure"));
+    }
+
+    #[test]
+    fn a_second_chance_tcp_vip_drains_until_its_deadline_whatever_the_lbs_table_counts() {
+        let (_, mut c) = fresh();
+        let Op::AddVip { mut vip, backends } = add_chat() else {
+            unreachable!()
+        };
+        vip.flow_state = FlowState::SecondChance;
+        c.submit(Op::AddVip { vip, backends }, Peer::default(), 0)
+            .unwrap();
+        let a: IpAddr = "10.1.0.1".parse().unwrap();
+        // The LB's table holds no TCP flow of this VIP: the count is zero.
+        c.plane().flows = BTreeMap::new();
+        c.submit(
+            Op::Drain {
+                vip: "chat".into(),
+                address: a,
+                deadline_ms: Some(1000),
+            },
+            Peer::default(),
+            10,
+        )
+        .unwrap();
+        assert!(
+            c.tick(500).unwrap().is_empty(),
+            "no flows counted, but second chance cannot count them: still draining"
+        );
+        assert!(c.state().backend("chat", a).is_ok());
+        let ev = c.tick(1000).unwrap();
+        assert_eq!(
+            (ev[0].kind.as_str(), ev[0].backend),
+            ("drain-deadline", Some(a))
+        );
+        assert!(c.state().backend("chat", a).is_err());
     }
 
     #[test]
