@@ -1636,7 +1636,7 @@ fn config_bgp_section_is_checked_with_key_paths() {
     let cfg = config::parse(&format!("{BASE}[bgp]\ninterval = \"200ms\"\n"), "t.toml").unwrap();
     let bgp = cfg.bgp.as_ref().unwrap();
     assert_eq!(bgp.interval, Duration::from_millis(200));
-    assert_eq!(bgp.routes_file, Path::new("/etc/bird/sluice-vips.conf"));
+    assert_eq!(bgp.routes_file, Path::new("/var/lib/sluice/bird-vips.conf"));
     let back = config::parse(&toml::to_string(&cfg).unwrap(), "again.toml").unwrap();
     assert_eq!(back, cfg);
 }

@@ -21,7 +21,7 @@ pub struct BgpConfig {
 
 impl BgpConfig {
     pub const DEFAULT_SOCKET: &str = "/run/bird/bird.ctl";
-    pub const DEFAULT_ROUTES: &str = "/etc/bird/sluice-vips.conf";
+    pub const DEFAULT_ROUTES: &str = "/var/lib/sluice/bird-vips.conf";
     pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
 }
 

@@ -309,7 +309,126 @@ pub async fn run<P: Plane>(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use serde_json::json;
+    use tokio::{
+        io::{AsyncBufReadExt, AsyncWriteExt, BufReader},
+        net::UnixListener,
+    };
+
     use super::*;
+    use crate::{
+        admin::testing::controller,
+        controller::{fake::FakePlane, Peer},
+        state::Op,
+    };
+
+    /// A BIRD control socket that counts `configure` commands and lists one established
+    /// BGP session.
+    fn fake_bird(path: &std::path::Path) -> Arc<AtomicUsize> {
+        let configures = Arc::new(AtomicUsize::new(0));
+        let l = UnixListener::bind(path).unwrap();
+        let n = configures.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = l.accept().await {
+                let (r, mut w) = s.into_split();
+                w.write_all(b"0001 BIRD 2.0.12 ready.\n").await.unwrap();
+                let mut line = String::new();
+                BufReader::new(r).read_line(&mut line).await.unwrap();
+                let reply: &[u8] = if line == "configure\n" {
+                    n.fetch_add(1, Ordering::SeqCst);
+                    b"0002-Reading configuration from bird.conf\n0003 Reconfigured\n"
+                } else {
+                    b"2002-Name Proto Table State Since Info\n\
+                      1002-uplink BGP --- up 11:00:00.000 Established\n0000 \n"
+                };
+                w.write_all(reply).await.unwrap();
+            }
+        });
+        configures
+    }
+
+    fn kinds(c: &Controller<FakePlane>) -> Vec<String> {
+        c.events().map(|e| e.kind.clone()).collect()
+    }
+
+    #[tokio::test]
+    async fn the_shell_reconfigures_bird_on_changes_only_and_follows_a_drain() {
+        let dir = std::env::temp_dir().join(format!("sluice-announce-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = BgpConfig {
+            control_socket: dir.join("bird.ctl"),
+            routes_file: dir.join("routes.conf"),
+            interval: Duration::from_millis(10),
+        };
+        let configures = fake_bird(&cfg.control_socket);
+        let mut c = controller();
+        let op: Op = serde_json::from_value(json!({"op": "add-vip",
+            "vip": {"name": "chat", "address": "10.0.0.1", "port": 443, "protocol": "tcp"},
+            "backends": [{"address": "10.1.0.1"}]}))
+        .unwrap();
+        c.submit(op, Peer::default(), 1).unwrap();
+        let ctl = Mutex::new(c);
+        let a = Announcer::new(cfg.clone());
+        let routes = || std::fs::read_to_string(&cfg.routes_file).unwrap();
+
+        a.round(&ctl, true).await;
+        assert_eq!(configures.load(Ordering::SeqCst), 1);
+        assert!(
+            routes().contains("route 10.0.0.1/32 blackhole;"),
+            "{}",
+            routes()
+        );
+        let s = a.status();
+        assert_eq!(s.announced.len(), 1);
+        assert_eq!(s.sessions[0].info, "Established");
+        assert_eq!(kinds(&*ctl.lock().await), ["vip-announced"]);
+        // Nothing changed: BIRD is left alone.
+        a.round(&ctl, true).await;
+        assert_eq!(configures.load(Ordering::SeqCst), 1);
+
+        assert!(!a.drain(now_ms()));
+        a.round(&ctl, true).await;
+        assert_eq!(configures.load(Ordering::SeqCst), 2);
+        assert!(!routes().contains("route 10.0.0.1"), "{}", routes());
+        let s = a.status();
+        assert!(s.withdrawn_ms.is_some(), "{s:?}");
+        // A count (the fake plane has no flows, counted at once) from after the withdrawal.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        a.round(&ctl, true).await;
+        assert!(a.status().drained_ms.is_some());
+        assert_eq!(
+            kinds(&*ctl.lock().await),
+            ["vip-announced", "vip-withdrawn", "host-drained"]
+        );
+
+        assert!(a.undrain());
+        a.round(&ctl, true).await;
+        assert!(routes().contains("route 10.0.0.1/32"));
+        // The daemon stops: everything withdrawn.
+        a.round(&ctl, false).await;
+        assert!(!routes().contains("route 10.0.0.1"));
+        assert_eq!(a.status().vips[0].reason, decide::Reason::Detached);
+        assert_eq!(configures.load(Ordering::SeqCst), 4);
+
+        // BIRD gone: one event, every failure counted, retried on every round.
+        std::fs::remove_file(&cfg.control_socket).unwrap();
+        a.undrain();
+        a.round(&ctl, true).await;
+        a.round(&ctl, true).await;
+        let s = a.status();
+        assert_eq!(s.speaker_errors, 2);
+        assert!(s.speaker_error.unwrap().contains("bird.ctl"));
+        let k = kinds(&*ctl.lock().await);
+        assert_eq!(
+            k.iter().filter(|k| *k == "bgp-speaker-error").count(),
+            1,
+            "{k:?}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_drain_completes_only_on_a_count_after_the_withdrawal() {
