@@ -46,20 +46,25 @@ fn open(fleet: &FleetLab) -> Vec<Running> {
         .collect()
 }
 
+/// The host carrying each of `streams` that some host saw within [`FRESH`].
+fn seen(fleet: &FleetLab, streams: &[Running]) -> Result<BTreeMap<String, usize>, String> {
+    let c = fleet.carriers(FRESH).map_err(|e| format!("{e:#}"))?;
+    Ok(streams
+        .iter()
+        .filter_map(|s| {
+            c.get(&s.local.to_string())
+                .map(|k| (s.local.to_string(), *k))
+        })
+        .collect())
+}
+
 /// Which host carries each stream (by its client address), once every stream is seen.
 fn carriers(fleet: &FleetLab, streams: &[Running]) -> BTreeMap<String, usize> {
     wait_for(
         "every stream seen on a host",
         Duration::from_secs(10),
         || {
-            let c = fleet.carriers(FRESH).map_err(|e| format!("{e:#}"))?;
-            let mine: BTreeMap<String, usize> = streams
-                .iter()
-                .filter_map(|s| {
-                    c.get(&s.local.to_string())
-                        .map(|k| (s.local.to_string(), *k))
-                })
-                .collect();
+            let mine = seen(fleet, streams)?;
             if mine.len() == streams.len() {
                 Ok(Some(mine))
             } else {
@@ -82,20 +87,13 @@ fn per_host(c: &BTreeMap<String, usize>) -> BTreeMap<usize, usize> {
     m
 }
 
-/// Waits until none of `streams` is carried by a host in `gone`, all on a host in `now`.
+/// Waits until every one of `streams` is carried by a host not in `gone`.
 fn moved(fleet: &FleetLab, streams: &[Running], gone: &[usize]) -> BTreeMap<String, usize> {
     wait_for(
         "the streams carried by the other hosts",
         Duration::from_secs(10),
         || {
-            let c = fleet.carriers(FRESH).map_err(|e| format!("{e:#}"))?;
-            let mine: BTreeMap<String, usize> = streams
-                .iter()
-                .filter_map(|s| {
-                    c.get(&s.local.to_string())
-                        .map(|k| (s.local.to_string(), *k))
-                })
-                .collect();
+            let mine = seen(fleet, streams)?;
             if mine.len() == streams.len() && mine.values().all(|k| !gone.contains(k)) {
                 Ok(Some(mine))
             } else {
@@ -235,6 +233,12 @@ fn drain_withdraws_the_host_and_reports_when_empty() {
     for k in ["host-maintenance", "vip-withdrawn", "host-drained"] {
         assert!(kinds.contains(&k), "no {k} event in {kinds:?}");
     }
+    let shown = fleet.cli(0, &["status"]).unwrap();
+    assert!(
+        shown.stdout.contains("maintenance, drained")
+            && shown.stdout.contains("announced   nothing"),
+        "sluice status: {shown:?}"
+    );
     let page = fleet.lab.metrics_page().unwrap();
     assert!(page.contains("sluice_bgp_maintenance 2"), "{page}");
     assert!(
