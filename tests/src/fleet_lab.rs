@@ -16,7 +16,8 @@
 //! LB host's daemon) with two more LB hosts ([`Topology::add_lb_host`]) whose configuration is
 //! the first one's with their own paths: the same VIPs, backends and hash seed, so every host
 //! builds the same Maglev tables and a flow that ECMP moves keeps its backend. The client
-//! reaches the VIPs through the router; backends answer the client directly (DSR).
+//! reaches the VIPs through the router, from [`CLIENT_SOURCES`] source addresses; backends
+//! answer the client directly (DSR).
 //!
 //! Every BIRD and every extra daemon is started and stopped by the lab; dropping it (also
 //! while a test panics) stops the daemons, removes their pins and the lab's directory, and
@@ -44,7 +45,7 @@ use sluice::{
 use crate::{
     backend_host::{signal_and_wait, spawn_as_unit, NotifySocket},
     daemon_lab::{
-        next_lab_id, tail, write_atomic, DaemonLab, DaemonLabOptions, VipDef, CLI_TIMEOUT,
+        next_lab_id, tail, write_atomic, DaemonLab, DaemonLabOptions, Running, VipDef, CLI_TIMEOUT,
         START_TIMEOUT,
     },
     netns::{
@@ -60,6 +61,8 @@ pub const BFD_INTERVAL_MS: u64 = 100;
 pub const BFD_MULTIPLIER: u64 = 5;
 pub const ROUTER_AS: u32 = 65000;
 pub const LB_AS: u32 = 65001;
+/// Source addresses of the client behind the router.
+pub const CLIENT_SOURCES: u8 = 16;
 /// Bound on BGP sessions coming up and routes converging at start.
 pub const CONVERGE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -95,6 +98,8 @@ impl LbHost {
 }
 
 pub struct FleetLab {
+    /// The client's source addresses ([`CLIENT_SOURCES`] of them).
+    pub sources: Vec<IpAddr>,
     /// `hosts[0]` is the daemon lab's LB (its daemon is the lab's).
     pub hosts: Vec<LbHost>,
     pub router_bird: ProcId,
@@ -172,7 +177,9 @@ impl FleetLab {
                 return Err(e);
             }
         };
+        let sources = lab.add_client_sources(CLIENT_SOURCES)?;
         let mut fleet = FleetLab {
+            sources,
             hosts: hosts_v,
             router_bird,
             dir,
@@ -388,6 +395,12 @@ impl FleetLab {
         }
         remove_pinned(&self.hosts[k].bpffs)?;
         Ok(())
+    }
+
+    /// Token stream `i` through the router, from client source `i` mod [`CLIENT_SOURCES`].
+    pub fn stream(&self, i: usize, tokens: u32, interval_ms: u32) -> Result<Running> {
+        let src = self.sources[i % self.sources.len()];
+        self.lab.stream_from(Some(src), VIP, tokens, interval_ms)
     }
 
     /// `sluice --socket <host k's socket> <args>`.

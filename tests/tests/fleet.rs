@@ -16,7 +16,7 @@ use std::{
 
 use sluice_tests::{
     daemon_lab::{wait_for, Running},
-    fleet_lab::{bfd_detect, require_bird, FleetLab, VIP},
+    fleet_lab::{bfd_detect, require_bird, FleetLab, CLIENT_SOURCES},
 };
 
 const SERVER: &str = env!("CARGO_BIN_EXE_sluice-testsrv");
@@ -39,8 +39,7 @@ fn open(fleet: &FleetLab) -> Vec<Running> {
     (0..STREAMS)
         .map(|i| {
             fleet
-                .lab
-                .stream(VIP, TOKENS, INTERVAL_MS)
+                .stream(i, TOKENS, INTERVAL_MS)
                 .unwrap_or_else(|e| panic!("opening stream {i}: {e:#}"))
         })
         .collect()
@@ -104,6 +103,14 @@ fn moved(fleet: &FleetLab, streams: &[Running], gone: &[usize]) -> BTreeMap<Stri
     .unwrap()
 }
 
+/// Streams from more than one client address were opened and carried.
+fn sources(c: &BTreeMap<String, usize>) -> usize {
+    c.keys()
+        .filter_map(|a| a.rsplit_once(':').map(|(ip, _)| ip))
+        .collect::<BTreeSet<_>>()
+        .len()
+}
+
 fn finish_all(streams: Vec<Running>) {
     let n = streams.len();
     let broken: Vec<String> = streams
@@ -135,6 +142,11 @@ fn flows_spread_and_a_killed_host_breaks_no_stream() {
     let before = carriers(&fleet, &streams);
     let spread = per_host(&before);
     assert_eq!(spread.len(), 3, "every host carries streams: {spread:?}");
+    assert_eq!(
+        sources(&before),
+        16,
+        "streams from every client address: {before:?}"
+    );
     let victim = 1;
     let victims: Vec<&String> = before
         .iter()

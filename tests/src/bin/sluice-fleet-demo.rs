@@ -76,11 +76,13 @@ fn run(o: &Opts) -> Result<bool> {
     let mut fleet = FleetLab::start(&server, 3, 3)?;
     let tokens = (o.seconds * 1000 / INTERVAL_MS as u64) as u32;
     let streams: Vec<Running> = (0..o.streams)
-        .map(|_| fleet.lab.stream(VIP, tokens, INTERVAL_MS))
+        .map(|i| fleet.stream(i, tokens, INTERVAL_MS))
         .collect::<Result<_>>()?;
     println!(
-        "{} streams of {tokens} tokens (one every {INTERVAL_MS} ms) through the router to {VIP}",
-        o.streams
+        "{} streams of {tokens} tokens (one every {INTERVAL_MS} ms) from {} client addresses \
+         through the router to {VIP}",
+        o.streams,
+        fleet.sources.len()
     );
     let t = Instant::now();
     let kill_at = Duration::from_secs(o.seconds / 3);
