@@ -144,7 +144,7 @@ fn flows_spread_and_a_killed_host_breaks_no_stream() {
     assert_eq!(spread.len(), 3, "every host carries streams: {spread:?}");
     assert_eq!(
         sources(&before),
-        16,
+        usize::from(CLIENT_SOURCES),
         "streams from every client address: {before:?}"
     );
     let victim = 1;
