@@ -75,6 +75,8 @@ pub struct DaemonInfo {
     pub refused: Arc<Refused>,
     /// How long the last drain check and policy step took together, in ns (0: none yet).
     pub policy_step_ns: Arc<std::sync::atomic::AtomicU64>,
+    /// The route announcer (`[bgp]`); None when the host announces nothing.
+    pub announce: Option<Arc<crate::announce::Announcer>>,
 }
 
 /// Requests larger than this are refused with 413.
@@ -373,6 +375,8 @@ enum Route {
     Trace,
     Stats,
     Events,
+    /// `/v1/lb`, `/v1/lb/drain`, `/v1/lb/undrain`: this host's route announcement.
+    Lb(Option<&'static str>),
 }
 
 impl Route {
@@ -381,7 +385,7 @@ impl Route {
             ApiError::new(
                 404,
                 format!(
-                    "no endpoint {path}; the API has /v1/status, /v1/vips, /v1/flows, /v1/conns, /v1/trace, /v1/stats and /v1/events"
+                    "no endpoint {path}; the API has /v1/status, /v1/vips, /v1/flows, /v1/conns, /v1/trace, /v1/stats, /v1/events and /v1/lb"
                 ),
             )
         };
@@ -409,6 +413,9 @@ impl Route {
             ["trace"] => Route::Trace,
             ["stats"] => Route::Stats,
             ["events"] => Route::Events,
+            ["lb"] => Route::Lb(None),
+            ["lb", "drain"] => Route::Lb(Some("drain")),
+            ["lb", "undrain"] => Route::Lb(Some("undrain")),
             _ => return Err(not_found()),
         })
     }
@@ -416,12 +423,19 @@ impl Route {
     /// The methods the endpoint answers (the Allow header of a 405).
     fn allow(&self) -> &'static str {
         match self {
-            Route::Status | Route::Flows | Route::Conns | Route::Stats | Route::Events => "GET",
+            Route::Status
+            | Route::Flows
+            | Route::Conns
+            | Route::Stats
+            | Route::Events
+            | Route::Lb(None) => "GET",
             Route::Vips | Route::Backends(_) => "GET, POST",
             Route::Vip(_) | Route::Backend(..) => "GET, DELETE",
             Route::Weight(..) => "PUT",
             Route::Trace => "GET, PUT",
-            Route::Drain(..) | Route::Undrain(..) | Route::Telemetry(..) => "POST",
+            Route::Drain(..) | Route::Undrain(..) | Route::Telemetry(..) | Route::Lb(Some(_)) => {
+                "POST"
+            }
         }
     }
 }
@@ -658,6 +672,29 @@ where
                 &json!({ "events": events, "counts": counts }),
             )
         }
+        (Route::Lb(None), Method::GET) => reply(StatusCode::OK, &announcer(api)?.status()),
+        (Route::Lb(Some(action)), Method::POST) => {
+            let a = announcer(api)?;
+            let was = if action == "drain" {
+                a.drain(now_ms())
+            } else {
+                !a.undrain()
+            };
+            if !was {
+                let (kind, what) = match action {
+                    "drain" => ("host-maintenance", "withdrawing every route"),
+                    _ => ("host-undrained", "announcing the served VIPs again"),
+                };
+                api.ctl.lock().await.record(crate::controller::Event {
+                    time_ms: now_ms(),
+                    kind: kind.into(),
+                    vip: String::new(),
+                    backend: None,
+                    reason: format!("sluice lb {action} by uid {}: {what}", peer.uid),
+                });
+            }
+            reply(StatusCode::OK, &a.status())
+        }
         (route, method) => Err(ApiError {
             allow: Some(route.allow()),
             ..ApiError::new(
@@ -738,6 +775,16 @@ fn backend_reply<P: Plane>(
     reply(status, &BackendView::new(b, ctl.effective_weight(b), None))
 }
 
+fn announcer<P: Plane>(api: &Api<P>) -> Result<&crate::announce::Announcer, ApiError> {
+    api.info.announce.as_deref().ok_or_else(|| {
+        ApiError::new(
+            409,
+            "this host announces no routes: add a [bgp] section to the configuration and \
+             restart sluice",
+        )
+    })
+}
+
 async fn status<P: Plane>(api: &Api<P>) -> Value {
     let (vips, backends) = {
         let ctl = api.ctl.lock().await;
@@ -762,6 +809,7 @@ async fn status<P: Plane>(api: &Api<P>) -> Value {
         "dataplane_reused": info.reused,
         "vips": vips,
         "backends": backends,
+        "announce": info.announce.as_ref().map(|a| a.status()),
     })
 }
 
@@ -809,6 +857,7 @@ pub(crate) mod testing {
             telemetry: Arc::new(std::sync::Mutex::new(Hub::new(Duration::from_secs(3)))),
             refused: Arc::default(),
             policy_step_ns: Default::default(),
+            announce: None,
         }
     }
 

@@ -1,6 +1,7 @@
 //! The `sluice` command line: the daemon (`run`) and the admin API's client commands.
 
 mod flows;
+mod lb;
 mod live;
 
 use std::{
@@ -149,6 +150,17 @@ Run on every accelerator host behind Sluice (the sluice-backend-host service)."
     /// Show the daemon's version, uptime, interfaces and counts of VIPs and backends
     #[command(after_help = "Example:\n  sluice status")]
     Status,
+
+    /// This host's route announcement over BGP: drain for maintenance, undrain, status
+    #[command(
+        subcommand,
+        after_help = "\
+Examples:
+  sluice lb status
+  sluice lb drain --deadline 30m
+  sluice lb undrain"
+    )]
+    Lb(lb::LbCommand),
 
     /// List, add and remove VIPs
     #[command(
@@ -556,6 +568,7 @@ fn execute_once(cli: &Cli, out: &mut dyn Write) -> Result<()> {
         Command::BackendHost(cmd) => crate::backend_host::cli::execute(cmd, out.json, out.out),
         Command::Manpages { dir } => crate::manpages::write(Cli::command(), dir, out.out),
         Command::Status => out.show(&client.call("GET", "/v1/status", None)?, print_status),
+        Command::Lb(cmd) => lb::run(cmd, &client, &mut out),
         Command::Vip(cmd) => vip(cmd, &client, &mut out),
         Command::Backend(cmd) => backend(cmd, &client, &mut out),
         Command::Flows(args) => flows::run(args, &client, &mut out),
@@ -899,6 +912,11 @@ fn print_status(out: &mut dyn Write, v: &Value) -> Result<()> {
     ];
     for (k, val) in rows {
         writeln!(out, "{k:<12}{}", escape::text(&val))?;
+    }
+    if !v["announce"].is_null() {
+        for (k, val) in lb::rows(&v["announce"]) {
+            writeln!(out, "{k:<12}{}", escape::text(&val))?;
+        }
     }
     Ok(())
 }

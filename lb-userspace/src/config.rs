@@ -73,6 +73,8 @@ pub struct Config {
     pub health: HealthConfig,
     pub telemetry: TelemetryConfig,
     pub policy: PolicyConfig,
+    /// `[bgp]`: announce the VIPs through BIRD (absent: nothing is announced).
+    pub bgp: Option<crate::announce::config::BgpConfig>,
 }
 
 /// `[daemon]`
@@ -1271,9 +1273,10 @@ struct RawConfig {
     health: Option<RawHealth>,
     telemetry: Option<RawTelemetry>,
     policy: Option<RawPolicy>,
+    bgp: Option<crate::announce::config::RawBgp>,
 }
 
-const SECTIONS: &str = "daemon, admin, metrics, dataplane, vip, health, telemetry, policy";
+const SECTIONS: &str = "daemon, admin, metrics, dataplane, vip, health, telemetry, policy, bgp";
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -1440,6 +1443,7 @@ fn raw_from_document(root: &Spanned<DeTable>, issues: &mut Vec<ShapeIssue>) -> R
             "health" => raw.health = read(root, v, issues),
             "telemetry" => raw.telemetry = read(root, v, issues),
             "policy" => raw.policy = read(root, v, issues),
+            "bgp" => raw.bgp = read(root, v, issues),
             "vip" => match v.get_ref() {
                 DeValue::Array(vips) => {
                     for vip in vips.iter() {
@@ -1819,6 +1823,13 @@ fn validate(raw: RawConfig) -> (Option<Config>, Found, Found) {
         raw.telemetry.unwrap_or_default(),
     );
     let policy = policy(&mut c, &root.key("policy"), raw.policy.unwrap_or_default());
+    let bgp = raw.bgp.map(|r| {
+        r.validate().map_err(|found| {
+            for (k, msg) in found {
+                c.err(&root.key("bgp").key(&k), msg);
+            }
+        })
+    });
     let config = (|| {
         Some(Config {
             daemon: daemon?,
@@ -1829,6 +1840,7 @@ fn validate(raw: RawConfig) -> (Option<Config>, Found, Found) {
             health: health?,
             telemetry: telemetry?,
             policy: policy?,
+            bgp: bgp.transpose().ok()?,
         })
     })();
     (config, c.issues, c.warnings)

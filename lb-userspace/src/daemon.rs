@@ -474,6 +474,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         telemetry: hub.clone(),
         refused: Arc::default(),
         policy_step_ns: Default::default(),
+        announce: cfg.bgp.clone().map(crate::announce::Announcer::new),
     });
     let cfg = Arc::new(cfg);
 
@@ -515,6 +516,10 @@ pub async fn run(config_path: &Path) -> Result<()> {
         cfg: cfg.clone(),
     };
     let ticker = start_ticker(settings_rx, &ctl, &hub, &info, epoch);
+    let announcer = info.announce.clone().map(|a| {
+        let ctl = ctl.clone();
+        Restartable::spawn(move |stop| crate::announce::run(a, ctl, stop))
+    });
 
     // The data plane is attached and the admin socket accepts: a Type=notify unit is up.
     notify::ready("steering");
@@ -527,6 +532,10 @@ pub async fn run(config_path: &Path) -> Result<()> {
     }
     tracing::info!("stopping");
     notify::stopping();
+    // Routes go first, while the data plane still forwards what the routers send meanwhile.
+    if let Some(a) = announcer {
+        a.stop().await;
+    }
     let _ = stop_tx.send(true);
     let _ = admin_task.await;
     if let Some(t) = metrics_task {
@@ -570,6 +579,12 @@ pub fn restart_keys(old: &Config, new: &Config) -> Vec<String> {
             "dataplane",
             serde_json::to_value(&old.dataplane),
             serde_json::to_value(&new.dataplane),
+        ),
+        // The announcer starts with the daemon.
+        (
+            "bgp",
+            serde_json::to_value(&old.bgp),
+            serde_json::to_value(&new.bgp),
         ),
     ];
     let mut out = Vec::new();
@@ -629,6 +644,7 @@ async fn reload(
         admin: old.admin.clone(),
         metrics: old.metrics.clone(),
         dataplane: old.dataplane.clone(),
+        bgp: old.bgp.clone(),
         ..new
     });
     if let Err(e) = ctl

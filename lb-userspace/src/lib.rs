@@ -2,6 +2,7 @@
 
 pub mod addr;
 pub mod admin;
+pub mod announce;
 pub mod apply;
 pub mod backend_host;
 pub mod check;

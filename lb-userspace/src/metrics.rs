@@ -465,6 +465,9 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             walk,
         );
     }
+    if let Some(a) = &info.announce {
+        crate::announce::register_metrics(&mut reg, &a.status());
+    }
     let step_ns = info
         .policy_step_ns
         .load(std::sync::atomic::Ordering::Relaxed);

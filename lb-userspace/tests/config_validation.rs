@@ -86,7 +86,7 @@ colour = "blue"
 x = 1
 "#,
         errors: &[
-            "t.toml:6:2: bogus: unknown section `bogus`, expected one of daemon, admin, metrics, dataplane, vip, health, telemetry, policy",
+            "t.toml:6:2: bogus: unknown section `bogus`, expected one of daemon, admin, metrics, dataplane, vip, health, telemetry, policy, bgp",
         ],
     },
     Case {
@@ -1410,6 +1410,7 @@ fn config_minimal_takes_defaults() {
             health: Default::default(),
             telemetry: Default::default(),
             policy: Default::default(),
+            bgp: None,
         }
     );
     assert_eq!(cfg.daemon.bpffs, Path::new("/sys/fs/bpf/sluice"));
@@ -1619,4 +1620,23 @@ fn config_flow_state_defaults_to_table_and_takes_second_chance() {
         .to_string();
     assert!(err.contains("vip[0].flow_state"), "{err}");
     assert!(err.contains("second-chance"), "{err}");
+}
+
+#[test]
+fn config_bgp_section_is_checked_with_key_paths() {
+    let text = format!("{BASE}[bgp]\ncontrol_socket = \"bird.ctl\"\ninterval = \"2m\"\n");
+    let e = config::parse(&text, "t.toml").unwrap_err();
+    assert_eq!(
+        e.messages(),
+        [
+            "t.toml:7:18: bgp.control_socket: \"bird.ctl\" is not an absolute path; allowed: an absolute path, e.g. \"/run/bird/bird.ctl\"",
+            "t.toml:8:12: bgp.interval: \"2m\" is out of range; allowed: 10ms..=60s, e.g. \"1s\"",
+        ]
+    );
+    let cfg = config::parse(&format!("{BASE}[bgp]\ninterval = \"200ms\"\n"), "t.toml").unwrap();
+    let bgp = cfg.bgp.as_ref().unwrap();
+    assert_eq!(bgp.interval, Duration::from_millis(200));
+    assert_eq!(bgp.routes_file, Path::new("/var/lib/sluice/bird-vips.conf"));
+    let back = config::parse(&toml::to_string(&cfg).unwrap(), "again.toml").unwrap();
+    assert_eq!(back, cfg);
 }

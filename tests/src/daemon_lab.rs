@@ -987,8 +987,20 @@ impl DaemonLab {
     /// Opens a token stream from the client to `vip` (`tokens` tokens, one every
     /// `interval_ms`) and reads it to the end on its own thread: see [`Running`].
     pub fn stream(&self, vip: SocketAddr, tokens: u32, interval_ms: u32) -> Result<Running> {
-        let s = TokenStream::open(
+        self.stream_from(None, vip, tokens, interval_ms)
+    }
+
+    /// [`DaemonLab::stream`] from client address `src` ([`DaemonLab::add_client_sources`]).
+    pub fn stream_from(
+        &self,
+        src: Option<IpAddr>,
+        vip: SocketAddr,
+        tokens: u32,
+        interval_ms: u32,
+    ) -> Result<Running> {
+        let s = TokenStream::open_from(
             &self.topo.client.ns,
+            src,
             vip,
             tokens,
             interval_ms,

@@ -666,6 +666,14 @@ pub struct Topology {
     procs: Vec<Proc>,
 }
 
+/// An LB host forwards (bpf_fib_lookup needs it) and sends no redirects.
+const LB_SYSCTLS: [(&str, &str); 4] = [
+    ("net/ipv4/ip_forward", "1"),
+    ("net/ipv6/conf/all/forwarding", "1"),
+    ("net/ipv4/conf/all/send_redirects", "0"),
+    ("net/ipv4/conf/default/send_redirects", "0"),
+];
+
 const MAC_BASE: [u8; 5] = [0x02, 0x5c, 0x00, 0x00, 0x00];
 
 fn host_mac(last: u8) -> [u8; 6] {
@@ -816,12 +824,7 @@ impl Topology {
             self.add_ns(&h.ns)?;
             // Before the link exists, so eth0 inherits the defaults.
             if h.name == "lb" {
-                for (k, v) in [
-                    ("net/ipv4/ip_forward", "1"),
-                    ("net/ipv6/conf/all/forwarding", "1"),
-                    ("net/ipv4/conf/all/send_redirects", "0"),
-                    ("net/ipv4/conf/default/send_redirects", "0"),
-                ] {
+                for (k, v) in LB_SYSCTLS {
                     h.ns.sysctl(k, v)?;
                 }
             }
@@ -914,6 +917,28 @@ impl Topology {
         h.ns.exec(ethtool.as_ref(), &["-K", DEV, "tx", "off"])?;
         sw.exec(ethtool.as_ref(), &["-K", &h.port, "tx", "off"])?;
         Ok(())
+    }
+
+    /// Adds another load-balancer host `name` on the segment (10.111.0.`last`,
+    /// fd00:111::`last`, forwarding on, like [`Topology::lb`]); removed with the topology.
+    /// The fleet lab runs several LB hosts behind the router.
+    pub fn add_lb_host(&mut self, name: &str, last: u8) -> Result<Host> {
+        let h = Host {
+            name: name.to_string(),
+            ns: Netns {
+                name: format!("{}-{name}", self.id),
+            },
+            v4: Ipv4Addr::new(10, 111, 0, last),
+            v6: format!("fd00:111::{last}").parse()?,
+            mac: host_mac(last),
+            port: format!("v-{name}"),
+        };
+        self.add_ns(&h.ns)?;
+        for (k, v) in LB_SYSCTLS {
+            h.ns.sysctl(k, v)?;
+        }
+        self.plug(&h)?;
+        Ok(h)
     }
 
     /// Puts `vip` on backend `b`'s `lo` (IPv4 /32 or IPv6 /128).

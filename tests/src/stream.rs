@@ -20,7 +20,7 @@
 
 use std::{
     io::{BufRead, BufReader, Write},
-    net::{Shutdown, SocketAddr, TcpStream, UdpSocket},
+    net::{IpAddr, Shutdown, SocketAddr, TcpStream, UdpSocket},
     time::{Duration, Instant},
 };
 
@@ -136,6 +136,72 @@ pub fn connect_in(ns: &Netns, addr: SocketAddr, timeout: Duration) -> Result<Tcp
         .with_context(|| format!("connecting to {addr} from {}", ns.name()))
 }
 
+/// Connects to `addr` from `src`, one of `ns`'s IPv4 addresses (a client with many source
+/// addresses), bounded by `timeout` (SO_SNDTIMEO bounds connect(2) on Linux).
+pub fn connect_from(
+    ns: &Netns,
+    src: IpAddr,
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<TcpStream> {
+    use std::{io, mem::size_of, os::fd::FromRawFd};
+    let (IpAddr::V4(from), SocketAddr::V4(to)) = (src, addr) else {
+        bail!("connect_from: IPv4 source and destination only, not {src} -> {addr}");
+    };
+    let sockaddr = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(ip.octets()),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    ns.run(move || -> io::Result<TcpStream> {
+        // SAFETY: plain socket calls on a descriptor the TcpStream owns from its creation on
+        // (closed on every error path), with properly sized arguments.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let stream = TcpStream::from_raw_fd(fd);
+            let tv = libc::timeval {
+                tv_sec: timeout.as_secs() as libc::time_t,
+                tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+            };
+            let ok = |r: libc::c_int| {
+                if r == 0 {
+                    Ok(())
+                } else {
+                    Err(io::Error::last_os_error())
+                }
+            };
+            ok(libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_SNDTIMEO,
+                (&tv as *const libc::timeval).cast(),
+                size_of::<libc::timeval>() as libc::socklen_t,
+            ))?;
+            let local = sockaddr(from, 0);
+            ok(libc::bind(
+                fd,
+                (&local as *const libc::sockaddr_in).cast(),
+                len,
+            ))?;
+            let remote = sockaddr(*to.ip(), to.port());
+            ok(libc::connect(
+                fd,
+                (&remote as *const libc::sockaddr_in).cast(),
+                len,
+            ))?;
+            Ok(stream)
+        }
+    })?
+    .with_context(|| format!("connecting to {addr} from {src} in {}", ns.name()))
+}
+
 /// One event of a stream.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Event {
@@ -168,8 +234,23 @@ impl TokenStream {
         interval_ms: u32,
         read_timeout: Duration,
     ) -> Result<TokenStream> {
+        Self::open_from(ns, None, vip, tokens, interval_ms, read_timeout)
+    }
+
+    /// [`TokenStream::open`] from source address `src` of `ns` (None: the kernel's choice).
+    pub fn open_from(
+        ns: &Netns,
+        src: Option<IpAddr>,
+        vip: SocketAddr,
+        tokens: u32,
+        interval_ms: u32,
+        read_timeout: Duration,
+    ) -> Result<TokenStream> {
         let opened = Instant::now();
-        let s = connect_in(ns, vip, read_timeout)?;
+        let s = match src {
+            None => connect_in(ns, vip, read_timeout)?,
+            Some(a) => connect_from(ns, a, vip, read_timeout)?,
+        };
         s.set_read_timeout(Some(read_timeout))?;
         s.set_write_timeout(Some(read_timeout))?;
         s.set_nodelay(true)?;

@@ -10,6 +10,10 @@
 //! The demo itself is `sluice-demo` from the sluice-tests crate (tests/src/bin/sluice-demo.rs,
 //! built on `sluice_tests::daemon_lab`). It runs about 20 s; `SLUICE_DEMO_SECONDS=N` changes
 //! that (or run `target/release/sluice-demo --seconds N` directly).
+//!
+//! `cargo xtask demo fleet` runs `sluice-fleet-demo` instead (tests/src/bin/
+//! sluice-fleet-demo.rs, on `sluice_tests::fleet_lab`): three LB hosts behind a BIRD router
+//! with BGP, BFD and ECMP; one dies under live token streams and none breaks.
 use std::{os::unix::process::CommandExt, process::Command};
 
 use anyhow::{bail, Result};
@@ -23,7 +27,7 @@ use crate::{
 /// Overrides the demo's duration in seconds.
 const SECONDS_ENV: &str = "SLUICE_DEMO_SECONDS";
 
-pub fn run(seconds: Option<u64>) -> Result<()> {
+pub fn run(fleet: bool, seconds: Option<u64>) -> Result<()> {
     if !cmd::is_root() {
         bail!(
             "`cargo xtask demo` must run as root: the demo creates network namespaces, loads \
@@ -48,7 +52,12 @@ pub fn run(seconds: Option<u64>) -> Result<()> {
     build::run(Profile::Release)?;
 
     step("demo");
-    let demo = cmd::target_dir().join("release").join("sluice-demo");
+    let name = if fleet {
+        "sluice-fleet-demo"
+    } else {
+        "sluice-demo"
+    };
+    let demo = cmd::target_dir().join("release").join(name);
     if !cmd::is_executable(&demo) {
         bail!(
             "{} was not built (it comes from the sluice-tests crate)",

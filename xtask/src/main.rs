@@ -72,6 +72,9 @@ enum Cmd {
     /// setup, build, then the namespace-lab demo: a client streaming tokens through the LB
     /// to three accelerator backends, with a live view (about 20 s).
     Demo {
+        /// `fleet`: three LB hosts behind a BGP/ECMP router, one dies under live streams.
+        #[arg(value_parser = ["fleet"])]
+        scenario: Option<String>,
         /// How long the streams run.
         #[arg(long)]
         seconds: Option<u64>,
@@ -90,7 +93,7 @@ fn main() -> ExitCode {
         Cmd::Lint => lint::run(),
         Cmd::Package => package::run().map(drop),
         Cmd::Bench { name, args } => bench::run(&name, &args),
-        Cmd::Demo { seconds } => demo::run(seconds),
+        Cmd::Demo { scenario, seconds } => demo::run(scenario.is_some(), seconds),
         Cmd::Fuzz {
             frames,
             seed,

@@ -42,6 +42,9 @@ pub const DEB_PACKAGES: &[&str] = &[
     "stress-ng",
     // `bpftool map dump`: the readable-maps test shows the connection table by field name.
     "bpftool",
+    // `bird` and `birdc`: the BGP speaker `[bgp]` drives on each LB host, and the router of
+    // the fleet lab (BGP with BFD, ECMP into the kernel).
+    "bird2",
 ];
 
 /// cargo-deb builds the .deb (`cargo xtask package`); the version that was tested.

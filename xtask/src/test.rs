@@ -27,6 +27,10 @@ const LAYERS: &[(&str, &[&str])] = &[
         &["daemon", "adaptive", "hostile", "observe"],
     ),
     (
+        "fleet tests (three LB hosts behind a BIRD router with ECMP and BFD)",
+        &["fleet"],
+    ),
+    (
         "package test (the .deb installed, both daemons run as their units would)",
         &["package"],
     ),

@@ -94,9 +94,27 @@ async fn every_metric_the_dashboard_queries_is_exported() {
     let dash: Value = serde_json::from_str(&text).expect("the dashboard is JSON");
     let mut snap = snapshot().await;
     snap.flows_counted = Some(Default::default());
-    let info = info();
+    let mut info = info();
     info.policy_step_ns
         .store(1_000_000, std::sync::atomic::Ordering::Relaxed);
+    let announcer = crate::announce::Announcer::new(
+        crate::announce::config::RawBgp::default()
+            .validate()
+            .unwrap(),
+    );
+    let d = &crate::announce::decide::decide(&crate::announce::decide::inputs(
+        snap.state
+            .vips
+            .values()
+            .map(crate::announce::decide::vip_input),
+        true,
+        false,
+    ));
+    announcer.set_status(crate::announce::Status {
+        vips: d.clone(),
+        ..Default::default()
+    });
+    info.announce = Some(announcer);
     let page = render(&snap, &info);
     let qs = queries(&dash);
     assert!(qs.len() >= 20, "too few queries found: {qs:?}");
