@@ -75,6 +75,8 @@ pub struct DaemonInfo {
     pub refused: Arc<Refused>,
     /// How long the last drain check and policy step took together, in ns (0: none yet).
     pub policy_step_ns: Arc<std::sync::atomic::AtomicU64>,
+    /// Set with `[fleet]`: changes go to etcd, and the status shows the fleet.
+    pub fleet: Option<Arc<crate::fleet::Fleet<crate::fleet::gateway::Gateway>>>,
 }
 
 /// Requests larger than this are refused with 413.
@@ -722,6 +724,11 @@ async fn submit_at<P: Plane>(
     op: Op,
     now_ms: u64,
 ) -> Result<MutexGuard<'_, Controller<P>>, ApiError> {
+    if let Some(fleet) = &api.info.fleet {
+        return crate::fleet::run::submit(fleet, &api.ctl, op, peer, now_ms)
+            .await
+            .map_err(|e| ApiError::new(e.http_status(), e.to_string()));
+    }
     let mut ctl = api.ctl.lock().await;
     ctl.submit(op, peer, now_ms)
         .map_err(|e| ApiError::new(e.http_status(), e.to_string()))?;
@@ -762,6 +769,7 @@ async fn status<P: Plane>(api: &Api<P>) -> Value {
         "dataplane_reused": info.reused,
         "vips": vips,
         "backends": backends,
+        "fleet": info.fleet.as_ref().map(|f| f.status()),
     })
 }
 
@@ -809,6 +817,7 @@ pub(crate) mod testing {
             telemetry: Arc::new(std::sync::Mutex::new(Hub::new(Duration::from_secs(3)))),
             refused: Arc::default(),
             policy_step_ns: Default::default(),
+            fleet: None,
         }
     }
 

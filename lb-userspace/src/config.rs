@@ -73,6 +73,8 @@ pub struct Config {
     pub health: HealthConfig,
     pub telemetry: TelemetryConfig,
     pub policy: PolicyConfig,
+    /// `[fleet]`: shared state in etcd (`crate::fleet`); none: a single host.
+    pub fleet: Option<crate::fleet::FleetConfig>,
 }
 
 /// `[daemon]`
@@ -832,7 +834,7 @@ fn family_of(ip: IpAddr) -> u8 {
 }
 
 /// Serializes a `Duration` as a humantime string (`"1s 500ms"`).
-mod duration_str {
+pub(crate) mod duration_str {
     use std::time::Duration;
 
     use serde::Serializer;
@@ -1271,9 +1273,10 @@ struct RawConfig {
     health: Option<RawHealth>,
     telemetry: Option<RawTelemetry>,
     policy: Option<RawPolicy>,
+    fleet: Option<crate::fleet::config::RawFleet>,
 }
 
-const SECTIONS: &str = "daemon, admin, metrics, dataplane, vip, health, telemetry, policy";
+const SECTIONS: &str = "daemon, admin, metrics, dataplane, vip, health, telemetry, policy, fleet";
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -1440,6 +1443,7 @@ fn raw_from_document(root: &Spanned<DeTable>, issues: &mut Vec<ShapeIssue>) -> R
             "health" => raw.health = read(root, v, issues),
             "telemetry" => raw.telemetry = read(root, v, issues),
             "policy" => raw.policy = read(root, v, issues),
+            "fleet" => raw.fleet = read(root, v, issues),
             "vip" => match v.get_ref() {
                 DeValue::Array(vips) => {
                     for vip in vips.iter() {
@@ -1819,6 +1823,13 @@ fn validate(raw: RawConfig) -> (Option<Config>, Found, Found) {
         raw.telemetry.unwrap_or_default(),
     );
     let policy = policy(&mut c, &root.key("policy"), raw.policy.unwrap_or_default());
+    let fleet = raw.fleet.map(|r| {
+        crate::fleet::config::validate(r).map_err(|errs| {
+            for (key, msg) in errs {
+                c.err(&root.key("fleet").key(key), msg);
+            }
+        })
+    });
     let config = (|| {
         Some(Config {
             daemon: daemon?,
@@ -1829,6 +1840,7 @@ fn validate(raw: RawConfig) -> (Option<Config>, Found, Found) {
             health: health?,
             telemetry: telemetry?,
             policy: policy?,
+            fleet: fleet.transpose().ok()?,
         })
     })();
     (config, c.issues, c.warnings)
