@@ -900,6 +900,11 @@ fn print_status(out: &mut dyn Write, v: &Value) -> Result<()> {
     for (k, val) in rows {
         writeln!(out, "{k:<12}{}", escape::text(&val))?;
     }
+    if v["fleet"].is_object() {
+        for (k, val) in crate::fleet::status_rows(&v["fleet"]) {
+            writeln!(out, "{k:<12}{}", escape::text(&val))?;
+        }
+    }
     Ok(())
 }
 

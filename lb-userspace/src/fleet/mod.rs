@@ -384,3 +384,98 @@ pub fn with_overlay(t: &Tables, overlay: &Overlay) -> Option<Tables> {
 
 #[cfg(test)]
 mod tests;
+
+/// `sluice status` lines for the fleet section of `/v1/status`.
+pub fn status_rows(f: &serde_json::Value) -> Vec<(&'static str, String)> {
+    let s = |k: &str| match &f[k] {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Null => "-".into(),
+        v => v.to_string(),
+    };
+    let etcd = if f["etcd_up"].as_bool() == Some(true) {
+        "up".to_string()
+    } else {
+        format!(
+            "UNREACHABLE: forwarding with version {}, changes refused ({})",
+            s("version"),
+            s("error")
+        )
+    };
+    let leader = match (f["is_leader"].as_bool(), s("leader")) {
+        (Some(true), l) => format!("{l} (this host)"),
+        (_, l) => l,
+    };
+    let mut rows = vec![
+        ("fleet host", s("host")),
+        ("etcd", etcd),
+        (
+            "tables",
+            format!("version {} from {} ({})", s("version"), s("by"), s("reason")),
+        ),
+        ("leader", leader),
+    ];
+    if let Some(d) = f["digests"].as_object() {
+        for (vip, digest) in d {
+            rows.push(("ring", format!("{vip} {}", digest.as_str().unwrap_or("-"))));
+        }
+    }
+    rows
+}
+
+/// The fleet's metrics: etcd reachability, the applied version, leadership, ring digests.
+pub fn metrics(reg: &mut prometheus_client::registry::Registry, s: &FleetStatus) {
+    use crate::metrics::gauges;
+    let host = || vec![("host", s.host.clone())];
+    gauges(
+        reg,
+        "fleet_etcd_up",
+        "1 while etcd answers; 0: forwarding with the last applied table set, changes refused",
+        vec![(host(), i64::from(s.etcd_up))],
+    );
+    gauges(
+        reg,
+        "fleet_table_version",
+        "The fleet table-set version this host applied",
+        vec![(host(), s.version as i64)],
+    );
+    gauges(
+        reg,
+        "fleet_leader",
+        "1 on the fleet's steering leader",
+        vec![(host(), i64::from(s.is_leader))],
+    );
+    crate::metrics::counters(
+        reg,
+        "fleet_etcd_outages",
+        "Times etcd became unreachable since the daemon started",
+        vec![(host(), s.outages)],
+    );
+    gauges(
+        reg,
+        "fleet_ring_digest",
+        "Each VIP's ring digest (label), 1 per VIP: equal digests on every host mean equal tables",
+        s.digests
+            .iter()
+            .map(|(vip, d)| (vec![("vip", vip.clone()), ("digest", d.clone())], 1))
+            .collect(),
+    );
+}
+
+/// A fleet whose status has one of everything, for the metrics and dashboard tests.
+#[cfg(test)]
+pub(crate) fn sample() -> Fleet<gateway::Gateway> {
+    let cfg = config::validate(config::RawFleet {
+        endpoints: Some(vec!["http://127.0.0.1:9".into()]),
+        host: Some("lb-1".into()),
+        ..Default::default()
+    })
+    .expect("a valid [fleet]");
+    let store = gateway::Gateway::new(&cfg.endpoints, cfg.request_timeout).expect("endpoints");
+    let f = Fleet::new(store, cfg, Limits { max_vips: 4 }, 1);
+    f.with_status(|s| {
+        s.etcd_up = true;
+        s.version = 3;
+        s.digests.insert("api".into(), "0123456789abcdef".into());
+    });
+    f
+}

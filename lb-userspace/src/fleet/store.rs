@@ -77,7 +77,10 @@ pub mod fake {
     //! clock, watches, and a switch that makes it unreachable.
     use std::{
         collections::BTreeMap,
-        sync::{Arc, Mutex},
+        sync::{
+            atomic::{AtomicBool, Ordering},
+            Arc, Mutex,
+        },
     };
 
     use super::*;
@@ -91,19 +94,34 @@ pub mod fake {
         next_lease: i64,
         now_ms: u64,
         down: bool,
-        watchers: Vec<(String, mpsc::Sender<Result<Vec<WatchEvent>, StoreError>>)>,
+        /// (prefix, sender, the watching client's link)
+        watchers: Vec<(
+            String,
+            mpsc::Sender<Result<Vec<WatchEvent>, StoreError>>,
+            Arc<AtomicBool>,
+        )>,
     }
 
+    /// One client's handle: clones share the store; [`FakeStore::client`] makes a handle
+    /// with its own network link, which [`FakeStore::cut`] breaks (a partitioned host).
     #[derive(Clone, Default)]
-    pub struct FakeStore(Arc<Mutex<Inner>>);
+    pub struct FakeStore(Arc<Mutex<Inner>>, Arc<AtomicBool>);
 
     impl FakeStore {
+        pub fn client(&self) -> FakeStore {
+            FakeStore(self.0.clone(), Arc::default())
+        }
+
+        pub fn cut(&self, cut: bool) {
+            self.1.store(cut, Ordering::SeqCst);
+        }
+
         pub fn set_down(&self, down: bool) {
             let mut i = self.0.lock().unwrap();
             i.down = down;
             if down {
                 // A watch stream breaks with the connection.
-                for (_, w) in i.watchers.drain(..) {
+                for (_, w, _) in i.watchers.drain(..) {
                     let _ = w.try_send(Err(StoreError::Unreachable("fake: down".into())));
                 }
             }
@@ -146,7 +164,7 @@ pub mod fake {
 
         fn check(&self) -> Result<std::sync::MutexGuard<'_, Inner>, StoreError> {
             let i = self.0.lock().unwrap();
-            if i.down {
+            if i.down || self.1.load(Ordering::SeqCst) {
                 return Err(StoreError::Unreachable("fake: down".into()));
             }
             Ok(i)
@@ -155,8 +173,14 @@ pub mod fake {
 
     impl Inner {
         fn notify(&mut self, key: &str, ev: WatchEvent) {
-            self.watchers
-                .retain(|(p, w)| !key.starts_with(p.as_str()) || w.try_send(Ok(vec![ev.clone()])).is_ok());
+            self.watchers.retain(|(p, w, cut)| {
+                if cut.load(Ordering::SeqCst) {
+                    // The link is cut: the stream breaks.
+                    let _ = w.try_send(Err(StoreError::Unreachable("fake: cut".into())));
+                    return false;
+                }
+                !key.starts_with(p.as_str()) || w.try_send(Ok(vec![ev.clone()])).is_ok()
+            });
         }
 
         fn write(&mut self, key: &str, value: Vec<u8>, lease: i64) {
@@ -261,7 +285,7 @@ pub mod fake {
             if !missed.is_empty() {
                 let _ = tx.try_send(Ok(missed));
             }
-            i.watchers.push((prefix.to_string(), tx));
+            i.watchers.push((prefix.to_string(), tx, self.1.clone()));
             Ok(rx)
         }
     }

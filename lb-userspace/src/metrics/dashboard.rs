@@ -94,7 +94,8 @@ async fn every_metric_the_dashboard_queries_is_exported() {
     let dash: Value = serde_json::from_str(&text).expect("the dashboard is JSON");
     let mut snap = snapshot().await;
     snap.flows_counted = Some(Default::default());
-    let info = info();
+    let mut info = info();
+    info.fleet = Some(std::sync::Arc::new(crate::fleet::sample()));
     info.policy_step_ns
         .store(1_000_000, std::sync::atomic::Ordering::Relaxed);
     let page = render(&snap, &info);
