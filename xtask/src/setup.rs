@@ -42,6 +42,8 @@ pub const DEB_PACKAGES: &[&str] = &[
     "stress-ng",
     // `bpftool map dump`: the readable-maps test shows the connection table by field name.
     "bpftool",
+    // `etcd`: the fleet tests run a real three-member cluster (tests/src/etcd.rs).
+    "etcd-server",
 ];
 
 /// cargo-deb builds the .deb (`cargo xtask package`); the version that was tested.

@@ -27,6 +27,10 @@ const LAYERS: &[(&str, &[&str])] = &[
         &["daemon", "adaptive", "hostile", "observe"],
     ),
     (
+        "fleet tests (three `sluice run` hosts sharing state through a real etcd)",
+        &["fleet_state"],
+    ),
+    (
         "package test (the .deb installed, both daemons run as their units would)",
         &["package"],
     ),
