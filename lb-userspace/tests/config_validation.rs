@@ -1410,6 +1410,7 @@ fn config_minimal_takes_defaults() {
             health: Default::default(),
             telemetry: Default::default(),
             policy: Default::default(),
+            fleet: None,
         }
     );
     assert_eq!(cfg.daemon.bpffs, Path::new("/sys/fs/bpf/sluice"));
@@ -1619,4 +1620,22 @@ fn config_flow_state_defaults_to_table_and_takes_second_chance() {
         .to_string();
     assert!(err.contains("vip[0].flow_state"), "{err}");
     assert!(err.contains("second-chance"), "{err}");
+}
+
+#[test]
+fn fleet_section_is_validated_with_its_key_paths() {
+    let text = format!(
+        "{BASE}[fleet]\nendpoints = [\"https://etcd:2379\"]\nhost = \"\"\nlease_ttl = \"2s\"\nrequest_timeout = \"1500ms\"\n"
+    );
+    let e = config::parse(&text, "t.toml").unwrap_err().messages();
+    let keys: Vec<bool> = ["fleet.endpoints", "fleet.host", "fleet.request_timeout"]
+        .iter()
+        .map(|k| e.iter().any(|m| m.contains(k)))
+        .collect();
+    assert_eq!(keys, [true, true, true], "{e:#?}");
+    let ok = format!("{BASE}[fleet]\nendpoints = [\"http://10.0.0.1:2379\"]\nhost = \"lb-1\"\n");
+    let cfg = config::parse(&ok, "t.toml").unwrap();
+    let f = cfg.fleet.unwrap();
+    assert_eq!((f.host.as_str(), f.prefix.as_str()), ("lb-1", "/sluice"));
+    assert_eq!(config::parse(BASE, "t.toml").unwrap().fleet, None);
 }

@@ -48,7 +48,8 @@ impl EtcdCluster {
     /// Starts `members` members (fails saying what is missing when etcd is not installed)
     /// and waits until each answers `/health`.
     pub fn start(members: usize) -> Result<EtcdCluster> {
-        let etcd = tool("etcd").context("etcd is missing: `cargo xtask setup` installs etcd-server")?;
+        let etcd =
+            tool("etcd").context("etcd is missing: `cargo xtask setup` installs etcd-server")?;
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
         let name = format!("{NS_PREFIX}{}-etcd{n}", std::process::id());
         let _ = ip(&["netns", "del", &name]);
@@ -90,7 +91,10 @@ impl EtcdCluster {
             .arg("--data-dir")
             .arg(self.dir.join(format!("m{m}.data")))
             .args(["--listen-client-urls", &format!("http://0.0.0.0:{port}")])
-            .args(["--advertise-client-urls", &format!("http://127.0.0.1:{port}")])
+            .args([
+                "--advertise-client-urls",
+                &format!("http://127.0.0.1:{port}"),
+            ])
             .args(["--listen-peer-urls", &Self::peer_url(m)])
             .args(["--initial-advertise-peer-urls", &Self::peer_url(m)])
             .args(["--initial-cluster", &cluster.join(",")])
@@ -156,12 +160,19 @@ impl EtcdCluster {
             bail!("too many links");
         }
         self.links = k;
-        let n = self.ns.name().rsplit("etcd").next().unwrap_or("0").to_string();
+        let n = self
+            .ns
+            .name()
+            .rsplit("etcd")
+            .next()
+            .unwrap_or("0")
+            .to_string();
         let (a, b) = (format!("fe{n}x{k}a"), format!("fe{n}x{k}b"));
         ip(&["link", "add", &a, "type", "veth", "peer", "name", &b])?;
         ip(&["link", "set", &a, "netns", self.ns.name()])?;
         ip(&["link", "set", &b, "netns", other.name()])?;
-        self.ns.ip(&["addr", "add", &format!("10.250.{k}.1/30"), "dev", &a])?;
+        self.ns
+            .ip(&["addr", "add", &format!("10.250.{k}.1/30"), "dev", &a])?;
         self.ns.ip(&["link", "set", &a, "up"])?;
         other.ip(&["addr", "add", &format!("10.250.{k}.2/30"), "dev", &b])?;
         other.ip(&["link", "set", &b, "up"])?;
@@ -212,7 +223,10 @@ impl Drop for EtcdCluster {
         }
         if thread::panicking() {
             for m in 0..self.members {
-                eprintln!("etcd member m{m}, the end of its log:\n{}", crate::daemon_lab::tail(&self.log(m), 20));
+                eprintln!(
+                    "etcd member m{m}, the end of its log:\n{}",
+                    crate::daemon_lab::tail(&self.log(m), 20)
+                );
             }
         }
         if let Err(e) = ip(&["netns", "del", self.ns.name()]) {

@@ -110,7 +110,11 @@ fn fleet_of_three_hosts_shares_one_state() {
     let v = converged(&all(&labs), 1, "the fleet seeded and applied by all");
     let l = wait_for("one steering leader", CONVERGE, || {
         let l = leaders(&all(&labs));
-        if l.len() == 1 { Ok(Some(l)) } else { Err(format!("{l:?}")) }
+        if l.len() == 1 {
+            Ok(Some(l))
+        } else {
+            Err(format!("{l:?}"))
+        }
     })
     .unwrap();
     eprintln!("fleet up in {:?}: version {v}, leader {l:?}", t0.elapsed());
@@ -118,8 +122,16 @@ fn fleet_of_three_hosts_shares_one_state() {
     let (b0, b1, b2) = (addr(0), addr(1), addr(2));
 
     // A change made on one host: all apply it.
+    let asked = Instant::now();
     labs[0].cli_ok(&["backend", "add", "api", &b2]);
+    let answered = asked.elapsed();
     let v = converged(&all(&labs), v + 1, "lb-a's backend add on every host");
+    // For docs/fleet.md: the write's answer (compare-and-put in etcd, then applied on the
+    // host asked) and the time until every host showed it (polled every 100 ms).
+    eprintln!(
+        "a change: answered after {answered:?}, on all 3 hosts after {:?}",
+        asked.elapsed()
+    );
     for lab in &labs {
         assert_eq!(lab.backends("api").len(), 3, "{}", lab.id);
     }
@@ -150,7 +162,11 @@ fn fleet_of_three_hosts_shares_one_state() {
         }
     }
     assert!(others > 0, "no stream ran on the remaining backends");
-    assert_eq!(broken, Vec::<String>::new(), "{others} streams on other backends");
+    assert_eq!(
+        broken,
+        Vec::<String>::new(),
+        "{others} streams on other backends"
+    );
     eprintln!("backend removed under {others} streams on other backends: 0 broken");
 
     // The steering leader killed: another host takes over within the lease TTL (plus one
@@ -163,7 +179,11 @@ fn fleet_of_three_hosts_shares_one_state() {
     let rest: Vec<&DaemonLab> = (0..3).filter(|i| *i != li).map(|i| &labs[i]).collect();
     let new = wait_for("a new steering leader", LEASE_TTL * 3, || {
         let l = leaders(&rest);
-        if l.len() == 1 { Ok(Some(l[0].clone())) } else { Err(format!("{l:?}")) }
+        if l.len() == 1 {
+            Ok(Some(l[0].clone()))
+        } else {
+            Err(format!("{l:?}"))
+        }
     })
     .unwrap();
     let took = killed.elapsed();
@@ -179,7 +199,11 @@ fn fleet_of_three_hosts_shares_one_state() {
     rest[1].cli_ok(&["backend", "drain", "api", &b1]);
     wait_for("the new leader completing the drain", CONVERGE, || {
         let n: Vec<usize> = rest.iter().map(|l| l.backends("api").len()).collect();
-        if n.iter().all(|n| *n == 2) { Ok(Some(())) } else { Err(format!("{n:?}")) }
+        if n.iter().all(|n| *n == 2) {
+            Ok(Some(()))
+        } else {
+            Err(format!("{n:?}"))
+        }
     })
     .unwrap();
     let events = rest[0].events();
@@ -201,7 +225,9 @@ fn fleet_of_three_hosts_shares_one_state() {
     let v = wait_for("every host saying etcd is unreachable", CONVERGE, || {
         let f: Vec<Value> = labs.iter().map(fleet).collect::<Result<_, _>>()?;
         let v = &f[0]["version"];
-        if f.iter().all(|f| f["etcd_up"] == false && f["version"] == *v) {
+        if f.iter()
+            .all(|f| f["etcd_up"] == false && f["version"] == *v)
+        {
             Ok(Some(v.as_u64().unwrap_or(0)))
         } else {
             Err(format!("{f:?}"))
@@ -229,16 +255,24 @@ fn fleet_of_three_hosts_shares_one_state() {
     assert_eq!(broken, Vec::<String>::new(), "streams while etcd is down");
     // A backend dies while etcd is down: every host's own health checks avoid it.
     a_backend_dies(&all(&labs), 2);
-    wait_for("the dead backend marked down on every host", CONVERGE, || {
-        let h: Vec<Value> = labs
-            .iter()
-            .map(|l| {
-                l.backend("api", b2.parse().unwrap())
-                    .map_or(Value::Null, |b| b["healthy"].clone())
-            })
-            .collect();
-        if h.iter().all(|h| *h == false) { Ok(Some(())) } else { Err(format!("{h:?}")) }
-    })
+    wait_for(
+        "the dead backend marked down on every host",
+        CONVERGE,
+        || {
+            let h: Vec<Value> = labs
+                .iter()
+                .map(|l| {
+                    l.backend("api", b2.parse().unwrap())
+                        .map_or(Value::Null, |b| b["healthy"].clone())
+                })
+                .collect();
+            if h.iter().all(|h| *h == false) {
+                Ok(Some(()))
+            } else {
+                Err(format!("{h:?}"))
+            }
+        },
+    )
     .unwrap();
     let dead = labs[0].backend_name(b2.parse().unwrap()).unwrap();
     for lab in &labs {

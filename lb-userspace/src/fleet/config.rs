@@ -81,7 +81,10 @@ pub fn validate(r: RawFleet) -> Result<FleetConfig, Vec<(&'static str, String)>>
         match humantime::parse_duration(&s) {
             Ok(t) if t >= Duration::from_millis(lo) && t <= Duration::from_millis(hi) => t,
             Ok(_) => {
-                errs.push((key, format!("{s:?} is out of range; allowed: {lo}ms to {hi}ms")));
+                errs.push((
+                    key,
+                    format!("{s:?} is out of range; allowed: {lo}ms to {hi}ms"),
+                ));
                 d
             }
             Err(e) => {

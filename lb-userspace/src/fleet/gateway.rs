@@ -290,7 +290,10 @@ impl Store for Gateway {
                         continue;
                     }
                     Err(_) => {
-                        why.push(format!("{}: no answer within {:?}", url.authority, self.timeout));
+                        why.push(format!(
+                            "{}: no answer within {:?}",
+                            url.authority, self.timeout
+                        ));
                         continue;
                     }
                 };
@@ -319,14 +322,18 @@ impl Store for Gateway {
                             return;
                         }
                     };
-                    let Ok(data) = frame.into_data() else { continue };
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
                     buf.extend_from_slice(&data);
                     while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
                         let line: Vec<u8> = buf.drain(..=nl).collect();
                         let parsed = serde_json::from_slice::<Value>(&line)
                             .map_err(|e| StoreError::Refused(format!("watch line: {e}")))
                             .and_then(|v| match v.get("result") {
-                                Some(r) if r.get("canceled").and_then(Value::as_bool) == Some(true) => {
+                                Some(r)
+                                    if r.get("canceled").and_then(Value::as_bool) == Some(true) =>
+                                {
                                     Err(StoreError::Refused(format!("watch canceled: {r}")))
                                 }
                                 Some(r) => events(r),

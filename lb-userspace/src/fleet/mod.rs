@@ -215,7 +215,9 @@ impl<S: Store> Fleet<S> {
             let r = self.read().await;
             let (current, rev, _) = match self.observe(r, now_ms, events) {
                 Ok(c) => c,
-                Err(StoreError::Unreachable(e)) => return Err(WriteError::Unreachable(e, version())),
+                Err(StoreError::Unreachable(e)) => {
+                    return Err(WriteError::Unreachable(e, version()))
+                }
                 Err(StoreError::Refused(e)) => return Err(WriteError::Refused(e)),
             };
             let current = current.unwrap_or_default();
@@ -235,7 +237,9 @@ impl<S: Store> Fleet<S> {
             match self.observe(r, now_ms, events) {
                 Ok(true) => return Ok(Some(next)),
                 Ok(false) => continue,
-                Err(StoreError::Unreachable(e)) => return Err(WriteError::Unreachable(e, version())),
+                Err(StoreError::Unreachable(e)) => {
+                    return Err(WriteError::Unreachable(e, version()))
+                }
                 Err(StoreError::Refused(e)) => return Err(WriteError::Refused(e)),
             }
         }
@@ -309,7 +313,10 @@ impl<S: Store> Fleet<S> {
             kind: "fleet-apply".into(),
             vip: String::new(),
             backend: None,
-            reason: format!("table set version {} from {}: {}", t.version, t.by, t.reason),
+            reason: format!(
+                "table set version {} from {}: {}",
+                t.version, t.by, t.reason
+            ),
         });
         true
     }
@@ -365,7 +372,9 @@ pub fn drains_done(
                 out.push((
                     v.spec.name.clone(),
                     b.spec.address,
-                    format!("deadline reached with {left} active flows in the fleet; they re-steer"),
+                    format!(
+                        "deadline reached with {left} active flows in the fleet; they re-steer"
+                    ),
                 ));
             }
         }
@@ -410,7 +419,12 @@ pub fn status_rows(f: &serde_json::Value) -> Vec<(&'static str, String)> {
         ("etcd", etcd),
         (
             "tables",
-            format!("version {} from {} ({})", s("version"), s("by"), s("reason")),
+            format!(
+                "version {} from {} ({})",
+                s("version"),
+                s("by"),
+                s("reason")
+            ),
         ),
         ("leader", leader),
     ];

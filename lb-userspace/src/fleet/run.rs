@@ -78,7 +78,9 @@ async fn follow_once<S: Store, P: Plane>(
                 // Read again: another host may have seeded first.
                 Ok(_) => match fleet.read().await {
                     Ok((Some(t), _, rev)) => (t, rev),
-                    Ok((None, ..)) => return StoreError::Refused("the seeded table set vanished".into()),
+                    Ok((None, ..)) => {
+                        return StoreError::Refused("the seeded table set vanished".into())
+                    }
                     Err(e) => return e,
                 },
                 Err(e) => return StoreError::Unreachable(e.to_string()),
@@ -110,7 +112,9 @@ async fn follow_once<S: Store, P: Plane>(
                 Ok(t) => {
                     fleet.apply(&mut *ctl.lock().await, &t, now_ms());
                 }
-                Err(e) => tracing::error!(error = %e, "a table set in etcd cannot be read; skipped"),
+                Err(e) => {
+                    tracing::error!(error = %e, "a table set in etcd cannot be read; skipped")
+                }
             }
         }
     }
@@ -198,7 +202,15 @@ pub async fn steer<S: Store, P: Plane>(
         }
         let mut events = vec![];
         let now = now_ms();
-        let r = round(&fleet, &mut s, &mut campaign, &mut last_step, now, &mut events).await;
+        let r = round(
+            &fleet,
+            &mut s,
+            &mut campaign,
+            &mut last_step,
+            now,
+            &mut events,
+        )
+        .await;
         if let Err(e) = &r {
             tracing::warn!(error = %e, "fleet steering round");
             fleet.set_leader(fleet.status().leader, false);
@@ -224,7 +236,12 @@ async fn round<S: Store, P: Plane>(
     if is_leader != was {
         events.push(Event {
             time_ms: now,
-            kind: if is_leader { "fleet-leader" } else { "fleet-follower" }.into(),
+            kind: if is_leader {
+                "fleet-leader"
+            } else {
+                "fleet-follower"
+            }
+            .into(),
             vip: String::new(),
             backend: None,
             reason: format!("steering leader: {}", leader.as_deref().unwrap_or("none")),
@@ -279,7 +296,9 @@ async fn round<S: Store, P: Plane>(
         overlay
     };
     let published = fleet
-        .publish("steering decision", now, events, |t| Ok(with_overlay(t, &overlay)))
+        .publish("steering decision", now, events, |t| {
+            Ok(with_overlay(t, &overlay))
+        })
         .await;
     publish_outcome(fleet, &s.ctl, published).await?;
     let (tables, ..) = fleet.read().await?;

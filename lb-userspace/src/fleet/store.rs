@@ -85,6 +85,8 @@ pub mod fake {
 
     use super::*;
 
+    type WatchTx = mpsc::Sender<Result<Vec<WatchEvent>, StoreError>>;
+
     #[derive(Default)]
     struct Inner {
         kvs: BTreeMap<String, (Vec<u8>, i64, i64)>,
@@ -95,11 +97,7 @@ pub mod fake {
         now_ms: u64,
         down: bool,
         /// (prefix, sender, the watching client's link)
-        watchers: Vec<(
-            String,
-            mpsc::Sender<Result<Vec<WatchEvent>, StoreError>>,
-            Arc<AtomicBool>,
-        )>,
+        watchers: Vec<(String, WatchTx, Arc<AtomicBool>)>,
     }
 
     /// One client's handle: clones share the store; [`FakeStore::client`] makes a handle
@@ -186,7 +184,8 @@ pub mod fake {
         fn write(&mut self, key: &str, value: Vec<u8>, lease: i64) {
             self.revision += 1;
             let rev = self.revision;
-            self.kvs.insert(key.to_string(), (value.clone(), rev, lease));
+            self.kvs
+                .insert(key.to_string(), (value.clone(), rev, lease));
             self.notify(
                 key,
                 WatchEvent::Put(Kv {

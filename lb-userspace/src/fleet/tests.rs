@@ -41,7 +41,12 @@ fn cfg(host: &str) -> FleetConfig {
 
 /// A host that follows the fleet's table set (the daemon's `follow` task).
 fn host(etcd: &FakeStore, name: &str) -> Host {
-    let fleet = Arc::new(Fleet::new(etcd.client(), cfg(name), Limits { max_vips: 4 }, 1));
+    let fleet = Arc::new(Fleet::new(
+        etcd.client(),
+        cfg(name),
+        Limits { max_vips: 4 },
+        1,
+    ));
     let ctl = Arc::new(Mutex::new(controller()));
     let (stop, mut rx) = watch::channel(false);
     tokio::spawn(run::follow(fleet.clone(), ctl.clone(), async move {
@@ -103,7 +108,11 @@ async fn a_change_on_one_host_is_applied_by_all_with_equal_rings() {
     // The first host to find the fleet empty seeds it (an empty state here).
     converged(&[&a, &b, &c], 1).await;
     let mut events = vec![];
-    let t = a.fleet.submit(&add_vip(), 1_000, &mut events).await.unwrap();
+    let t = a
+        .fleet
+        .submit(&add_vip(), 1_000, &mut events)
+        .await
+        .unwrap();
     assert_eq!(t.version, 2);
     converged(&[&a, &b, &c], 2).await;
     let op = Op::SetWeight {
@@ -133,13 +142,7 @@ async fn a_change_on_one_host_is_applied_by_all_with_equal_rings() {
     // A refused request changes nothing anywhere.
     let e = a
         .fleet
-        .submit(
-            &Op::RemoveVip {
-                vip: "nope".into(),
-            },
-            3_000,
-            &mut events,
-        )
+        .submit(&Op::RemoveVip { vip: "nope".into() }, 3_000, &mut events)
         .await
         .unwrap_err();
     assert_eq!(e.http_status(), 404, "{e}");
@@ -183,7 +186,11 @@ async fn concurrent_writers_form_one_sequence() {
     let mut events = vec![];
     a.seed(&State::default(), 0, &mut events).await.unwrap();
     // b seeding finds a's set and keeps it.
-    assert!(b.seed(&State::default(), 0, &mut events).await.unwrap().is_none());
+    assert!(b
+        .seed(&State::default(), 0, &mut events)
+        .await
+        .unwrap()
+        .is_none());
     a.submit(&add_vip(), 1, &mut events).await.unwrap();
     let w1 = Op::SetWeight {
         vip: "api".into(),
@@ -286,7 +293,12 @@ async fn static_stability_when_etcd_is_unreachable() {
         .unwrap();
     {
         let c = a.ctl.lock().await;
-        let ring = c.state().vip("api").unwrap().table(1, |b| c.overlay().weight(b)).unwrap();
+        let ring = c
+            .state()
+            .vip("api")
+            .unwrap()
+            .table(1, |b| c.overlay().weight(b))
+            .unwrap();
         let dead = c.state().backend("api", ip("10.1.0.3")).unwrap().id;
         assert!(!ring.contains(&dead));
     }
@@ -312,7 +324,14 @@ async fn static_stability_when_etcd_is_unreachable() {
     assert!(a.fleet.status().etcd_up);
     let c = a.ctl.lock().await;
     assert!(!c.state().backend("api", ip("10.1.0.3")).unwrap().healthy);
-    assert_eq!(c.state().backend("api", ip("10.1.0.2")).unwrap().spec.weight, 50);
+    assert_eq!(
+        c.state()
+            .backend("api", ip("10.1.0.2"))
+            .unwrap()
+            .spec
+            .weight,
+        50
+    );
     let kinds: Vec<&str> = c.events().map(|e| e.kind.as_str()).collect();
     assert!(kinds.contains(&"fleet-etcd-up"), "{kinds:?}");
 }
@@ -357,6 +376,61 @@ fn drains_complete_on_the_fleets_flows() {
     assert_eq!(done.len(), 1);
     assert!(done[0].2.contains("no active flows left on 2 hosts"));
     // The deadline ends it whatever is left.
-    let done = drains_done(&t, &reports(report(3, 10_000), report(1, 10_000)), 2, 10_000);
-    assert!(done[0].2.contains("deadline reached with 4 active flows"), "{done:?}");
+    let done = drains_done(
+        &t,
+        &reports(report(3, 10_000), report(1, 10_000)),
+        2,
+        10_000,
+    );
+    assert!(
+        done[0].2.contains("deadline reached with 4 active flows"),
+        "{done:?}"
+    );
+}
+
+/// The table set's size in etcd grows with the backends: it must stay under etcd's default
+/// request limit (1.5 MiB) for the fleets docs/fleet.md sizes (64 VIPs × 64 backends).
+#[test]
+fn table_set_size_for_thousands_of_backends() {
+    let limits = Limits { max_vips: 512 };
+    let mut state = State::default();
+    for v in 0..64u32 {
+        let Op::AddVip { mut vip, .. } = add_vip() else {
+            unreachable!()
+        };
+        vip.name = format!("vip-{v}");
+        vip.address = IpAddr::from([10, 0, (v / 256) as u8, (v % 256) as u8]);
+        let backends = (0..64u32)
+            .map(|b| BackendSpec {
+                address: IpAddr::from([10, 1 + (v / 256) as u8, (v % 256) as u8, b as u8]),
+                weight: 100,
+                labels: [("zone".to_string(), "a".to_string())].into(),
+                max_sessions: 64,
+            })
+            .collect();
+        state = state
+            .apply(&Op::AddVip { vip, backends }, 0, &limits)
+            .unwrap();
+    }
+    let overlay = Overlay {
+        weights: state
+            .vips
+            .values()
+            .flat_map(|v| v.backends.values().map(|b| (b.id, 50)))
+            .collect(),
+        ..Default::default()
+    };
+    let t = Tables {
+        version: 1,
+        state,
+        overlay,
+        by: "lb-1".into(),
+        reason: "sizing".into(),
+    };
+    let bytes = serde_json::to_vec(&t).unwrap().len();
+    eprintln!("table set of 64 VIPs x 64 backends: {bytes} bytes");
+    assert!(
+        bytes < 1536 * 1024,
+        "{bytes} bytes: over etcd's request limit"
+    );
 }
