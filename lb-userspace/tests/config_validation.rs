@@ -86,7 +86,7 @@ colour = "blue"
 x = 1
 "#,
         errors: &[
-            "t.toml:6:2: bogus: unknown section `bogus`, expected one of daemon, admin, metrics, dataplane, vip, health, telemetry, policy",
+            "t.toml:6:2: bogus: unknown section `bogus`, expected one of daemon, admin, metrics, dataplane, vip, health, telemetry, policy, fleet",
         ],
     },
     Case {
