@@ -342,12 +342,12 @@ fn op_name(op: &Op) -> String {
         .unwrap_or_default()
 }
 
-/// Drains the fleet can complete: a draining backend with no active flow on any host that
-/// reported after the drain began (and no host missing a report), or past its deadline.
+/// Drains the fleet can complete: a draining backend with no active flow on any live host
+/// (a host's report lives under its lease), every report taken after the drain began; or
+/// one past its deadline.
 pub fn drains_done(
     t: &Tables,
     reports: &BTreeMap<String, HostReport>,
-    hosts_expected: usize,
     now_ms: u64,
 ) -> Vec<(String, IpAddr, String)> {
     let mut out = vec![];
@@ -362,7 +362,7 @@ pub fn drains_done(
             };
             let fresh = reports.values().filter(|r| r.taken_ms >= since_ms).count();
             let left: u64 = reports.values().filter_map(|r| r.flows.get(&b.id)).sum();
-            if left == 0 && fresh == reports.len() && reports.len() >= hosts_expected {
+            if left == 0 && fresh == reports.len() && !reports.is_empty() {
                 out.push((
                     v.spec.name.clone(),
                     b.spec.address,

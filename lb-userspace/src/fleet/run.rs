@@ -303,20 +303,22 @@ async fn round<S: Store, P: Plane>(
     publish_outcome(fleet, &s.ctl, published).await?;
     let (tables, ..) = fleet.read().await?;
     let Some(tables) = tables else { return Ok(()) };
-    for (vip, address, reason) in drains_done(&tables, &reports, reports.len(), now) {
+    for (vip, address, reason) in drains_done(&tables, &reports, now) {
         let op = Op::RemoveBackend {
             vip: vip.clone(),
             address,
         };
-        let r = fleet.submit(&op, now, events).await.map(Some);
-        events.push(Event {
-            time_ms: now,
-            kind: "drain-complete".into(),
-            vip,
-            backend: Some(address),
-            reason,
-        });
-        publish_outcome(fleet, &s.ctl, r).await?;
+        let r = fleet.submit(&op, now, events).await;
+        if r.is_ok() {
+            events.push(Event {
+                time_ms: now,
+                kind: "drain-complete".into(),
+                vip,
+                backend: Some(address),
+                reason,
+            });
+        }
+        publish_outcome(fleet, &s.ctl, r.map(Some)).await?;
     }
     Ok(())
 }
