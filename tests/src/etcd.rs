@@ -179,6 +179,22 @@ impl EtcdCluster {
         Ok(Self::urls(k, self.members))
     }
 
+    /// Cuts (or restores) link `k` (1-based, in the order linked) by setting its etcd-side
+    /// end down (or up): the other namespace loses (or regains) every member at once.
+    pub fn cut(&self, k: usize, cut: bool) -> Result<()> {
+        let n = self
+            .ns
+            .name()
+            .rsplit("etcd")
+            .next()
+            .unwrap_or("0")
+            .to_string();
+        let dev = format!("fe{n}x{k}a");
+        self.ns
+            .ip(&["link", "set", &dev, if cut { "down" } else { "up" }])
+            .map(drop)
+    }
+
     /// Stops member `m` (SIGTERM, then SIGKILL after 5 s).
     pub fn stop_member(&mut self, m: usize) -> Result<()> {
         let Some(mut child) = self.children[m].take() else {

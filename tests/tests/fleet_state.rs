@@ -5,7 +5,8 @@
 //! One test walks the fleet through its life, checking after every change that all hosts
 //! applied the same table-set version with equal ring digests: changes made on different
 //! hosts, a backend removed under live streams on the others, the steering leader killed,
-//! and etcd stopped (static stability) and started again.
+//! one etcd member stopped, one host cut off from etcd, and etcd stopped (static stability)
+//! and started again.
 
 use std::{
     net::SocketAddr,
@@ -216,7 +217,41 @@ fn fleet_of_three_hosts_shares_one_state() {
     );
     // The killed host comes back and catches up.
     labs[li].start_daemon().unwrap();
-    converged(&all(&labs), v + 3, "the restarted host caught up");
+    let v = converged(&all(&labs), v + 3, "the restarted host caught up");
+
+    // One etcd member stopped (every host's first endpoint): the other two hold quorum and
+    // the fleet goes on.
+    etcd.stop_member(0).unwrap();
+    labs[1].cli_ok(&["backend", "set-weight", "api", &b0, "60"]);
+    let v = converged(&all(&labs), v + 1, "a change with one etcd member down");
+    etcd.restart().unwrap();
+
+    // lb-c cut off from etcd: it says so and keeps its version while the others go on;
+    // when the link is back it catches up.
+    etcd.cut(3, true).unwrap();
+    let vc = wait_for("lb-c saying etcd is unreachable", CONVERGE, || {
+        let f = fleet(&labs[2])?;
+        if f["etcd_up"] == false {
+            Ok(Some(f["version"].as_u64().unwrap_or(0)))
+        } else {
+            Err(f.to_string())
+        }
+    })
+    .unwrap();
+    labs[0].cli_ok(&["backend", "set-weight", "api", &b0, "80"]);
+    let v = converged(
+        &all(&labs)[..2],
+        v + 1,
+        "the change on the hosts that reach etcd",
+    );
+    assert_eq!(
+        fleet(&labs[2]).unwrap()["version"],
+        vc,
+        "lb-c moved while cut off"
+    );
+    assert!(vc < v);
+    etcd.cut(3, false).unwrap();
+    converged(&all(&labs), v, "lb-c caught up after the partition");
 
     // etcd stopped: forwarding, the read API and local health checks go on; writes are
     // refused with a clear error.

@@ -98,24 +98,42 @@ async fn follow_once<S: Store, P: Plane>(
         Ok(w) => w,
         Err(e) => return e,
     };
-    while let Some(batch) = watch.recv().await {
-        let batch = match batch {
-            Ok(b) => b,
-            Err(e) => return e,
-        };
-        for ev in batch {
-            let WatchEvent::Put(kv) = ev else { continue };
-            if kv.key != fleet.keys.tables {
-                continue;
+    // A watch over a connection that died without a reset (a cut link) delivers nothing and
+    // reports nothing: a read every lease TTL checks the version, and its failure restarts the
+    // watch.
+    let mut check = tokio::time::interval(fleet.cfg.lease_ttl);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    check.tick().await;
+    loop {
+        tokio::select! {
+            batch = watch.recv() => {
+                let batch = match batch {
+                    Some(Ok(b)) => b,
+                    Some(Err(e)) => return e,
+                    None => break,
+                };
+                for ev in batch {
+                    let WatchEvent::Put(kv) = ev else { continue };
+                    if kv.key != fleet.keys.tables {
+                        continue;
+                    }
+                    match serde_json::from_slice::<Tables>(&kv.value) {
+                        Ok(t) => {
+                            fleet.apply(&mut *ctl.lock().await, &t, now_ms());
+                        }
+                        Err(e) => {
+                            tracing::error!(error = %e, "a table set in etcd cannot be read; skipped")
+                        }
+                    }
+                }
             }
-            match serde_json::from_slice::<Tables>(&kv.value) {
-                Ok(t) => {
+            _ = check.tick() => match fleet.read().await {
+                Ok((Some(t), ..)) => {
                     fleet.apply(&mut *ctl.lock().await, &t, now_ms());
                 }
-                Err(e) => {
-                    tracing::error!(error = %e, "a table set in etcd cannot be read; skipped")
-                }
-            }
+                Ok((None, ..)) => {}
+                Err(e) => return e,
+            },
         }
     }
     StoreError::Unreachable("the watch ended".into())
