@@ -77,6 +77,8 @@ pub struct DaemonInfo {
     pub policy_step_ns: Arc<std::sync::atomic::AtomicU64>,
     /// The route announcer (`[bgp]`); None when the host announces nothing.
     pub announce: Option<Arc<crate::announce::Announcer>>,
+    /// Set with `[fleet]`: changes go to etcd, and the status shows the fleet.
+    pub fleet: Option<Arc<crate::fleet::Fleet<crate::fleet::gateway::Gateway>>>,
 }
 
 /// Requests larger than this are refused with 413.
@@ -759,6 +761,11 @@ async fn submit_at<P: Plane>(
     op: Op,
     now_ms: u64,
 ) -> Result<MutexGuard<'_, Controller<P>>, ApiError> {
+    if let Some(fleet) = &api.info.fleet {
+        return crate::fleet::run::submit(fleet, &api.ctl, op, peer, now_ms)
+            .await
+            .map_err(|e| ApiError::new(e.http_status(), e.to_string()));
+    }
     let mut ctl = api.ctl.lock().await;
     ctl.submit(op, peer, now_ms)
         .map_err(|e| ApiError::new(e.http_status(), e.to_string()))?;
@@ -810,6 +817,7 @@ async fn status<P: Plane>(api: &Api<P>) -> Value {
         "vips": vips,
         "backends": backends,
         "announce": info.announce.as_ref().map(|a| a.status()),
+        "fleet": info.fleet.as_ref().map(|f| f.status()),
     })
 }
 
@@ -858,6 +866,7 @@ pub(crate) mod testing {
             refused: Arc::default(),
             policy_step_ns: Default::default(),
             announce: None,
+            fleet: None,
         }
     }
 

@@ -918,6 +918,11 @@ fn print_status(out: &mut dyn Write, v: &Value) -> Result<()> {
             writeln!(out, "{k:<12}{}", escape::text(&val))?;
         }
     }
+    if v["fleet"].is_object() {
+        for (k, val) in crate::fleet::status_rows(&v["fleet"]) {
+            writeln!(out, "{k:<12}{}", escape::text(&val))?;
+        }
+    }
     Ok(())
 }
 

@@ -75,6 +75,8 @@ pub struct Config {
     pub policy: PolicyConfig,
     /// `[bgp]`: announce the VIPs through BIRD (absent: nothing is announced).
     pub bgp: Option<crate::announce::config::BgpConfig>,
+    /// `[fleet]`: shared state in etcd (`crate::fleet`); none: a single host.
+    pub fleet: Option<crate::fleet::FleetConfig>,
 }
 
 /// `[daemon]`
@@ -834,7 +836,7 @@ fn family_of(ip: IpAddr) -> u8 {
 }
 
 /// Serializes a `Duration` as a humantime string (`"1s 500ms"`).
-mod duration_str {
+pub(crate) mod duration_str {
     use std::time::Duration;
 
     use serde::Serializer;
@@ -1274,9 +1276,10 @@ struct RawConfig {
     telemetry: Option<RawTelemetry>,
     policy: Option<RawPolicy>,
     bgp: Option<crate::announce::config::RawBgp>,
+    fleet: Option<crate::fleet::config::RawFleet>,
 }
 
-const SECTIONS: &str = "daemon, admin, metrics, dataplane, vip, health, telemetry, policy, bgp";
+const SECTIONS: &str = "daemon, admin, metrics, dataplane, vip, health, telemetry, policy, bgp, fleet";
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -1444,6 +1447,7 @@ fn raw_from_document(root: &Spanned<DeTable>, issues: &mut Vec<ShapeIssue>) -> R
             "telemetry" => raw.telemetry = read(root, v, issues),
             "policy" => raw.policy = read(root, v, issues),
             "bgp" => raw.bgp = read(root, v, issues),
+            "fleet" => raw.fleet = read(root, v, issues),
             "vip" => match v.get_ref() {
                 DeValue::Array(vips) => {
                     for vip in vips.iter() {
@@ -1830,6 +1834,13 @@ fn validate(raw: RawConfig) -> (Option<Config>, Found, Found) {
             }
         })
     });
+    let fleet = raw.fleet.map(|r| {
+        crate::fleet::config::validate(r).map_err(|errs| {
+            for (key, msg) in errs {
+                c.err(&root.key("fleet").key(key), msg);
+            }
+        })
+    });
     let config = (|| {
         Some(Config {
             daemon: daemon?,
@@ -1841,6 +1852,7 @@ fn validate(raw: RawConfig) -> (Option<Config>, Found, Found) {
             telemetry: telemetry?,
             policy: policy?,
             bgp: bgp.transpose().ok()?,
+            fleet: fleet.transpose().ok()?,
         })
     })();
     (config, c.issues, c.warnings)

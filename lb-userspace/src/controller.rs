@@ -25,7 +25,7 @@ use crate::{
 
 /// What adaptive steering lays over the operator's state: it changes how new sessions are
 /// admitted and spread, never the VIPs and backends themselves.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Overlay {
     /// Maglev weight per backend id where it differs from the configured weight.
     pub weights: BTreeMap<u32, u32>,
@@ -390,6 +390,43 @@ impl<P: Plane> Controller<P> {
             "time_ms": now_ms,
             "peer": null,
             "request": {"op": "reload", "vips": specs.iter().map(|(v, _)| &v.name).collect::<Vec<_>>()},
+            "result": match &result { Ok(()) => "ok".to_string(), Err(e) => format!("error: {e}") },
+        }));
+        result
+    }
+
+    /// Takes over the fleet's table set (`crate::fleet`): its VIPs, backends and overlay,
+    /// with this host's own health verdicts laid over (health is never shared). All or
+    /// nothing, like a request; audited.
+    pub fn adopt(
+        &mut self,
+        mut state: State,
+        overlay: Overlay,
+        now_ms: u64,
+        why: &str,
+    ) -> Result<(), RequestError> {
+        for v in state.vips.values_mut() {
+            let here = self.state.vips.get(&v.spec.name);
+            for b in v.backends.values_mut() {
+                b.healthy = here
+                    .and_then(|h| h.backends.get(&b.spec.address))
+                    .is_none_or(|h| h.healthy);
+            }
+        }
+        let previous = std::mem::replace(&mut self.overlay, overlay);
+        let result = self.write(state);
+        if result.is_err() {
+            // `write` put the old state back, built with the new overlay: rebuild it with
+            // the old one.
+            self.overlay = previous;
+            if let Err(e) = self.plane.apply(&self.state, &self.state, &self.overlay) {
+                tracing::error!(error = %format!("{e:#}"), "restoring the previous overlay failed");
+            }
+        }
+        self.audit(json!({
+            "time_ms": now_ms,
+            "peer": null,
+            "request": {"op": "fleet-apply", "reason": why},
             "result": match &result { Ok(()) => "ok".to_string(), Err(e) => format!("error: {e}") },
         }));
         result

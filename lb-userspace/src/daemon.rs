@@ -26,7 +26,7 @@ use crate::{
     config::{self, Config},
     controller::{Controller, HashKind, Persisted, Settings},
     dataplane::{remove_pinned, Dataplane, LoadOptions, PROG_XDP},
-    limits, metrics, notify,
+    fleet, limits, metrics, notify,
     object::BPF_OBJECT,
     policy::Policy,
     state::{BackendSpec, FlowState, HashMode, Limits, Protocol, State, VipSpec},
@@ -381,6 +381,23 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let mut int = tokio::signal::unix::signal(SignalKind::interrupt())?;
     let mut hup = tokio::signal::unix::signal(SignalKind::hangup())?;
     let targets = telemetry::target::targets(&cfg).map_err(|e| anyhow!("telemetry: {e}"))?;
+    let fleet = cfg
+        .fleet
+        .as_ref()
+        .map(|f| {
+            let store = fleet::gateway::Gateway::new(&f.endpoints, f.request_timeout)
+                .map_err(|e| anyhow!("fleet.endpoints: {e}"))?;
+            let limits = Limits {
+                max_vips: cfg.dataplane.max_vips,
+            };
+            Ok::<_, anyhow::Error>(Arc::new(fleet::Fleet::new(
+                store,
+                f.clone(),
+                limits,
+                cfg.dataplane.hash_seed,
+            )))
+        })
+        .transpose()?;
     let fds = limits::raise_nofile(&cfg).context("raising the open-file limit")?;
     tracing::info!(limit = fds, "open-file limit");
     let hash = config_hash(&text);
@@ -475,6 +492,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         refused: Arc::default(),
         policy_step_ns: Default::default(),
         announce: cfg.bgp.clone().map(crate::announce::Announcer::new),
+        fleet: fleet.clone(),
     });
     let cfg = Arc::new(cfg);
 
@@ -515,11 +533,32 @@ pub async fn run(config_path: &Path) -> Result<()> {
         settings: settings_tx,
         cfg: cfg.clone(),
     };
-    let ticker = start_ticker(settings_rx, &ctl, &hub, &info, epoch);
     let announcer = info.announce.clone().map(|a| {
         let ctl = ctl.clone();
         Restartable::spawn(move |stop| crate::announce::run(a, ctl, stop))
     });
+    // In a fleet, the steering round (lease, report, the leader's policy step and drain
+    // completion) replaces the local ticker, and a follower applies the fleet's table sets.
+    let (ticker, follower) = match &fleet {
+        None => (start_ticker(settings_rx, &ctl, &hub, &info, epoch), None),
+        Some(f) => {
+            let steering = fleet::run::Steering {
+                ctl: ctl.clone(),
+                hub: hub.clone(),
+                policy: Policy::new(cfg.policy.clone()),
+                shed_rst: cfg.policy.shed == config::ShedMode::Rst,
+                scrape_interval: cfg.telemetry.scrape_interval,
+                epoch,
+            };
+            let (f1, f2, c) = (f.clone(), f.clone(), ctl.clone());
+            (
+                Restartable::spawn(move |stop| fleet::run::steer(f1, steering, stop)),
+                Some(Restartable::spawn(move |stop| {
+                    fleet::run::follow(f2, c, stop)
+                })),
+            )
+        }
+    };
 
     // The data plane is attached and the admin socket accepts: a Type=notify unit is up.
     notify::ready("steering");
@@ -542,6 +581,9 @@ pub async fn run(config_path: &Path) -> Result<()> {
         let _ = t.await;
     }
     ticker.stop().await;
+    if let Some(f) = follower {
+        f.stop().await;
+    }
     live.health.stop().await;
     live.scraper.stop().await;
     let _ = tracer.await;
@@ -585,6 +627,11 @@ pub fn restart_keys(old: &Config, new: &Config) -> Vec<String> {
             "bgp",
             serde_json::to_value(&old.bgp),
             serde_json::to_value(&new.bgp),
+        ),
+        (
+            "fleet",
+            serde_json::to_value(&old.fleet),
+            serde_json::to_value(&new.fleet),
         ),
     ];
     let mut out = Vec::new();
@@ -645,9 +692,13 @@ async fn reload(
         metrics: old.metrics.clone(),
         dataplane: old.dataplane.clone(),
         bgp: old.bgp.clone(),
+        fleet: old.fleet.clone(),
         ..new
     });
-    if let Err(e) = ctl
+    // In a fleet the VIPs and backends live in etcd: the file's are not applied.
+    if running.fleet.is_some() && running.vips != old.vips {
+        tracing::warn!("reload: [[vip]] changes are not applied in a fleet; change the fleet's VIPs through the admin API (they live in etcd)");
+    } else if let Err(e) = ctl
         .lock()
         .await
         .reload(&specs(&running), config_hash(&text), now_ms())

@@ -12,6 +12,7 @@ pub mod config;
 pub mod controller;
 pub mod daemon;
 pub mod dataplane;
+pub mod fleet;
 pub mod flowwalk;
 pub mod limits;
 pub mod maglev;

@@ -481,6 +481,9 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             step,
         );
     }
+    if let Some(f) = &info.fleet {
+        crate::fleet::metrics(&mut reg, &f.status());
+    }
     reg.register(
         "build",
         "The daemon's version",

@@ -15,7 +15,7 @@ use crate::{
     admin::now_ms,
     config::{Config, HealthCheck},
     controller::{Controller, Overlay, Peer, Plane},
-    policy::{health, BackendDecision, BackendInput, Policy},
+    policy::{health, BackendDecision, BackendInput, Decisions, Policy},
     state::{Op, Vip},
     telemetry::{BackendKey, Hub},
 };
@@ -129,7 +129,33 @@ pub async fn step<P: Plane + 'static>(
 ) -> anyhow::Result<Vec<BackendDecision>> {
     let mut c = ctl.lock().await;
     let sessions = c.active_flows()?;
-    let state = c.state().clone();
+    let (overlay, d) = decide(&c, hub, policy, shed_rst, now, &sessions);
+    c.set_overlay(overlay)?;
+    record(&mut c, &d);
+    Ok(d.backends)
+}
+
+/// Records a step's events (log, audit) and keeps its per-backend view for the API.
+pub fn record<P: Plane>(c: &mut Controller<P>, d: &Decisions) {
+    let t = now_ms();
+    for e in &d.events {
+        c.record(e.to_controller(t));
+        c.audit_event(e);
+    }
+    c.set_decisions(d.backends.clone());
+}
+
+/// Steps the policy on `sessions` (this host's, or the fleet's for its steering leader)
+/// and the controller's health and telemetry; the overlay it decides, not installed.
+pub fn decide<P: Plane>(
+    c: &Controller<P>,
+    hub: &std::sync::Mutex<Hub>,
+    policy: &mut Policy,
+    shed_rst: bool,
+    now: Duration,
+    sessions: &BTreeMap<u32, u64>,
+) -> (Overlay, Decisions) {
+    let state = c.state();
     let views: BTreeMap<u32, _> = {
         let hub = hub.lock().expect("telemetry hub lock");
         let known: BTreeSet<&BackendKey> = hub.keys().collect();
@@ -174,12 +200,5 @@ pub async fn step<P: Plane + 'static>(
             .collect(),
         rst: shed_rst,
     };
-    c.set_overlay(overlay)?;
-    let t = now_ms();
-    for e in &d.events {
-        c.record(e.to_controller(t));
-        c.audit_event(e);
-    }
-    c.set_decisions(d.backends.clone());
-    Ok(d.backends)
+    (overlay, d)
 }

@@ -86,7 +86,7 @@ colour = "blue"
 x = 1
 "#,
         errors: &[
-            "t.toml:6:2: bogus: unknown section `bogus`, expected one of daemon, admin, metrics, dataplane, vip, health, telemetry, policy, bgp",
+            "t.toml:6:2: bogus: unknown section `bogus`, expected one of daemon, admin, metrics, dataplane, vip, health, telemetry, policy, bgp, fleet",
         ],
     },
     Case {
@@ -1411,6 +1411,7 @@ fn config_minimal_takes_defaults() {
             telemetry: Default::default(),
             policy: Default::default(),
             bgp: None,
+            fleet: None,
         }
     );
     assert_eq!(cfg.daemon.bpffs, Path::new("/sys/fs/bpf/sluice"));
@@ -1639,4 +1640,22 @@ fn config_bgp_section_is_checked_with_key_paths() {
     assert_eq!(bgp.routes_file, Path::new("/var/lib/sluice/bird-vips.conf"));
     let back = config::parse(&toml::to_string(&cfg).unwrap(), "again.toml").unwrap();
     assert_eq!(back, cfg);
+}
+
+#[test]
+fn fleet_section_is_validated_with_its_key_paths() {
+    let text = format!(
+        "{BASE}[fleet]\nendpoints = [\"https://etcd:2379\"]\nhost = \"\"\nlease_ttl = \"2s\"\nrequest_timeout = \"1500ms\"\n"
+    );
+    let e = config::parse(&text, "t.toml").unwrap_err().messages();
+    let keys: Vec<bool> = ["fleet.endpoints", "fleet.host", "fleet.request_timeout"]
+        .iter()
+        .map(|k| e.iter().any(|m| m.contains(k)))
+        .collect();
+    assert_eq!(keys, [true, true, true], "{e:#?}");
+    let ok = format!("{BASE}[fleet]\nendpoints = [\"http://10.0.0.1:2379\"]\nhost = \"lb-1\"\n");
+    let cfg = config::parse(&ok, "t.toml").unwrap();
+    let f = cfg.fleet.unwrap();
+    assert_eq!((f.host.as_str(), f.prefix.as_str()), ("lb-1", "/sluice"));
+    assert_eq!(config::parse(BASE, "t.toml").unwrap().fleet, None);
 }

@@ -45,6 +45,8 @@ pub const DEB_PACKAGES: &[&str] = &[
     // `bird` and `birdc`: the BGP speaker `[bgp]` drives on each LB host, and the router of
     // the fleet lab (BGP with BFD, ECMP into the kernel).
     "bird2",
+    // `etcd`: the fleet tests run a real three-member cluster (tests/src/etcd.rs).
+    "etcd-server",
 ];
 
 /// cargo-deb builds the .deb (`cargo xtask package`); the version that was tested.

@@ -31,6 +31,10 @@ const LAYERS: &[(&str, &[&str])] = &[
         &["fleet"],
     ),
     (
+        "fleet-state tests (three `sluice run` hosts sharing state through a real etcd)",
+        &["fleet_state"],
+    ),
+    (
         "package test (the .deb installed, both daemons run as their units would)",
         &["package"],
     ),

@@ -95,6 +95,7 @@ async fn every_metric_the_dashboard_queries_is_exported() {
     let mut snap = snapshot().await;
     snap.flows_counted = Some(Default::default());
     let mut info = info();
+    info.fleet = Some(std::sync::Arc::new(crate::fleet::sample()));
     info.policy_step_ns
         .store(1_000_000, std::sync::atomic::Ordering::Relaxed);
     let announcer = crate::announce::Announcer::new(
