@@ -16,7 +16,7 @@ use crate::{
 const LAYERS: &[(&str, &[&str])] = &[
     (
         "packet tests (BPF_PROG_TEST_RUN)",
-        &["packet", "pinning", "fuzz", "trace", "readable"],
+        &["packet", "inband", "pinning", "fuzz", "trace", "readable"],
     ),
     (
         "namespace tests (XDP on veth, real streams)",

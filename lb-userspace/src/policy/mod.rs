@@ -29,6 +29,7 @@
 mod admission;
 mod cooldown;
 pub mod health;
+mod inband;
 mod score;
 #[cfg(test)]
 mod tests;
@@ -134,6 +135,8 @@ pub enum EventKind {
     Up,
     ShedStart,
     ShedStop,
+    /// An exporter says nothing is wrong while the in-band signals say slow.
+    TelemetryMismatch,
 }
 
 impl EventKind {
@@ -148,6 +151,7 @@ impl EventKind {
             EventKind::Up => "up",
             EventKind::ShedStart => "shed-start",
             EventKind::ShedStop => "shed-stop",
+            EventKind::TelemetryMismatch => "telemetry-mismatch",
         }
     }
 }
@@ -208,6 +212,8 @@ pub struct Policy {
     backends: BTreeMap<u32, Memory>,
     shedders: BTreeMap<String, Shedder>,
     started: bool,
+    /// Backends flagged for a telemetry mismatch in their current slow episode.
+    mismatched: BTreeSet<u32>,
 }
 
 /// A backend's view within one step.
@@ -230,6 +236,7 @@ impl Policy {
             backends: BTreeMap::new(),
             shedders: BTreeMap::new(),
             started: false,
+            mismatched: BTreeSet::new(),
         }
     }
 
@@ -248,6 +255,8 @@ impl Policy {
         self.shedders.retain(|p, _| pools.values().any(|q| q == p));
 
         let mut work: Vec<Work> = inputs.iter().map(|i| self.observe(now, i)).collect();
+        let mut events = Vec::new();
+        inband::slow(now, &mut work, &mut self.mismatched, &mut events);
         self.relevel(&work);
         self.trigger(now, &mut work);
         let kept = self.guard(&work);
@@ -255,7 +264,7 @@ impl Policy {
         let mut out = Decisions {
             backends: Vec::with_capacity(inputs.len()),
             shed: BTreeMap::new(),
-            events: Vec::new(),
+            events,
         };
         for (i, w) in work.iter().enumerate() {
             let d = self.decide(now, w, kept.contains(&i), &mut out.events);
