@@ -611,7 +611,13 @@ fn load_dp(object: &[u8], conn_table_size: u32) -> Result<Dataplane> {
     dp.set_config(&config())?;
     add_vip(&mut dp, 0, (VIP4, VIP_PORT), 0, &BACKENDS4)?;
     add_vip(&mut dp, 1, (VIP6, VIP_PORT), 0, &BACKENDS6)?;
-    add_vip(&mut dp, 2, (VIP4, INBAND_PORT), VIP_F_INBAND, &BACKENDS_INBAND)?;
+    add_vip(
+        &mut dp,
+        2,
+        (VIP4, INBAND_PORT),
+        VIP_F_INBAND,
+        &BACKENDS_INBAND,
+    )?;
     Ok(dp)
 }
 

@@ -22,10 +22,10 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, InbandStats, LbConfig,
-    NextHop,
-    RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, LAYOUT_VERSION,
-    LB_F_TRACE, LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
+    stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, InbandStats,
+    LbConfig, NextHop, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
+    CONN_TABLE_SIZE, LAYOUT_VERSION, LB_F_TRACE, LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_VIPS,
+    RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
 use crate::{maglev, ring_history};

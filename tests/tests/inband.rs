@@ -7,9 +7,7 @@
 //! (as if the request had been sent that long ago), so every figure below is exact or lies
 //! in one histogram bucket whatever the machine's speed.
 
-use lb_common::{
-    stat, FlowKey, InbandStats, INBAND_STALL_UNITS, PROTO_TCP, VIP_F_INBAND,
-};
+use lb_common::{stat, FlowKey, InbandStats, INBAND_STALL_UNITS, PROTO_TCP, VIP_F_INBAND};
 use sluice_tests::{flow, frames::*, Lab};
 
 const XDP_TX: u32 = 3;
@@ -36,7 +34,14 @@ impl Flow {
     /// connection entry.
     fn open(inband: bool, sport: u16, client_isn: u32) -> Flow {
         let mut lab = Lab::new();
-        let vip = lab.vip(1, VIP, 80, PROTO_TCP, if inband { VIP_F_INBAND } else { 0 }, 0);
+        let vip = lab.vip(
+            1,
+            VIP,
+            80,
+            PROTO_TCP,
+            if inband { VIP_F_INBAND } else { 0 },
+            0,
+        );
         lab.backends(&vip, &[(1, "10.1.0.1", 1), (2, "10.1.0.2", 1)]);
         let key = flow(CLIENT, sport, VIP, 80, PROTO_TCP);
         let backend = lab.ring_choice(&vip, &key, false);
@@ -60,7 +65,7 @@ impl Flow {
         let mut t = tcp(self.sport, 80, flags, b"");
         t[4..8].copy_from_slice(&seq.to_be_bytes());
         t[8..12].copy_from_slice(&ack.to_be_bytes());
-        t[12] = ((20 + opts.len()) / 4 << 4) as u8;
+        t[12] = (((20 + opts.len()) / 4) << 4) as u8;
         t.extend_from_slice(opts);
         t.extend_from_slice(payload);
         let l3 = V4::new(CLIENT, VIP, PROTO_TCP).build(&t);
@@ -74,7 +79,12 @@ impl Flow {
 
     /// Moves the flow's request and progress times `units` into the past.
     fn age(&mut self, request: u32, progress: u32) {
-        let mut e = self.lab.dp.conn(&self.key).unwrap().expect("the flow's entry");
+        let mut e = self
+            .lab
+            .dp
+            .conn(&self.key)
+            .unwrap()
+            .expect("the flow's entry");
         e.inband.request_t = e.inband.request_t.wrapping_sub(request);
         e.inband.progress_t = e.inband.progress_t.wrapping_sub(progress);
         self.lab.dp.set_conn(&self.key, &e).unwrap();
@@ -92,7 +102,11 @@ fn request_then_first_byte_gives_time_to_first_byte() {
     let (c, s) = (5000u32, 70_000u32);
     let mut f = Flow::open(true, 40001, c);
     f.send(ACK, c + 1, s + 1, b"");
-    assert_eq!(f.stats(), InbandStats::default(), "the handshake is no request");
+    assert_eq!(
+        f.stats(),
+        InbandStats::default(),
+        "the handshake is no request"
+    );
     f.send(PSH_ACK, c + 1, s + 1, &[b'q'; 100]);
     assert_eq!(f.stats().requests, 1);
     f.age(UNITS_300MS, UNITS_300MS);
@@ -101,7 +115,11 @@ fn request_then_first_byte_gives_time_to_first_byte() {
     assert_eq!(st.requests, 1);
     assert_eq!(st.first_bytes, 1);
     assert_eq!(st.acked_bytes, 700);
-    assert_eq!(st.ttfb_hist, hist_with(9), "300 ms lies in bucket [256, 512) units");
+    assert_eq!(
+        st.ttfb_hist,
+        hist_with(9),
+        "300 ms lies in bucket [256, 512) units"
+    );
     assert!(
         (UNITS_300MS as u64..512).contains(&st.ttfb_units),
         "time to first byte {} units",
@@ -110,7 +128,10 @@ fn request_then_first_byte_gives_time_to_first_byte() {
     assert_eq!(st.stalls, 0);
     // The other backend saw nothing.
     let other = 3 - f.backend;
-    assert_eq!(f.lab.dp.inband_stats(other).unwrap(), InbandStats::default());
+    assert_eq!(
+        f.lab.dp.inband_stats(other).unwrap(),
+        InbandStats::default()
+    );
 }
 
 #[test]
@@ -186,7 +207,12 @@ fn sequence_and_acknowledgement_numbers_wrap_around() {
     f.send(ACK, c.wrapping_add(101), s.wrapping_add(1 + 512), b"");
     f.send(ACK, c.wrapping_add(101), s.wrapping_add(1 + 1024), b"");
     // The request again, after the wrap: a retransmission.
-    f.send(PSH_ACK, c.wrapping_add(1), s.wrapping_add(1 + 1024), &[b'q'; 100]);
+    f.send(
+        PSH_ACK,
+        c.wrapping_add(1),
+        s.wrapping_add(1 + 1024),
+        &[b'q'; 100],
+    );
     let st = f.stats();
     assert_eq!(st.requests, 1);
     assert_eq!(st.first_bytes, 1);

@@ -45,7 +45,10 @@ fn departs(work: &[Work], i: usize) -> Option<String> {
         .map(|(_, w)| w)
         .collect();
     let of = |f: fn(&crate::telemetry::Sample) -> Option<f64>| -> Vec<f64> {
-        peers.iter().filter_map(|w| sample(w).and_then(|s| f(&s))).collect()
+        peers
+            .iter()
+            .filter_map(|w| sample(w).and_then(|s| f(&s)))
+            .collect()
     };
     let ttfbs = of(|s| s.ttfb_s);
     if let (Some(t), true) = (s.ttfb_s, ttfbs.len() >= 2) {
@@ -165,10 +168,19 @@ mod tests {
         let healthy = [fast.clone(), fast.clone(), fast.clone(), fast.clone()];
         for t in 0..5 {
             let d = step(&mut p, t * S, &healthy);
-            assert!(d.events.is_empty(), "peers alike: nothing happens ({:?})", d.events);
+            assert!(
+                d.events.is_empty(),
+                "peers alike: nothing happens ({:?})",
+                d.events
+            );
         }
         // Backend 4 answers 3x later; its exporter still says what it said.
-        let gray = [fast.clone(), fast.clone(), fast.clone(), view(Some(1.5), Some(1900.0))];
+        let gray = [
+            fast.clone(),
+            fast.clone(),
+            fast.clone(),
+            view(Some(1.5), Some(1900.0)),
+        ];
         let d = step(&mut p, 5 * S, &gray);
         let b = &d.backends[3];
         assert_eq!((b.weight, b.state), (0, SteerState::MovedAway));
@@ -184,7 +196,9 @@ mod tests {
             ]
         );
         assert!(
-            d.events[0].reason.contains("in-band time to first byte 1.500s, peers' median 0.500s"),
+            d.events[0]
+                .reason
+                .contains("in-band time to first byte 1.500s, peers' median 0.500s"),
             "{}",
             d.events[0].reason
         );
@@ -210,7 +224,11 @@ mod tests {
             &[ok.clone(), ok.clone(), view(Some(0.5), Some(800.0))],
         );
         assert_eq!(d.backends[2].reason, Some(Reason::Slow));
-        assert!(d.events[0].reason.contains("in-band delivery 800 B/s"), "{:?}", d.events);
+        assert!(
+            d.events[0].reason.contains("in-band delivery 800 B/s"),
+            "{:?}",
+            d.events
+        );
         // With one peer there is no majority to depart from.
         let mut p = Policy::new(PolicyConfig::default());
         let d = step(&mut p, S, &[ok.clone(), view(Some(5.0), Some(10.0))]);

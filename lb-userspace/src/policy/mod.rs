@@ -104,6 +104,9 @@ pub struct BackendDecision {
     pub max_sessions: u32,
     #[serde(rename = "telemetry_age_s", serialize_with = "opt_secs")]
     pub telemetry_age: Option<Duration>,
+    /// In-band time to first byte and per-stream delivery rate, where fresh.
+    pub ttfb_s: Option<f64>,
+    pub delivery_bps: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -503,6 +506,8 @@ impl Policy {
             sessions: input.sessions,
             max_sessions: input.max_sessions,
             telemetry_age: input.telemetry.and_then(|t| t.age),
+            ttfb_s: input.telemetry.and_then(|t| t.sample.ttfb_s),
+            delivery_bps: input.telemetry.and_then(|t| t.sample.delivery_bps),
         }
     }
 
