@@ -24,7 +24,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     (
         "daemon-lab tests (`sluice run` in the namespace lab)",
-        &["daemon", "adaptive", "hostile", "observe"],
+        &["daemon", "adaptive", "hostile", "observe", "inband_lab"],
     ),
     (
         "package test (the .deb installed, both daemons run as their units would)",
