@@ -674,7 +674,7 @@ mod tests {
     #[test]
     fn args_default_and_check() {
         let a = Args::parse(&[]).unwrap();
-        assert_eq!((a.scenarios.len(), a.policies.len(), a.backends), (6, 3, 4));
+        assert_eq!((a.scenarios.len(), a.policies.len(), a.backends), (7, 4, 4));
         let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
         let a = Args::parse(&s(&[
             "--scenarios",
