@@ -225,6 +225,7 @@ fn fill(lab: &DaemonLab, ids: &[u32], n: u32) -> Result<()> {
                             backend: ids[i as usize % ids.len()],
                             hash: i,
                             last_seen_ns: now,
+                            ..ConnEntry::default()
                         };
                         m.insert(key, entry, 0)
                             .with_context(|| format!("inserting entry {i}"))?;

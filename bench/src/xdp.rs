@@ -39,7 +39,8 @@ use aya::{
 };
 use lb_common::{
     stat, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
-    BACKEND_ACTIVE, BACKEND_F_GUE, CONN_TABLE_SIZE, FAMILY_V4, PROTO_TCP, VIP_F_SECOND_CHANCE,
+    BACKEND_ACTIVE, BACKEND_F_GUE, CONN_TABLE_SIZE, FAMILY_V4, PROTO_TCP, VIP_F_INBAND,
+    VIP_F_SECOND_CHANCE,
 };
 use serde_json::{json, Value};
 use sluice::{
@@ -72,6 +73,9 @@ const NON_VIP4: &str = "10.201.0.9";
 const CLIENT4: &str = "192.0.2.10";
 const CLIENT6: &str = "2001:db8:c::10";
 const VIP_PORT: u16 = 443;
+/// The in-band VIP: the IPv4 VIP's address on another port, its own backend ids.
+const INBAND_PORT: u16 = 8443;
+const BACKENDS_INBAND: [(u32, &str); 2] = [(21, "10.2.0.1"), (22, "10.2.0.2")];
 const BACKENDS4: [(u32, &str); 4] = [
     (1, "10.1.0.1"),
     (2, "10.1.0.2"),
@@ -262,6 +266,7 @@ pub enum CaseId {
     PassGue,
     BackendSocket,
     BackendForward,
+    EstablishedInband,
 }
 
 /// Which loaded data plane (and so which conn table) a case runs against.
@@ -436,6 +441,18 @@ pub const CASES: &[CaseDef] = &[
         katran_net_ns: None,
         headline: false,
     },
+    CaseDef {
+        id: CaseId::EstablishedInband,
+        key: "established_inband",
+        label: "established, in-band VIP, ACK advancing",
+        dp: Dp::Main,
+        prog: PROG_XDP,
+        baseline: Some(CaseId::Pass),
+        aim: Some(2.5),
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
+    },
     backend_case(
         CaseId::BackendSocket,
         "backend_socket_found",
@@ -573,6 +590,9 @@ enum Frames {
         block: u32,
         next: u64,
     },
+    /// One flow's ACK whose acknowledgement number advances a segment per call (an in-band
+    /// VIP's answer under way: every call takes the progress path).
+    Acking { frame: Vec<u8>, ack: u32 },
 }
 
 impl Frames {
@@ -595,14 +615,20 @@ impl Frames {
                 *next += 1;
                 frame
             }
+            Frames::Acking { frame, ack } => {
+                *ack = ack.wrapping_add(1448);
+                frame[42..46].copy_from_slice(&ack.to_be_bytes());
+                frame
+            }
         }
     }
 
     fn len(&self) -> usize {
         match self {
-            Frames::Fixed(f) | Frames::Cycle { frame: f, .. } | Frames::Fresh { frame: f, .. } => {
-                f.len()
-            }
+            Frames::Fixed(f)
+            | Frames::Cycle { frame: f, .. }
+            | Frames::Fresh { frame: f, .. }
+            | Frames::Acking { frame: f, .. } => f.len(),
         }
     }
 }
@@ -632,24 +658,21 @@ fn config() -> LbConfig {
 fn add_vip(
     dp: &mut Dataplane,
     id: u32,
-    addr: &str,
+    (addr, port): (&str, u16),
+    flags: u32,
     backends: &[(u32, &str)],
-    second_chance: bool,
 ) -> Result<()> {
+    let second_chance = flags & VIP_F_SECOND_CHANCE != 0;
     let (a, family) = to_words(addr.parse()?);
     let key = VipKey {
         addr: a,
-        port: VIP_PORT.to_be(),
+        port: port.to_be(),
         proto: PROTO_TCP,
         family,
     };
     let meta = VipMeta {
         id,
-        flags: if second_chance {
-            VIP_F_SECOND_CHANCE
-        } else {
-            0
-        },
+        flags,
         ring_size: RING,
         active_ring: 0,
         affinity_secs: 0,
@@ -700,13 +723,21 @@ fn load_dp(object: &[u8], conn_table_size: u32, second_chance: bool) -> Result<D
     let opts = LoadOptions {
         conn_table_size,
         affinity_table_size: AFFINITY_TABLE_SIZE,
-        max_vips: 2,
+        max_vips: 3,
         ..Default::default()
     };
     let mut dp = Dataplane::load(object, &opts).context("loading the data plane")?;
     dp.set_config(&config())?;
-    add_vip(&mut dp, 0, VIP4, &BACKENDS4, second_chance)?;
-    add_vip(&mut dp, 1, VIP6, &BACKENDS6, second_chance)?;
+    let sc = if second_chance { VIP_F_SECOND_CHANCE } else { 0 };
+    add_vip(&mut dp, 0, (VIP4, VIP_PORT), sc, &BACKENDS4)?;
+    add_vip(&mut dp, 1, (VIP6, VIP_PORT), sc, &BACKENDS6)?;
+    add_vip(
+        &mut dp,
+        2,
+        (VIP4, INBAND_PORT),
+        VIP_F_INBAND,
+        &BACKENDS_INBAND,
+    )?;
     Ok(dp)
 }
 
@@ -889,7 +920,7 @@ pub fn main(args: &[String]) -> Result<()> {
     // pinned CPU here: the populated flows and one batch of new flows must fit, or the LRU
     // evicts and the cases measure something else.
     let per_cpu = opts.conn_table as usize / possible;
-    if opts.flows + 3 > per_cpu || opts.calls > per_cpu {
+    if opts.flows + 4 > per_cpu || opts.calls > per_cpu {
         bail!(
             "--flows {} / --calls {} do not fit the {per_cpu} conn-table entries per CPU (--conn-table {} over {possible} possible CPUs)",
             opts.flows,
@@ -961,6 +992,13 @@ pub fn main(args: &[String]) -> Result<()> {
     let syn6 = v6_tcp_frame(CLIENT6, 40000, VIP6, VIP_PORT, SYN);
     let ack6 = v6_tcp_frame(CLIENT6, 40000, VIP6, VIP_PORT, ACK);
     let non_vip = v4_tcp_frame(CLIENT4, 40000, NON_VIP4, 80, ACK, b"");
+    // The in-band flow: handshake ACK (client seq 1000, server bytes from 1), a request,
+    // then ACKs of the answer (the measured frames).
+    let syn_ib = v4_tcp_frame(CLIENT4, 40002, VIP4, INBAND_PORT, SYN, b"");
+    let mut ack_ib = v4_tcp_frame(CLIENT4, 40002, VIP4, INBAND_PORT, ACK, b"");
+    ack_ib[42..46].copy_from_slice(&1u32.to_be_bytes());
+    let mut req_ib = v4_tcp_frame(CLIENT4, 40002, VIP4, INBAND_PORT, ACK | PSH, &[b'q'; 100]);
+    req_ib[42..46].copy_from_slice(&1u32.to_be_bytes());
     let many_tpl = v4_tcp_frame("100.64.0.0", 1024, VIP4, VIP_PORT, ACK, b"");
     let syn_tpl = v4_tcp_frame("100.80.0.0", 1024, VIP4, VIP_PORT, SYN, b"");
     {
@@ -984,7 +1022,7 @@ pub fn main(args: &[String]) -> Result<()> {
     let t = Instant::now();
     {
         let dp = &mut dps[Dp::Main as usize];
-        for f in [&syn4, &syn1500, &syn6] {
+        for f in [&syn4, &syn1500, &syn6, &syn_ib, &ack_ib, &req_ib] {
             let (a, _) = run_once(dp, PROG_XDP, f, &mut out)?;
             if a != XDP_TX {
                 bail!("populating an established flow: action {a}, expected XDP_TX");
@@ -1000,7 +1038,7 @@ pub fn main(args: &[String]) -> Result<()> {
             }
         }
         let s = counters(dp)?;
-        let want = opts.flows as u64 + 3;
+        let want = opts.flows as u64 + 4;
         // (An object built without the miss counter shows 0 misses: not an error.)
         let misses = s[stat::CONN_MISS as usize];
         if (misses != want && misses != 0) || s[stat::CONN_INSERT_FAILED as usize] != 0 {
@@ -1022,7 +1060,7 @@ pub fn main(args: &[String]) -> Result<()> {
         }
     }
     println!(
-        "populated {} established flows (+3) and filled the {}-entry-per-CPU table in {:.2} s",
+        "populated {} established flows (+4) and filled the {}-entry-per-CPU table in {:.2} s",
         opts.flows,
         FULL_TABLE_PER_CPU,
         t.elapsed().as_secs_f64()
@@ -1191,6 +1229,13 @@ pub fn main(args: &[String]) -> Result<()> {
             },
         ),
         (CaseId::ScEstablishedV6, Frames::Fixed(ack6.clone())),
+        (
+            CaseId::EstablishedInband,
+            Frames::Acking {
+                frame: ack_ib.clone(),
+                ack: 1,
+            },
+        ),
     ];
     if let Some((here, elsewhere, _)) = &backend {
         sources.push((CaseId::PassGue, Frames::Fixed(elsewhere.clone())));
@@ -1340,8 +1385,17 @@ pub fn main(args: &[String]) -> Result<()> {
     };
     let conns_main = dps[Dp::Main as usize].conns().map(|c| c.len()).ok();
 
+    // The in-band case must have taken the progress path on every call: its backends'
+    // acknowledged bytes are 1448 per call (warm-up included).
+    let inband_acked: u64 = BACKENDS_INBAND
+        .iter()
+        .map(|(id, _)| Ok(dps[Dp::Main as usize].inband_stats(*id)?.acked_bytes))
+        .sum::<Result<u64>>()?;
+    println!("in-band case: {inband_acked} bytes acknowledged in the data plane's aggregates");
+
     let (git_head, dirty) = sys::git_state();
     let meta = json!({
+        "inband_acked_bytes": inband_acked,
         "benchmark": "xdp",
         "command_line": command_line,
         "invoked_by": sys::parent_cmdline(),

@@ -11,7 +11,7 @@ pub mod trace;
 
 /// Bumped whenever a map's key or value layout changes; pinned maps carry it so a newer
 /// program refuses to reuse maps it cannot read.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 
 pub const MAX_VIPS: u32 = 128;
 /// Backend ids index the backend array; id 0 is the "unset" sentinel (a ring slot or
@@ -56,6 +56,10 @@ pub const VIP_F_SHED_RST: u32 = 1 << 2;
 /// lookup or entry; every backend gets GUE naming its slot's previous backend, and the
 /// backend program passes a packet it has no socket for to that one. UDP keeps the table.
 pub const VIP_F_SECOND_CHANCE: u32 = 1 << 3;
+/// In-band signals: the data plane reads the client's sequence and acknowledgement numbers
+/// of this VIP's TCP flows and folds time to first byte and delivery into `InbandStats`
+/// (see `lb-ebpf/src/inband.rs`). Needs the connection table (not with second chance).
+pub const VIP_F_INBAND: u32 = 1 << 4;
 
 /// Key of the VIP hash map. `port` 0 matches every port of the address and protocol.
 #[repr(C)]
@@ -164,6 +168,88 @@ pub struct ConnEntry {
     pub hash: u32,
     /// `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC) of the last packet.
     pub last_seen_ns: u64,
+    /// In-band state, written only on `VIP_F_INBAND` VIPs (zero elsewhere).
+    pub inband: InbandFlow,
+}
+
+/// In-band times are `CLOCK_MONOTONIC >> INBAND_TIME_SHIFT`: units of 2^20 ns (about
+/// 1.05 ms), a shift instead of a division on the packet path, 32 bits wrap after 52 days.
+pub const INBAND_TIME_SHIFT: u32 = 20;
+/// No acknowledgement progress for this long (in-band units, about 2.1 s) while a request
+/// waits for its first byte or an answer is under way counts the flow as stalled, once per
+/// request.
+pub const INBAND_STALL_UNITS: u32 = 2048;
+/// Log2 buckets of time to first byte: bucket 0 is under one unit, bucket `k` holds
+/// `[2^(k-1), 2^k)` units, the last one everything above.
+pub const INBAND_HIST_BUCKETS: usize = 20;
+
+/// `InbandFlow::flags`: the flow's acknowledgement and client sequence baselines are set.
+pub const INBAND_F_SEEN: u8 = 1 << 0;
+/// A request waits for the first byte of its answer.
+pub const INBAND_F_WAITING: u8 = 1 << 1;
+/// The current request's stall has been counted.
+pub const INBAND_F_STALLED: u8 = 1 << 2;
+/// The answer to the last request has begun (flows that never sent a request only count
+/// delivered bytes, no streaming time or stalls).
+pub const INBAND_F_ANSWERING: u8 = 1 << 3;
+
+/// Per-flow in-band state (inside the connection entry: no second lookup per packet).
+/// The LB sees only the client's packets: its sequence numbers delimit requests, its
+/// acknowledgement numbers count the server's bytes as they arrive.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InbandFlow {
+    /// The time (in-band units) of the outstanding request, while `INBAND_F_WAITING`.
+    pub request_t: u32,
+    /// The time of the last acknowledgement progress (or of the request).
+    pub progress_t: u32,
+    /// Highest acknowledgement number seen (host order): server bytes delivered so far.
+    pub ack: u32,
+    /// The client's next sequence number (host order): data below it is a retransmission.
+    pub client_next: u32,
+    /// `INBAND_F_*` bits.
+    pub flags: u8,
+    pub _pad: [u8; 3],
+}
+
+/// Per-backend in-band aggregates (a per-CPU array indexed by backend id; userspace sums
+/// the CPUs and differentiates over its own clock).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InbandStats {
+    /// Requests seen (new client data after the answer to the previous one began).
+    pub requests: u64,
+    /// Requests whose answer's first byte was acknowledged.
+    pub first_bytes: u64,
+    /// Sum of the times to first byte, in-band units.
+    pub ttfb_units: u64,
+    /// Server bytes acknowledged (cumulative ACK advance; SACKed bytes count once the hole
+    /// is filled).
+    pub acked_bytes: u64,
+    /// Flow-time during which answers were under way (gaps between ACK advances, each
+    /// capped at `INBAND_STALL_UNITS`), in-band units: `acked_bytes / stream_units` is the
+    /// mean per-stream delivery rate.
+    pub stream_units: u64,
+    /// Requests whose flow stalled (see `INBAND_STALL_UNITS`).
+    pub stalls: u64,
+    /// Log2 histogram of time to first byte (see `INBAND_HIST_BUCKETS`).
+    pub ttfb_hist: [u64; INBAND_HIST_BUCKETS],
+}
+
+impl InbandStats {
+    /// The sum of two CPUs' (or two reads') aggregates.
+    pub fn merged(mut self, o: &InbandStats) -> InbandStats {
+        self.requests += o.requests;
+        self.first_bytes += o.first_bytes;
+        self.ttfb_units += o.ttfb_units;
+        self.acked_bytes += o.acked_bytes;
+        self.stream_units += o.stream_units;
+        self.stalls += o.stalls;
+        for (a, b) in self.ttfb_hist.iter_mut().zip(o.ttfb_hist.iter()) {
+            *a += b;
+        }
+        self
+    }
 }
 
 #[repr(C)]
@@ -360,6 +446,15 @@ pub mod stat {
         /// A TCP packet of a second-chance VIP, steered by the ring without the
         /// connection table.
         SECOND_CHANCE_STEERED = "second_chance_steered", Event;
+        /// An in-band VIP's TCP packet whose header was not readable for sequence numbers
+        /// (should not happen after parsing): not measured, still forwarded.
+        INBAND_SKIPPED = "inband_skipped", Event;
+        /// A client data packet below its flow's next sequence number (a retransmission):
+        /// not a new request.
+        INBAND_RETRANSMIT = "inband_retransmit", Event;
+        /// A client acknowledgement not above the highest seen (a duplicate or reordered
+        /// ACK, e.g. one carrying SACK blocks): no progress counted.
+        INBAND_ACK_STALE = "inband_ack_stale", Event;
     }
 }
 
@@ -379,4 +474,6 @@ mod pod {
     unsafe impl aya::Pod for FloodWindow {}
     unsafe impl aya::Pod for NextHop {}
     unsafe impl aya::Pod for RingSlot {}
+    unsafe impl aya::Pod for InbandFlow {}
+    unsafe impl aya::Pod for InbandStats {}
 }

@@ -11,6 +11,7 @@ mod csum;
 mod decap;
 mod encap;
 mod icmp;
+mod inband;
 mod maps;
 mod parse;
 mod rst;
@@ -20,7 +21,7 @@ mod steer;
 mod trace;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
-use lb_common::{stat, LB_F_TRACE, VIP_F_SHED_RST};
+use lb_common::{stat, LB_F_TRACE, PROTO_TCP, VIP_F_INBAND, VIP_F_SHED_RST};
 
 use crate::{maps::CONFIG, stats::count, steer::Refusal};
 
@@ -71,6 +72,10 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
     };
     if p.icmp_error {
         count(stat::ICMP_TOO_BIG_STEERED);
+    } else if vip.flags & VIP_F_INBAND != 0 && p.key.proto == PROTO_TCP {
+        if let Some(e) = d.conn {
+            inband::observe(&ctx, &p, e, d.backend_id, d.now);
+        }
     }
     stats::traffic(vip.id, d.backend_id, p.l3_len as u64, d.new_flow);
     match encap::forward(&ctx, &p, &d, cfg) {

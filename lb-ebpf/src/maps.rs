@@ -12,9 +12,9 @@ use aya_ebpf::{
     maps::{Array, DevMapHash, PerCpuArray},
 };
 use lb_common::{
-    AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig, NextHop,
-    RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, MAX_BACKENDS,
-    MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
+    AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, InbandStats, LbConfig,
+    NextHop, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE,
+    MAX_BACKENDS, MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
 /// Per-CPU LRU lists: each CPU evicts from its own list, so flows steered by RSS to one CPU
@@ -78,3 +78,7 @@ pub static NEXTHOPS: PerCpuArray<NextHop> = PerCpuArray::with_max_entries(MAX_BA
 
 #[map]
 pub static FLOOD: PerCpuArray<FloodWindow> = PerCpuArray::with_max_entries(1, 0);
+
+/// In-band aggregates per backend id (time to first byte, delivered bytes, stalls).
+#[map]
+pub static INBAND_STATS: PerCpuArray<InbandStats> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);

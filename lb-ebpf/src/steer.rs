@@ -3,10 +3,10 @@
 
 use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
-    hash, stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta,
-    BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE, LB_F_WILDCARD_VIPS,
-    MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SECOND_CHANCE, VIP_F_SHED,
-    VIP_F_SRC_HASH,
+    hash, stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FlowKey, InbandFlow, LbConfig,
+    VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE,
+    LB_F_WILDCARD_VIPS, MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SECOND_CHANCE,
+    VIP_F_SHED, VIP_F_SRC_HASH,
 };
 
 use crate::{
@@ -39,6 +39,8 @@ pub struct Decision {
     /// Address of the backend that held the flow's ring slot before its last change, for a
     /// GUE backend to pass on a packet it has no socket for; `None` when there is none.
     pub previous: Option<[u32; 4]>,
+    /// The flow's connection entry when it was found on its backend (for in-band signals).
+    pub conn: Option<*mut ConnEntry>,
 }
 
 /// Exact (address, port, protocol) first, then, if any VIP takes every port, the address's
@@ -103,6 +105,7 @@ pub fn decide(
             hash: h,
             now,
             previous,
+            conn: None,
         });
     }
 
@@ -125,6 +128,7 @@ pub fn decide(
                     hash: h,
                     now,
                     previous: None,
+                    conn: Some(e),
                 });
             }
         }
@@ -143,6 +147,7 @@ pub fn decide(
             hash: h,
             now,
             previous,
+            conn: None,
         });
     }
 
@@ -162,6 +167,7 @@ pub fn decide(
             backend: id,
             hash: h,
             last_seen_ns: now,
+            inband: InbandFlow::default(),
         };
         if CONNS.insert(key, e, 0).is_err() {
             count(stat::CONN_INSERT_FAILED);
@@ -174,6 +180,7 @@ pub fn decide(
         hash: h,
         now,
         previous,
+        conn: None,
     })
 }
 

@@ -5,7 +5,8 @@
 use anyhow::{Context, Result};
 use lb_common::{
     Backend as PlaneBackend, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
-    BACKEND_F_FULL, BACKEND_F_GUE, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
+    BACKEND_F_FULL, BACKEND_F_GUE, VIP_F_INBAND, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST,
+    VIP_F_SRC_HASH,
 };
 
 use crate::{
@@ -63,6 +64,9 @@ fn vip_flags(vip: &Vip, overlay: &Overlay) -> u32 {
     }
     if vip.spec.hash == HashMode::Source {
         f |= VIP_F_SRC_HASH;
+    }
+    if vip.spec.inband {
+        f |= VIP_F_INBAND;
     }
     if overlay.shed.contains(&vip.spec.name) {
         f |= VIP_F_SHED;
@@ -223,6 +227,15 @@ impl crate::controller::Plane for MapPlane {
         })
     }
 
+    fn inband(
+        &mut self,
+        ids: &[u32],
+    ) -> Result<std::collections::BTreeMap<u32, lb_common::InbandStats>> {
+        ids.iter()
+            .map(|&id| Ok((id, self.dp.inband_stats(id)?)))
+            .collect()
+    }
+
     fn counters(&mut self, state: &State) -> Result<crate::controller::Counters> {
         let global = self.dp.stats()?;
         let mut c = crate::controller::Counters::default();
@@ -300,5 +313,8 @@ mod tests {
         assert_eq!(backend_flags(&vip, &b, &o), BACKEND_F_GUE);
         o.full.insert(3);
         assert_eq!(backend_flags(&vip, &b, &o), BACKEND_F_GUE | BACKEND_F_FULL);
+        vip.spec.flow_state = FlowState::Table;
+        vip.spec.inband = true;
+        assert_eq!(vip_flags(&vip, &o), VIP_F_INBAND);
     }
 }

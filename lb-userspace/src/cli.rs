@@ -1011,6 +1011,14 @@ fn print_backends(out: &mut dyn Write, v: &Value) -> Result<()> {
                 score,
                 cooldown,
                 secs(&s["telemetry_age_s"]),
+                match (s["ttfb_s"].as_f64(), s["delivery_bps"].as_f64()) {
+                    (None, None) => "-".to_string(),
+                    (t, r) => format!(
+                        "{}/{}",
+                        t.map_or("-".into(), |t| format!("{t:.2}s")),
+                        r.map_or("-".into(), |r| format!("{:.1}kB/s", r / 1e3))
+                    ),
+                },
                 if b["healthy"].as_bool() == Some(false) {
                     "no"
                 } else {
@@ -1037,6 +1045,7 @@ fn print_backends(out: &mut dyn Write, v: &Value) -> Result<()> {
             "SCORE",
             "COOLDOWN",
             "TELEMETRY",
+            "INBAND",
             "HEALTHY",
             "FLOWS",
             "PACKETS",
@@ -1234,14 +1243,14 @@ mod tests {
         assert_eq!(lines.len(), 3, "{out}");
         assert!(
             lines[0].starts_with(
-                "ADDRESS   ID  WEIGHT  EFFECTIVE  STATE     STEERING  SCORE  COOLDOWN  TELEMETRY  HEALTHY  FLOWS  PACKETS  BYTES  DRAIN"
+                "ADDRESS   ID  WEIGHT  EFFECTIVE  STATE     STEERING  SCORE  COOLDOWN  TELEMETRY  INBAND  HEALTHY  FLOWS  PACKETS  BYTES  DRAIN"
             ),
             "{out}"
         );
-        assert!(lines[1].starts_with("10.1.0.1  1   100     100        draining  -         -      -         -          yes      0      0        0      since 0s ago, deadline in 9m 59s"), "{out}");
+        assert!(lines[1].starts_with("10.1.0.1  1   100     100        draining  -         -      -         -          -       yes      0      0        0      since 0s ago, deadline in 9m 59s"), "{out}");
         assert!(
             lines[2].starts_with(
-                "10.1.0.2  2   5       5          active    -         -      -         -          yes      0      0        0      -"
+                "10.1.0.2  2   5       5          active    -         -      -         -          -       yes      0      0        0      -"
             ),
             "{out}"
         );

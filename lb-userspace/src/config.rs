@@ -237,6 +237,9 @@ pub struct VipConfig {
     /// Where TCP flows' state lives: the LB's connection table, or the backends (second
     /// chance; every backend must run `sluice_decap`).
     pub flow_state: FlowState,
+    /// Measure time to first byte and delivery from the clients' ACKs (`inband = true`);
+    /// needs the connection table (`flow_state = "table"`).
+    pub inband: bool,
     /// The `[[vip.backend]]` tables, in file order; addresses unique.
     #[serde(rename = "backend")]
     pub backends: Vec<BackendConfig>,
@@ -1341,6 +1344,7 @@ struct RawVip {
     priority: Option<Int>,
     ring_size: Option<Int>,
     flow_state: Option<String>,
+    inband: Option<bool>,
     #[serde(default)]
     backend: Vec<RawBackend>,
 }
@@ -2368,6 +2372,15 @@ fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipParts {
         r.flow_state.as_deref(),
         FlowState::Table,
     );
+    let inband = r.inband.unwrap_or(false);
+    if inband && flow_state == Some(FlowState::SecondChance) {
+        c.err(
+            &p.key("inband"),
+            "in-band signals live in the connection table, which a second-chance VIP does \
+             not use; set flow_state = \"table\" or inband = false"
+                .to_string(),
+        );
+    }
     let aw_path = p.key("affinity_window");
     let affinity_window = c
         .duration(&aw_path, r.affinity_window.as_deref(), Duration::ZERO)
@@ -2507,6 +2520,7 @@ fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipParts {
             priority: priority?,
             ring_size: ring_size.filter(|_| ring_ok)?,
             flow_state: flow_state?,
+            inband,
             backends: backends_ok.then_some(backends)?,
         })
     })();

@@ -78,6 +78,11 @@ pub trait Plane: Send {
     fn flow_entries(&mut self, f: &mut dyn FnMut(FlowEntry) -> bool) -> Result<()>;
     /// Switches the data plane's decision tracing.
     fn set_trace(&mut self, on: bool) -> Result<()>;
+    /// In-band aggregates of these backend ids, summed over CPUs (none without a data plane).
+    fn inband(&mut self, ids: &[u32]) -> Result<BTreeMap<u32, lb_common::InbandStats>> {
+        let _ = ids;
+        Ok(BTreeMap::new())
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -470,6 +475,11 @@ impl<P: Plane> Controller<P> {
             .with_context(|| format!("writing {}", tmp.display()))?;
         fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))?;
         Ok(())
+    }
+
+    /// See [`Plane::inband`].
+    pub fn inband(&mut self, ids: &[u32]) -> Result<BTreeMap<u32, lb_common::InbandStats>> {
+        self.plane.inband(ids)
     }
 
     pub fn active_flows(&mut self) -> Result<BTreeMap<u32, u64>> {

@@ -58,6 +58,7 @@ pub fn specs(cfg: &Config) -> Vec<(VipSpec, Vec<BackendSpec>)> {
                     config::FlowState::Table => FlowState::Table,
                     config::FlowState::SecondChance => FlowState::SecondChance,
                 },
+                inband: v.inband,
             };
             let backends = v
                 .backends
@@ -325,6 +326,7 @@ fn start_ticker(
         let mut settings = settings;
         let cfg = settings.borrow_and_update().clone();
         let mut policy = Policy::new(cfg.policy.clone());
+        let mut inband = telemetry::inband::Tracker::default();
         let mut rst = cfg.policy.shed == config::ShedMode::Rst;
         // The first step comes one interval after the start, not at once: by then the
         // scrapers' first round (bounded by scrape_timeout < scrape_interval) has reported.
@@ -353,7 +355,8 @@ fn start_ticker(
             if let Err(e) = ctl.lock().await.tick(now_ms()) {
                 tracing::error!(error = %format!("{e:#}"), "drain check failed");
             }
-            if let Err(e) = steering::step(&ctl, &hub, &mut policy, rst, epoch.elapsed()).await {
+            let step = steering::step(&ctl, &hub, &mut policy, &mut inband, rst, epoch.elapsed());
+            if let Err(e) = step.await {
                 tracing::error!(error = %format!("{e:#}"), "steering step failed");
             }
             // Drains and the policy step together (the metric the reads bench reads).

@@ -22,9 +22,10 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig, NextHop,
-    RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, LAYOUT_VERSION,
-    LB_F_TRACE, LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
+    stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, InbandStats,
+    LbConfig, NextHop, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
+    CONN_TABLE_SIZE, LAYOUT_VERSION, LB_F_TRACE, LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_VIPS,
+    RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
 use crate::{maglev, ring_history};
@@ -58,7 +59,7 @@ impl Default for LoadOptions {
 }
 
 /// (map, key size, value size, required entries or 0) as this build reads them.
-fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 13] {
+fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 14] {
     let u32s = size_of::<u32>();
     [
         ("META", u32s, u32s, 1),
@@ -89,6 +90,7 @@ fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 13] {
         ),
         ("FLOOD", u32s, size_of::<FloodWindow>(), 1),
         ("NEXTHOPS", u32s, size_of::<NextHop>(), MAX_BACKENDS),
+        ("INBAND_STATS", u32s, size_of::<InbandStats>(), MAX_BACKENDS),
     ]
 }
 
@@ -534,6 +536,13 @@ impl Dataplane {
         }
     }
 
+    /// Writes one connection-table entry (tests age a flow's in-band times with it).
+    pub fn set_conn(&mut self, key: &FlowKey, e: &ConnEntry) -> Result<()> {
+        let mut m: HashMap<&mut MapData, FlowKey, ConnEntry> =
+            HashMap::try_from(self.map("CONNS")?)?;
+        m.insert(key, e, 0).context("writing a connection entry")
+    }
+
     /// Every connection-table entry (a snapshot; entries may change while it is taken).
     pub fn conns(&mut self) -> Result<Vec<(FlowKey, ConnEntry)>> {
         let fd = self.conns_fd()?;
@@ -593,5 +602,14 @@ impl Dataplane {
 
     pub fn backend_stats(&mut self, backend_id: u32) -> Result<TrafficStats> {
         self.traffic("BACKEND_STATS", backend_id)
+    }
+
+    /// A backend's in-band aggregates summed over CPUs.
+    pub fn inband_stats(&mut self, backend_id: u32) -> Result<InbandStats> {
+        let a: PerCpuArray<&mut MapData, InbandStats> =
+            PerCpuArray::try_from(self.map("INBAND_STATS")?)?;
+        let v = a.get(&backend_id, 0)?;
+        Ok(v.iter()
+            .fold(InbandStats::default(), |acc, s| acc.merged(s)))
     }
 }

@@ -275,6 +275,7 @@ mod tests {
             backend,
             hash: 0,
             last_seen_ns,
+            ..ConnEntry::default()
         }
     }
 

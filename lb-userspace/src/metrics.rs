@@ -375,6 +375,22 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             })
             .collect(),
     );
+    float_gauges(
+        &mut reg,
+        "backend_inband_ttfb_seconds",
+        "In-band mean time to first byte over the last window, from the clients' ACKs",
+        backends()
+            .filter_map(|(_, b, l)| Some((l, snap.steering.get(&b.id)?.ttfb_s?)))
+            .collect(),
+    );
+    float_gauges(
+        &mut reg,
+        "backend_inband_delivery_bytes_per_second",
+        "In-band delivery rate per stream over the last window, from the clients' ACKs",
+        backends()
+            .filter_map(|(_, b, l)| Some((l, snap.steering.get(&b.id)?.delivery_bps?)))
+            .collect(),
+    );
     gauges(
         &mut reg,
         "backend_moved_away",
@@ -578,6 +594,8 @@ mod tests {
                 sessions: 4,
                 max_sessions: 0,
                 telemetry_age: Some(std::time::Duration::from_millis(500)),
+                ttfb_s: Some(0.25),
+                delivery_bps: Some(4000.0),
             },
         );
         snap
@@ -614,6 +632,8 @@ mod tests {
             r#"sluice_backend_load_score{vip="chat",backend="10.1.0.1"} 0.75"#,
             r#"sluice_backend_cooldown_seconds{vip="chat",backend="10.1.0.1"} 20.0"#,
             r#"sluice_backend_telemetry_age_seconds{vip="chat",backend="10.1.0.1"} 0.5"#,
+            r#"sluice_backend_inband_ttfb_seconds{vip="chat",backend="10.1.0.1"} 0.25"#,
+            r#"sluice_backend_inband_delivery_bytes_per_second{vip="chat",backend="10.1.0.1"} 4000.0"#,
             r#"sluice_backend_moved_away{vip="chat",backend="10.1.0.1",reason="congestion"} 1"#,
             r#"sluice_backend_full{vip="chat",backend="10.1.0.1"} 0"#,
             r#"sluice_map_entries{map="conns"} 12"#,

@@ -77,6 +77,9 @@ pub struct VipSpec {
     pub ring_size: u32,
     #[serde(default)]
     pub flow_state: FlowState,
+    /// In-band signals from the clients' ACKs (`VIP_F_INBAND`).
+    #[serde(default)]
+    pub inband: bool,
 }
 
 fn default_ring() -> u32 {
@@ -570,6 +573,7 @@ pub(crate) mod testing {
             priority: 0,
             ring_size: RING_SIZE_MAX,
             flow_state: FlowState::Table,
+            inband: false,
         }
     }
 

@@ -17,7 +17,7 @@ use crate::{
     controller::{Controller, Overlay, Peer, Plane},
     policy::{health, BackendDecision, BackendInput, Decisions, Policy},
     state::{Op, Vip},
-    telemetry::{BackendKey, Hub},
+    telemetry::{inband::Tracker, BackendKey, Hub, Source},
 };
 
 /// The health check of a backend: the configured one, else TCP to the VIP's port (a
@@ -118,17 +118,54 @@ pub async fn run_health<P: Plane + 'static>(
     }
 }
 
+/// Reads the in-band aggregates of the in-band VIPs' backends into the tracker, and each
+/// backend's part, when its window has one, into the hub as the `inband` source.
+fn ingest_inband<P: Plane + 'static>(
+    c: &mut Controller<P>,
+    state: &crate::state::State,
+    hub: &std::sync::Mutex<Hub>,
+    tracker: &mut Tracker,
+) -> anyhow::Result<()> {
+    let backends: Vec<(BackendKey, u32)> = state
+        .vips
+        .values()
+        .filter(|v| v.spec.inband)
+        .flat_map(|v| {
+            v.backends
+                .values()
+                .map(move |b| ((v.spec.name.clone(), b.spec.address), b.id))
+        })
+        .collect();
+    tracker.retain(|k| backends.iter().any(|(b, _)| b == k));
+    if backends.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<u32> = backends.iter().map(|(_, id)| *id).collect();
+    let stats = c.inband(&ids)?;
+    let at = Instant::now();
+    let mut hub = hub.lock().expect("telemetry hub lock");
+    for (key, id) in &backends {
+        if let Some(part) = stats.get(id).and_then(|s| tracker.observe(key, *s, at)) {
+            hub.update(key, Source::Inband, part, at);
+        }
+    }
+    Ok(())
+}
+
 /// One policy step: gathers sessions, health and telemetry, steps the policy, installs the
 /// overlay and records the decisions' events. Returns the per-backend decisions.
 pub async fn step<P: Plane + 'static>(
     ctl: &Mutex<Controller<P>>,
     hub: &std::sync::Mutex<Hub>,
     policy: &mut Policy,
+    inband: &mut Tracker,
     shed_rst: bool,
     now: Duration,
 ) -> anyhow::Result<Vec<BackendDecision>> {
     let mut c = ctl.lock().await;
     let sessions = c.active_flows()?;
+    let state = c.state().clone();
+    ingest_inband(&mut c, &state, hub, inband)?;
     let (overlay, d) = decide(&c, hub, policy, shed_rst, now, &sessions);
     c.set_overlay(overlay)?;
     record(&mut c, &d);

@@ -131,7 +131,7 @@ port = 1
 "#,
         errors: &[
             "t.toml:7:1: daemon.log_levl: unknown field `log_levl`, expected one of `bpffs`, `state_file`, `keep_dataplane_on_exit`, `log_format`, `log_level`",
-            "t.toml:10:1: vip[0].adress: unknown field `adress`, expected one of `name`, `address`, `port`, `protocol`, `hash`, `affinity_window`, `priority`, `ring_size`, `flow_state`, `backend`",
+            "t.toml:10:1: vip[0].adress: unknown field `adress`, expected one of `name`, `address`, `port`, `protocol`, `hash`, `affinity_window`, `priority`, `ring_size`, `flow_state`, `inband`, `backend`",
             "t.toml:17:3: vip[1].backend[0].wieght: unknown field `wieght`, expected one of `address`, `weight`, `labels`, `max_sessions`, `dcgm`, `engine`, `roce`, `health`",
         ],
     },
@@ -1658,4 +1658,27 @@ fn fleet_section_is_validated_with_its_key_paths() {
     let f = cfg.fleet.unwrap();
     assert_eq!((f.host.as_str(), f.prefix.as_str()), ("lb-1", "/sluice"));
     assert_eq!(config::parse(BASE, "t.toml").unwrap().fleet, None);
+}
+
+#[test]
+fn config_inband_defaults_off_and_needs_the_connection_table() {
+    let vip = |extra: &str| {
+        format!(
+            "{BASE}[[vip]]\nname = \"chat\"\naddress = \"10.200.0.1\"\nport = 443\n{extra}\n\
+             [[vip.backend]]\naddress = \"10.1.0.1\"\n"
+        )
+    };
+    assert!(!config::parse(&vip(""), "t.toml").unwrap().vips[0].inband);
+    assert!(config::parse(&vip("inband = true"), "t.toml").unwrap().vips[0].inband);
+    let err = config::parse(
+        &vip("inband = true\nflow_state = \"second-chance\""),
+        "t.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("vip[0].inband"), "{err}");
+    assert!(
+        err.contains("set flow_state = \"table\" or inband = false"),
+        "{err}"
+    );
 }

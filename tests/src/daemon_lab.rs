@@ -88,6 +88,8 @@ pub struct VipDef {
     pub telemetry: bool,
     /// The flow hash: "five-tuple" or "source" (client affinity).
     pub hash: &'static str,
+    /// In-band signals (`inband = true`).
+    pub inband: bool,
 }
 
 impl VipDef {
@@ -103,6 +105,7 @@ impl VipDef {
             max_sessions: 0,
             telemetry: false,
             hash: "five-tuple",
+            inband: false,
         }
     }
 }
@@ -703,6 +706,9 @@ impl DaemonLab {
                 v.priority,
                 v.hash
             );
+            if v.inband {
+                text += "inband = true\n";
+            }
             for &i in &v.backends {
                 let b = &self.topo.backends[i];
                 text += &format!(

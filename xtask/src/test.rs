@@ -16,7 +16,7 @@ use crate::{
 const LAYERS: &[(&str, &[&str])] = &[
     (
         "packet tests (BPF_PROG_TEST_RUN)",
-        &["packet", "pinning", "fuzz", "trace", "readable"],
+        &["packet", "inband", "pinning", "fuzz", "trace", "readable"],
     ),
     (
         "namespace tests (XDP on veth, real streams)",
@@ -24,7 +24,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     (
         "daemon-lab tests (`sluice run` in the namespace lab)",
-        &["daemon", "adaptive", "hostile", "observe"],
+        &["daemon", "adaptive", "hostile", "observe", "inband_lab"],
     ),
     (
         "fleet tests (three LB hosts behind a BIRD router with ECMP and BFD)",

@@ -53,8 +53,8 @@ fn words(s: &str) -> Vec<String> {
 
 const USAGE: &str = "usage: sluice-bench steer [--scenarios a,b] [--policies a,b] [--duration SECS] \
 [--backends N] [--seed N] [--capacity-rps X] [--max-sessions N] [--sources N] [--accel-args ARGS] [--out FILE] [--plots DIR]
-  scenarios: healthy, heterogeneous, throttled, congested, dying, overload (default: all)
-  policies:  maglev, adaptive, adaptive+admission (default: all)
+  scenarios: healthy, heterogeneous, throttled, congested, dying, overload, gray (default: all)
+  policies:  maglev, adaptive, adaptive+admission, inband (default: all)
   --duration      seconds of load per cell (default 50)
   --backends      simulated accelerators, 4..=8 (default 4)
   --capacity-rps  requests per second one healthy accelerator sustains with the default
@@ -276,6 +276,7 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
     let vip_addr = SocketAddr::new(VIP4.into(), TCP_PORT);
     let mut vip = VipDef::tcp(VIP, vip_addr, n);
     vip.telemetry = policy.telemetry();
+    vip.inband = policy == Policy::Inband;
     vip.max_sessions = policy.max_sessions(args.max_sessions);
     // Each client address keeps its conversations on one accelerator (affinity by source).
     vip.hash = "source";
@@ -673,7 +674,7 @@ mod tests {
     #[test]
     fn args_default_and_check() {
         let a = Args::parse(&[]).unwrap();
-        assert_eq!((a.scenarios.len(), a.policies.len(), a.backends), (6, 3, 4));
+        assert_eq!((a.scenarios.len(), a.policies.len(), a.backends), (7, 4, 4));
         let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
         let a = Args::parse(&s(&[
             "--scenarios",

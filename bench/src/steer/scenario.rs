@@ -21,15 +21,19 @@ pub enum Scenario {
     Dying,
     /// Offered load 1.3x the fleet's capacity.
     Overload,
+    /// A gray failure: one accelerator's exporter frozen at 0.4 of the run, and the
+    /// accelerator slowed 2.5x right after (its pages keep the values from before).
+    Gray,
 }
 
-pub const SCENARIOS: [Scenario; 6] = [
+pub const SCENARIOS: [Scenario; 7] = [
     Scenario::Healthy,
     Scenario::Heterogeneous,
     Scenario::Throttled,
     Scenario::Congested,
     Scenario::Dying,
     Scenario::Overload,
+    Scenario::Gray,
 ];
 
 /// A fault put into an accelerator at a fraction of the run.
@@ -53,6 +57,7 @@ impl Scenario {
             Scenario::Congested => "congested",
             Scenario::Dying => "dying",
             Scenario::Overload => "overload",
+            Scenario::Gray => "gray",
         }
     }
 
@@ -106,6 +111,14 @@ impl Scenario {
                 f(2.0 / 3.0, clear, "b1 fabric clear"),
             ],
             Scenario::Dying => vec![f(0.5, json!({"kind": "kill"}), "b1 killed")],
+            Scenario::Gray => vec![
+                f(0.39, json!({"kind": "freeze"}), "b1 telemetry frozen"),
+                f(
+                    0.4,
+                    json!({"kind": "throttle", "factor": 0.4}),
+                    "b1 slowed 2.5x, telemetry frozen",
+                ),
+            ],
             _ => Vec::new(),
         }
     }
@@ -124,9 +137,16 @@ pub enum Policy {
     Adaptive,
     /// Defaults plus per-backend session caps and shedding (RST).
     Admission,
+    /// Defaults plus in-band signals on the VIP (`inband = true`).
+    Inband,
 }
 
-pub const POLICIES: [Policy; 3] = [Policy::Maglev, Policy::Adaptive, Policy::Admission];
+pub const POLICIES: [Policy; 4] = [
+    Policy::Maglev,
+    Policy::Adaptive,
+    Policy::Admission,
+    Policy::Inband,
+];
 
 impl Policy {
     pub fn name(self) -> &'static str {
@@ -134,6 +154,7 @@ impl Policy {
             Policy::Maglev => "maglev",
             Policy::Adaptive => "adaptive",
             Policy::Admission => "adaptive+admission",
+            Policy::Inband => "inband",
         }
     }
 
@@ -161,7 +182,7 @@ impl Policy {
                 ("health", "interval", "\"1h\""),
                 ("health", "timeout", "\"1s\""),
             ],
-            Policy::Adaptive => Vec::new(),
+            Policy::Adaptive | Policy::Inband => Vec::new(),
             Policy::Admission => vec![("policy", "shed", "\"rst\"")],
         }
     }

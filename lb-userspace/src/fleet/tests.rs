@@ -71,6 +71,7 @@ fn add_vip() -> Op {
             priority: 0,
             ring_size: 251,
             flow_state: Default::default(),
+            inband: false,
         },
         backends: ["10.1.0.1", "10.1.0.2", "10.1.0.3"]
             .iter()

@@ -29,6 +29,7 @@
 mod admission;
 mod cooldown;
 pub mod health;
+mod inband;
 mod score;
 #[cfg(test)]
 mod tests;
@@ -103,6 +104,9 @@ pub struct BackendDecision {
     pub max_sessions: u32,
     #[serde(rename = "telemetry_age_s", serialize_with = "opt_secs")]
     pub telemetry_age: Option<Duration>,
+    /// In-band time to first byte and per-stream delivery rate, where fresh.
+    pub ttfb_s: Option<f64>,
+    pub delivery_bps: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -134,6 +138,8 @@ pub enum EventKind {
     Up,
     ShedStart,
     ShedStop,
+    /// An exporter says nothing is wrong while the in-band signals say slow.
+    TelemetryMismatch,
 }
 
 impl EventKind {
@@ -148,6 +154,7 @@ impl EventKind {
             EventKind::Up => "up",
             EventKind::ShedStart => "shed-start",
             EventKind::ShedStop => "shed-stop",
+            EventKind::TelemetryMismatch => "telemetry-mismatch",
         }
     }
 }
@@ -208,6 +215,8 @@ pub struct Policy {
     backends: BTreeMap<u32, Memory>,
     shedders: BTreeMap<String, Shedder>,
     started: bool,
+    /// Backends flagged for a telemetry mismatch in their current slow episode.
+    mismatched: BTreeSet<u32>,
 }
 
 /// A backend's view within one step.
@@ -230,6 +239,7 @@ impl Policy {
             backends: BTreeMap::new(),
             shedders: BTreeMap::new(),
             started: false,
+            mismatched: BTreeSet::new(),
         }
     }
 
@@ -248,6 +258,8 @@ impl Policy {
         self.shedders.retain(|p, _| pools.values().any(|q| q == p));
 
         let mut work: Vec<Work> = inputs.iter().map(|i| self.observe(now, i)).collect();
+        let mut events = Vec::new();
+        inband::slow(now, &mut work, &mut self.mismatched, &mut events);
         self.relevel(&work);
         self.trigger(now, &mut work);
         let kept = self.guard(&work);
@@ -255,7 +267,7 @@ impl Policy {
         let mut out = Decisions {
             backends: Vec::with_capacity(inputs.len()),
             shed: BTreeMap::new(),
-            events: Vec::new(),
+            events,
         };
         for (i, w) in work.iter().enumerate() {
             let d = self.decide(now, w, kept.contains(&i), &mut out.events);
@@ -494,6 +506,8 @@ impl Policy {
             sessions: input.sessions,
             max_sessions: input.max_sessions,
             telemetry_age: input.telemetry.and_then(|t| t.age),
+            ttfb_s: input.telemetry.and_then(|t| t.sample.ttfb_s),
+            delivery_bps: input.telemetry.and_then(|t| t.sample.delivery_bps),
         }
     }
 

@@ -29,6 +29,9 @@ pub enum Reason {
     Throttling,
     /// Telemetry too old to trust: treated as saturated.
     Stale,
+    /// In-band time to first byte or delivery rate departs from the VIP's other backends
+    /// (`policy::inband`).
+    Slow,
 }
 
 impl Reason {
@@ -41,6 +44,8 @@ impl Reason {
             Reason::Saturation => 1,
             Reason::Congestion => 2,
             Reason::Throttling => 3,
+            // What the clients see, whatever the exporters say.
+            Reason::Slow => 3,
         }
     }
 }

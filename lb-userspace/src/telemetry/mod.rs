@@ -5,6 +5,7 @@
 //! - [`dcgm`]: NVIDIA dcgm-exporter pages (utilisation, memory, temperature, power, throttling);
 //! - [`engine`]: vLLM and SGLang `/metrics` pages (queue depth, running requests, KV cache);
 //! - [`roce`]: RoCE congestion counters (ECN marks, CNPs) from sysfs or an exporter, as rates;
+//! - [`inband`]: time to first byte and delivery rate from the data plane (in-band VIPs);
 //! - push: samples posted through the admin API ([`Hub::update`] with [`Source::Push`]).
 //!
 //! Everything that interprets data is pure and takes the time as a parameter: [`prom`] parses
@@ -33,6 +34,7 @@ pub mod dcgm;
 pub mod engine;
 pub mod http;
 pub mod hub;
+pub mod inband;
 pub mod prom;
 pub mod roce;
 pub mod scrape;
@@ -90,6 +92,15 @@ pub struct Sample {
     /// CNPs per second (np_cnp_sent + rp_cnp_handled; Broadcom rx_cnp_pkts + tx_cnp_pkts).
     #[serde(default)]
     pub cnp_rate: Option<f64>,
+    /// In-band: mean time to first byte over the window, seconds ([`inband`]).
+    #[serde(default)]
+    pub ttfb_s: Option<f64>,
+    /// In-band: server bytes acknowledged per second of streaming, per stream ([`inband`]).
+    #[serde(default)]
+    pub delivery_bps: Option<f64>,
+    /// In-band: requests whose flow stalled within the window ([`inband`]).
+    #[serde(default)]
+    pub stalls: Option<f64>,
 }
 
 impl Sample {
@@ -108,6 +119,9 @@ impl Sample {
             ("running", self.running),
             ("ecn_rate", self.ecn_rate),
             ("cnp_rate", self.cnp_rate),
+            ("ttfb_s", self.ttfb_s),
+            ("delivery_bps", self.delivery_bps),
+            ("stalls", self.stalls),
         ];
         let mut bad = Vec::new();
         for (name, v) in fractions {
@@ -152,6 +166,9 @@ impl Sample {
         put(&mut self.kv_cache, top.kv_cache);
         put(&mut self.ecn_rate, top.ecn_rate);
         put(&mut self.cnp_rate, top.cnp_rate);
+        put(&mut self.ttfb_s, top.ttfb_s);
+        put(&mut self.delivery_bps, top.delivery_bps);
+        put(&mut self.stalls, top.stalls);
     }
 }
 
@@ -165,6 +182,8 @@ pub enum Source {
     Dcgm,
     Engine,
     Roce,
+    /// The data plane's in-band signals (never configured: it has its own staleness).
+    Inband,
     Push,
 }
 
@@ -174,6 +193,7 @@ impl fmt::Display for Source {
             Source::Dcgm => "dcgm",
             Source::Engine => "engine",
             Source::Roce => "roce",
+            Source::Inband => "inband",
             Source::Push => "push",
         })
     }

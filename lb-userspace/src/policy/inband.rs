@@ -1,0 +1,246 @@
+//! In-band move-away: a backend whose time to first byte or delivery rate, as the clients'
+//! own ACKs show them (the `inband` telemetry source), departs from its VIP's other backends
+//! gets a [`Reason::Slow`] trigger, and goes through the usual cooldown like any other
+//! reason. Peers, not thresholds: what a "slow" first byte is depends on the model and the
+//! load, but a backend answering much later than the others under the same steering is slow.
+//!
+//! Cross-check: a slow backend whose exporters explain nothing (no exporter trigger, and no
+//! load signal at its threshold) is flagged once per episode with a
+//! `telemetry-mismatch` event: its exporter says "fine" while its clients say "slow" (a
+//! frozen or lying exporter, or a gray failure the exporters cannot see).
+
+use std::{collections::BTreeSet, time::Duration};
+
+use super::{Event, EventKind, Reason, Trigger, Work};
+
+/// Slow when the time to first byte is over this many times the peers' median...
+pub const TTFB_FACTOR: f64 = 1.8;
+/// ...and over it by at least this much (sub-second first bytes jitter by whole ticks).
+pub const TTFB_MARGIN_S: f64 = 0.2;
+/// Slow when the per-stream delivery rate is under the peers' median divided by this.
+pub const DELIVERY_FACTOR: f64 = 1.8;
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+/// Why `i` departs from its peers, if it does; needs two peers with in-band readings.
+fn departs(work: &[Work], i: usize) -> Option<String> {
+    let me = &work[i];
+    let sample = |w: &Work| w.input.telemetry.map(|t| t.sample.clone());
+    let s = sample(me)?;
+    let peers: Vec<&Work> = work
+        .iter()
+        .enumerate()
+        .filter(|(j, w)| *j != i && w.input.vip == me.input.vip && w.eligible)
+        .map(|(_, w)| w)
+        .collect();
+    let of = |f: fn(&crate::telemetry::Sample) -> Option<f64>| -> Vec<f64> {
+        peers
+            .iter()
+            .filter_map(|w| sample(w).and_then(|s| f(&s)))
+            .collect()
+    };
+    let ttfbs = of(|s| s.ttfb_s);
+    if let (Some(t), true) = (s.ttfb_s, ttfbs.len() >= 2) {
+        let m = median(ttfbs)?;
+        if t > TTFB_FACTOR * m && t - m > TTFB_MARGIN_S {
+            return Some(format!(
+                "in-band time to first byte {t:.3}s, peers' median {m:.3}s"
+            ));
+        }
+    }
+    let rates = of(|s| s.delivery_bps);
+    if let (Some(r), true) = (s.delivery_bps, rates.len() >= 2) {
+        let m = median(rates)?;
+        if r * DELIVERY_FACTOR < m {
+            return Some(format!(
+                "in-band delivery {r:.0} B/s per stream, peers' median {m:.0} B/s"
+            ));
+        }
+    }
+    None
+}
+
+/// Adds the `Slow` triggers; records a mismatch event for each newly slow backend whose
+/// exporters explain nothing (`mismatched` holds the backends flagged in this episode).
+pub(super) fn slow(
+    now: Duration,
+    work: &mut [Work],
+    mismatched: &mut BTreeSet<u32>,
+    events: &mut Vec<Event>,
+) {
+    let found: Vec<(usize, String)> = (0..work.len())
+        .filter_map(|i| departs(work, i).map(|d| (i, d)))
+        .collect();
+    let slow_ids: BTreeSet<u32> = found.iter().map(|(i, _)| work[*i].input.id).collect();
+    mismatched.retain(|id| slow_ids.contains(id));
+    for (i, detail) in found {
+        let w = &mut work[i];
+        // Pressure is capped at 1: at 1 some load signal is at its threshold.
+        let explained = !w.conditions.is_empty() || w.pressure.is_some_and(|p| p >= 1.0);
+        if !explained && mismatched.insert(w.input.id) {
+            events.push(Event {
+                at: now,
+                kind: EventKind::TelemetryMismatch,
+                vip: w.input.vip.to_owned(),
+                backend: Some(w.input.address),
+                reason: format!(
+                    "exporter reports pressure {:.2} and no trigger, but {detail}",
+                    w.pressure.unwrap_or(0.0)
+                ),
+                telemetry: w.input.telemetry.and_then(|t| serde_json::to_value(t).ok()),
+            });
+        }
+        w.conditions.push(Trigger {
+            reason: Reason::Slow,
+            detail,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use super::super::{BackendInput, Policy, SteerState};
+    use super::*;
+    use crate::{
+        config::PolicyConfig,
+        telemetry::{BackendTelemetry, Sample},
+    };
+
+    const S: Duration = Duration::from_secs(1);
+
+    /// An exporter that reports a moderately busy backend, plus in-band readings.
+    fn view(ttfb_s: Option<f64>, delivery_bps: Option<f64>) -> BackendTelemetry {
+        BackendTelemetry {
+            sample: Sample {
+                gpu_util: Some(0.6),
+                queue_depth: Some(1.0),
+                kv_cache: Some(0.4),
+                ttfb_s,
+                delivery_bps,
+                ..Sample::default()
+            },
+            age: Some(Duration::from_millis(200)),
+            stale: false,
+            errors: Vec::new(),
+        }
+    }
+
+    fn step(p: &mut Policy, now: Duration, views: &[BackendTelemetry]) -> super::super::Decisions {
+        let inputs: Vec<BackendInput> = views
+            .iter()
+            .enumerate()
+            .map(|(i, t)| BackendInput {
+                vip: "chat",
+                address: IpAddr::V4(Ipv4Addr::new(10, 0, 0, i as u8 + 1)),
+                id: i as u32 + 1,
+                weight: 100,
+                healthy: true,
+                sessions: 10,
+                max_sessions: 0,
+                telemetry: Some(t),
+            })
+            .collect();
+        p.step(now, &inputs)
+    }
+
+    fn kinds(d: &super::super::Decisions) -> Vec<EventKind> {
+        d.events.iter().map(|e| e.kind).collect()
+    }
+
+    #[test]
+    fn a_backend_answering_late_is_moved_away_and_its_exporter_flagged_once() {
+        let cfg = PolicyConfig::default();
+        let mut p = Policy::new(cfg.clone());
+        let fast = view(Some(0.5), Some(2000.0));
+        let healthy = [fast.clone(), fast.clone(), fast.clone(), fast.clone()];
+        for t in 0..5 {
+            let d = step(&mut p, t * S, &healthy);
+            assert!(
+                d.events.is_empty(),
+                "peers alike: nothing happens ({:?})",
+                d.events
+            );
+        }
+        // Backend 4 answers 3x later; its exporter still says what it said.
+        let gray = [
+            fast.clone(),
+            fast.clone(),
+            fast.clone(),
+            view(Some(1.5), Some(1900.0)),
+        ];
+        let d = step(&mut p, 5 * S, &gray);
+        let b = &d.backends[3];
+        assert_eq!((b.weight, b.state), (0, SteerState::MovedAway));
+        assert_eq!(b.reason, Some(Reason::Slow));
+        assert_eq!(b.cooldown_left, cfg.cooldown_base);
+        assert_eq!(
+            kinds(&d),
+            [
+                EventKind::TelemetryMismatch,
+                EventKind::Reroute,
+                EventKind::CooldownStart,
+                EventKind::WeightChange
+            ]
+        );
+        assert!(
+            d.events[0]
+                .reason
+                .contains("in-band time to first byte 1.500s, peers' median 0.500s"),
+            "{}",
+            d.events[0].reason
+        );
+        // Still slow next step: no second mismatch event in the same episode.
+        let d = step(&mut p, 6 * S, &gray);
+        assert!(!kinds(&d).contains(&EventKind::TelemetryMismatch));
+        // Moved away, it serves no new answers: its in-band part ages out (no reading), and
+        // after the cooldown it comes back.
+        let quiet = [fast.clone(), fast.clone(), fast.clone(), view(None, None)];
+        let back = (7..60)
+            .map(|t| step(&mut p, t * S, &quiet))
+            .find(|d| kinds(d).contains(&EventKind::Recover));
+        assert!(back.is_some(), "recovered after the cooldown");
+    }
+
+    #[test]
+    fn a_slow_delivery_rate_is_slow_too_and_one_peer_is_not_enough() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let ok = view(Some(0.5), Some(2000.0));
+        let d = step(
+            &mut p,
+            S,
+            &[ok.clone(), ok.clone(), view(Some(0.5), Some(800.0))],
+        );
+        assert_eq!(d.backends[2].reason, Some(Reason::Slow));
+        assert!(
+            d.events[0].reason.contains("in-band delivery 800 B/s"),
+            "{:?}",
+            d.events
+        );
+        // With one peer there is no majority to depart from.
+        let mut p = Policy::new(PolicyConfig::default());
+        let d = step(&mut p, S, &[ok.clone(), view(Some(5.0), Some(10.0))]);
+        assert_eq!(d.backends[1].reason, None);
+    }
+
+    #[test]
+    fn small_absolute_differences_are_not_slow() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let ok = view(Some(0.05), None);
+        // 0.15 s is 3x the peers' 0.05 s but only 0.1 s later: jitter, not a slow backend.
+        let d = step(&mut p, S, &[ok.clone(), ok.clone(), view(Some(0.15), None)]);
+        assert!(d.events.is_empty(), "{:?}", d.events);
+    }
+}
