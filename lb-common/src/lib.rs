@@ -9,8 +9,9 @@
 pub mod hash;
 pub mod trace;
 
-/// Bumped whenever a map's key or value layout changes; pinned maps carry it so a newer
-/// program refuses to reuse maps it cannot read.
+/// Bumped whenever a map's key or value layout changes, or the counter list does (`STATS`
+/// is read by index); pinned maps carry it so a newer program refuses to reuse maps it
+/// cannot read.
 pub const LAYOUT_VERSION: u32 = 3;
 
 pub const MAX_VIPS: u32 = 128;
@@ -391,7 +392,6 @@ pub mod stat {
         CONN_HIT = "conn_hit", Event;
         CONN_MISS = "conn_miss", Event;
         CONN_RESTEER_DOWN = "conn_resteer_down", Event;
-        CONN_INSERT_FAILED = "conn_insert_failed", Event;
         FLOOD_BYPASS = "flood_bypass", Event;
         AFFINITY_HIT = "affinity_hit", Event;
         PROBE_SKIP = "probe_skip", Event;
@@ -405,7 +405,6 @@ pub mod stat {
         DROP_NO_CONFIG = "drop_no_config", Drop;
         DECAP_OK = "decap_ok", Event;
         DECAP_PASS_NOT_ENCAP = "decap_pass_not_encap", Pass;
-        DECAP_DROP_ADJUST = "decap_drop_adjust", Drop;
         /// A new session shed by priority; followed by `SHED_RST_SENT` or `DROP_SHED`.
         SHED_PRIORITY = "shed_priority", Event;
         /// A new session shed because every backend it may use is full.

@@ -172,7 +172,7 @@ enum Dataplane {
 
 /// The family of a global counter comes from the kind it is declared with in
 /// `lb_common::stat`; the label drops the word the family already says
-/// (`decap_drop_adjust` → "decap_adjust").
+/// (`decap_pass_not_encap` → "decap_not_encap").
 fn dataplane_family(name: &str, kind: Kind) -> (Dataplane, String) {
     let (family, word) = match kind {
         Kind::Drop => (Dataplane::Drops, "drop_"),
@@ -623,7 +623,7 @@ mod tests {
             r#"sluice_vip_flow_state{vip="chat",flow_state="second-chance"} 0"#,
             r#"sluice_dataplane_events_total{event="decap_history_short"} 0"#,
             r#"sluice_dataplane_drops_total{reason="no_backend"} 3"#,
-            r#"sluice_dataplane_drops_total{reason="decap_adjust"} 0"#,
+            r#"sluice_dataplane_drops_total{reason="adjust_head"} 0"#,
             r#"sluice_dataplane_passes_total{reason="decap_not_encap"} 5"#,
             r#"sluice_dataplane_passes_total{reason="not_ip"} 0"#,
             r#"sluice_dataplane_events_total{event="conn_hit"} 9"#,
@@ -661,10 +661,6 @@ mod tests {
         assert_eq!(
             f("drop_no_nexthop"),
             (Dataplane::Drops, "no_nexthop".into())
-        );
-        assert_eq!(
-            f("decap_drop_adjust"),
-            (Dataplane::Drops, "decap_adjust".into())
         );
         assert_eq!(f("pass_fragment"), (Dataplane::Passes, "fragment".into()));
         assert_eq!(

@@ -5,19 +5,19 @@
 //! `sluice_tests::daemon_lab`. Needs root, `ip`, `ethtool`, `nsenter`, a bpffs and the
 //! `sluice` binary; fails, never skips.
 //!
-//! Priority classes: shedding is decided per VIP over that VIP's own backends (backend entries
-//! are per VIP, each with its own session count and full flag). When two VIPs share saturated
-//! machines, every backend of both is full, so the data plane refuses the new sessions of both
-//! VIPs (`shed_full`) whatever their class; the class only decides whether the VIP is also
-//! marked shed (`shed_priority`, class 7 at once, class 0 never). A lower class therefore does
-//! not shed *first*: there is no shared pool in which a higher class keeps admitting while a
-//! lower one is refused. The tests below cover each path on one VIP (a class-7 VIP shed by
-//! priority, a class-0 VIP refused by full backends) instead.
+//! Priority classes: VIPs that share accelerator hosts form one admission pool. While every
+//! backend of the pool is full, new sessions of every VIP find only full backends, so the
+//! class-0 VIP is refused too (`shed_full`); the lowest class is also shed by priority
+//! (`shed_priority`, one more class per further period). When a host frees up, the VIPs still
+//! shed by priority stay refused until the pool has had room for a whole period, so the freed
+//! capacity goes to the higher class first (a session of it whose four probe positions all
+//! hold full hosts is still refused). `shared_pool_...` shows that with two VIPs on the
+//! same hosts; the capped tests show each refusal path on one VIP.
 
 use std::{
     collections::BTreeMap,
     io::ErrorKind,
-    net::SocketAddr,
+    net::{Ipv4Addr, SocketAddr},
     thread,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
@@ -494,4 +494,188 @@ fn saturated_pool_answers_new_syns_with_rst_in_rst_mode_while_established_stream
 
     finish_all(streams, "streams admitted before the pool filled");
     admitted_again(&lab);
+}
+
+/// A class-7 VIP sharing the three accelerator hosts with the class-0 `chat`.
+const BATCH: &str = "batch";
+
+fn batch_vip() -> SocketAddr {
+    SocketAddr::new(Ipv4Addr::new(10, 111, 100, 2).into(), TCP_PORT)
+}
+
+/// `chat` (class 0) and `batch` (class 7) on the same three hosts, scraped for telemetry,
+/// refused sessions answered with RST (so each refusal is seen at once). A 20 s shed period
+/// leaves a long window between room appearing and the first class being readmitted.
+fn shared_pool_options() -> DaemonLabOptions {
+    let mut chat = VipDef::tcp(VIP, vip(), BACKENDS);
+    chat.telemetry = true;
+    let mut batch = VipDef::tcp(BATCH, batch_vip(), BACKENDS);
+    batch.telemetry = true;
+    batch.priority = 7;
+    let mut o = DaemonLabOptions::new(SERVER, BACKENDS, vec![chat, batch]);
+    o.exporters = true;
+    o.backend_vips.push(batch_vip().ip());
+    o.serve.push(batch_vip());
+    o.set("policy", "shed", "\"rst\"");
+    o.set("policy", "cooldown_base", "\"20s\"");
+    o
+}
+
+/// `n` connection attempts to `to`, one after another: the backend that greeted, or the error.
+fn sessions(lab: &DaemonLab, to: SocketAddr, n: usize) -> Vec<Result<String, ErrorKind>> {
+    (0..n)
+        .map(|_| {
+            lab.greet(to, Duration::from_secs(2)).map_err(|e| {
+                e.downcast_ref::<std::io::Error>()
+                    .map_or(ErrorKind::Other, |e| e.kind())
+            })
+        })
+        .collect()
+}
+
+/// Per VIP, the `full` flag of each backend.
+fn fullness(lab: &DaemonLab) -> BTreeMap<&'static str, Vec<bool>> {
+    [VIP, BATCH]
+        .into_iter()
+        .map(|v| {
+            let full = lab
+                .backends(v)
+                .iter()
+                .map(|b| b["steering"]["full"] == true)
+                .collect();
+            (v, full)
+        })
+        .collect()
+}
+
+fn shed_counts(lab: &DaemonLab) -> [u64; 3] {
+    let c = lab.counters();
+    [c["shed_full"], c["shed_priority"], c["shed_rst_sent"]]
+}
+
+/// The README's promise for VIPs that share accelerator hosts: when every host is full, the
+/// pool sheds the lowest class by priority (and the class-0 VIP finds only full backends), and
+/// capacity that frees up goes to the higher class: `chat` is admitted to the freed host while
+/// `batch` stays shed, until the pool has had room for a whole period.
+#[test]
+fn shared_pool_sheds_the_low_class_and_freed_capacity_goes_to_the_high_class() {
+    let lab = start_settled(shared_pool_options());
+    let hosts: Vec<String> = lab.topo.backends.iter().map(|b| b.name.clone()).collect();
+    for to in [vip(), batch_vip()] {
+        let r = sessions(&lab, to, 1);
+        assert!(r[0].is_ok(), "{to} before saturation: {r:?}");
+    }
+
+    // Every host's KV cache over the threshold: both VIPs' backends are full.
+    let saturated = FakeTelemetry {
+        kv_cache: 0.95,
+        ..FakeTelemetry::default()
+    };
+    for i in 0..BACKENDS {
+        lab.set_telemetry(i, &saturated).unwrap();
+    }
+    let pool = format!("{BATCH}+{VIP}");
+    wait_for(
+        "every backend of both VIPs full and the pool shedding",
+        Duration::from_secs(15),
+        || {
+            let f = fullness(&lab);
+            let shed = lab
+                .events()
+                .iter()
+                .any(|e| e["kind"] == "shed-start" && e["vip"] == pool.as_str());
+            if shed
+                && f.values()
+                    .all(|v| v.len() == BACKENDS && v.iter().all(|&x| x))
+            {
+                Ok(Some(()))
+            } else {
+                Err(format!("shed-start for {pool}: {shed}, full: {f:?}"))
+            }
+        },
+    )
+    .unwrap();
+    let before = shed_counts(&lab);
+    let chat = sessions(&lab, vip(), 4);
+    let batch = sessions(&lab, batch_vip(), 4);
+    let after = shed_counts(&lab);
+    eprintln!("all full: chat {chat:?}, batch {batch:?}; shed_full, shed_priority, rst: {before:?} -> {after:?}");
+    let refused = vec![Err(ErrorKind::ConnectionRefused); 4];
+    assert_eq!(chat, refused, "class 0 with every backend full");
+    assert_eq!(batch, refused, "class 7 with every backend full");
+    assert_eq!(
+        [
+            after[0] - before[0],
+            after[1] - before[1],
+            after[2] - before[2]
+        ],
+        [4, 4, 8],
+        "chat's SYNs find only full backends (shed_full), batch's are shed by priority"
+    );
+
+    // One host frees up. Until the pool has had room for a period (20 s), it goes to chat.
+    lab.set_telemetry(0, &FakeTelemetry::default()).unwrap();
+    let t = Instant::now();
+    wait_for(
+        "host 0 to have room for both VIPs",
+        Duration::from_secs(10),
+        || {
+            let f = fullness(&lab);
+            if f.values().all(|v| !v[0]) {
+                Ok(Some(()))
+            } else {
+                Err(format!("{f:?}"))
+            }
+        },
+    )
+    .unwrap();
+    let before = shed_counts(&lab);
+    let chat = sessions(&lab, vip(), 8);
+    let batch = sessions(&lab, batch_vip(), 4);
+    let after = shed_counts(&lab);
+    let window = t.elapsed();
+    eprintln!("host 0 free ({window:?}): chat {chat:?}, batch {batch:?}; {before:?} -> {after:?}");
+    // The checks fall inside the period of room (20 s) unless the pool readmitted early.
+    let events = lab.events();
+    let early = event(&events, "shed-stop", None);
+    assert!(
+        early.is_none(),
+        "the pool readmitted a class {window:?} after host 0 freed, within the 20 s period: \
+         {early:?}"
+    );
+    assert_eq!(batch, refused, "the class-7 VIP stays shed");
+    // A chat session goes to the freed host, or is refused when its four probe positions all
+    // hold full hosts (until the policy moves those out of the ring): never to a full host.
+    let admitted = chat.iter().filter(|r| r.is_ok()).count() as u64;
+    assert!(
+        chat.iter()
+            .all(|r| *r == Ok(hosts[0].clone()) || *r == Err(ErrorKind::ConnectionRefused)),
+        "chat sessions go to the freed host or are refused: {chat:?}"
+    );
+    assert!(
+        admitted > 0,
+        "the freed capacity goes to the class-0 VIP: {chat:?}"
+    );
+    assert_eq!(
+        [after[0] - before[0], after[1] - before[1]],
+        [8 - admitted, 4],
+        "chat refused for full hosts only, batch by priority (not for want of room)"
+    );
+
+    // A whole period with room: class 7 is readmitted, and batch gets the free host.
+    let readmitted = wait_for(
+        "batch readmitted after a period of room",
+        Duration::from_secs(40),
+        || match sessions(&lab, batch_vip(), 1).remove(0) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) => Err(format!("{e:?}")),
+        },
+    )
+    .unwrap();
+    eprintln!("batch readmitted {:?} after host 0 freed", t.elapsed());
+    assert_eq!(readmitted, hosts[0]);
+    let events = lab.events();
+    let stop = event(&events, "shed-stop", None)
+        .unwrap_or_else(|| panic!("no shed-stop event: {events:?}"));
+    assert_eq!(stop["vip"], pool.as_str(), "{stop}");
 }

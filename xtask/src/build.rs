@@ -153,7 +153,32 @@ pub fn build_ebpf() -> Result<PathBuf> {
     )?;
     verify::verify_object(&tmp, &exports)?;
     replace_if_changed(&tmp, &out)?;
+
+    // The upgrade test needs a newer build whose program differs from this one: the same
+    // bitcode linked for BPF CPU v2 (no 32-bit jumps) gives other instructions and another
+    // program tag, with the same maps, and no test code in the data plane.
+    let variant = upgrade_variant_path();
+    let tmp = variant.with_extension("o.tmp");
+    let flags: Vec<&str> = BPF_LINKER_FLAGS
+        .iter()
+        .map(|f| if *f == "v3" { "v2" } else { *f })
+        .collect();
+    cmd::run(
+        Command::new(&linker)
+            .args(&flags)
+            .args(exports.iter().flat_map(|e| ["--export", e.name.as_str()]))
+            .arg("-o")
+            .arg(&tmp)
+            .arg(&staticlib),
+    )?;
+    verify::verify_object(&tmp, &exports)?;
+    replace_if_changed(&tmp, &variant)?;
     Ok(out)
+}
+
+/// The object the upgrade test swaps in: [`build_ebpf`] links it for BPF CPU v2.
+pub fn upgrade_variant_path() -> PathBuf {
+    cmd::workspace_root().join("target/bpf/sluice-cpu-v2.bpf.o")
 }
 
 /// Moves `tmp` over `out`, unless `out` has the same bytes and is still newer than every

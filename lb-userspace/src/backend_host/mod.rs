@@ -41,10 +41,9 @@ use crate::{
 };
 
 /// The counters of `sluice_decap` (the rest of `lb_common::stat` belongs to the LB).
-pub const DECAP_COUNTERS: [u32; 4] = [
+pub const DECAP_COUNTERS: [u32; 3] = [
     stat::DECAP_OK,
     stat::DECAP_PASS_NOT_ENCAP,
-    stat::DECAP_DROP_ADJUST,
     stat::DECAP_PASS_BAD_LEN,
 ];
 
@@ -473,7 +472,7 @@ mod tests {
             &[
                 (stat::DECAP_OK, 7),
                 (stat::DECAP_PASS_NOT_ENCAP, 3),
-                (stat::DECAP_DROP_ADJUST, 0),
+                (stat::DECAP_PASS_BAD_LEN, 0),
             ],
             0,
             &cfg,
@@ -483,7 +482,7 @@ mod tests {
         for line in [
             r#"sluice_dataplane_events_total{event="decap_ok"} 7"#,
             r#"sluice_dataplane_passes_total{reason="decap_not_encap"} 3"#,
-            r#"sluice_dataplane_drops_total{reason="decap_adjust"} 0"#,
+            r#"sluice_dataplane_passes_total{reason="decap_bad_len"} 0"#,
             r#"sluice_backend_host_dsr_problems{check="rp_filter"} 1"#,
             r#"sluice_backend_host_dsr_problems{check="mtu"} 0"#,
             "sluice_backend_host_vips 1",
