@@ -539,7 +539,6 @@ fn add_vip(dp: &mut Dataplane, id: u32, addr: &str, backends: &[(u32, &str)]) ->
         ring_size: RING,
         active_ring: 0,
         affinity_secs: 0,
-        priority: 0,
     };
     for (bid, baddr) in backends {
         let (ba, bf) = to_words(baddr.parse()?);

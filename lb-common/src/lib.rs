@@ -11,7 +11,7 @@ pub mod trace;
 
 /// Bumped whenever a map's key or value layout changes; pinned maps carry it so a newer
 /// program refuses to reuse maps it cannot read.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 
 pub const MAX_VIPS: u32 = 128;
 /// Backend ids index the backend array; id 0 is the "unset" sentinel (a ring slot or
@@ -79,8 +79,6 @@ pub struct VipMeta {
     pub active_ring: u32,
     /// Client-affinity window in seconds; 0 disables the affinity table for this VIP.
     pub affinity_secs: u32,
-    /// Priority class for admission control (0 = most important).
-    pub priority: u32,
 }
 
 /// One slot of a VIP's Maglev ring: its backend, the backend that held it before its last
@@ -101,7 +99,7 @@ pub struct RingSlot {
     pub changed: u32,
 }
 
-pub const BACKEND_UNSET: u8 = 0;
+/// `Backend::state` (an entry never written holds 0, which serves nothing).
 /// Takes new flows and keeps its established ones.
 pub const BACKEND_ACTIVE: u8 = 1;
 /// Takes no new flows; established flows continue.
@@ -316,7 +314,6 @@ pub mod stat {
         DROP_NO_NEXTHOP = "drop_no_nexthop", Drop;
         TX = "tx", Sent;
         REDIRECT = "redirect", Sent;
-        DROP_NO_CONFIG = "drop_no_config", Drop;
         DECAP_OK = "decap_ok", Event;
         DECAP_PASS_NOT_ENCAP = "decap_pass_not_encap", Pass;
         DECAP_DROP_ADJUST = "decap_drop_adjust", Drop;

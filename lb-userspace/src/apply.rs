@@ -110,7 +110,6 @@ pub fn apply(
             ring_size: vip.spec.ring_size,
             active_ring: 0,
             affinity_secs: vip.spec.affinity_secs,
-            priority: vip.spec.priority,
         };
         done.ring_slots += dp
             .publish(&vip_key(vip), meta, &table)
@@ -169,7 +168,8 @@ impl MapPlane {
     }
 }
 
-/// CLOCK_MONOTONIC in ns, the clock `bpf_ktime_get_ns` stamps connections with.
+/// CLOCK_MONOTONIC in ns, the clock `bpf_ktime_get_coarse_ns` stamps connections with (the
+/// coarse clock lags by at most a tick, far below any idle timeout).
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,

@@ -105,7 +105,6 @@ impl Lab {
             ring_size: RING,
             active_ring: 0,
             affinity_secs,
-            priority: 0,
         };
         if port == 0 {
             self.dp.set_wildcard_vips(true).unwrap();

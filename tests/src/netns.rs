@@ -1372,7 +1372,6 @@ impl NetLab {
             ring_size: RING,
             active_ring: 0,
             affinity_secs: 0,
-            priority: 0,
         };
         let mut ids = vec![0; self.topo.backends.len()];
         let mut keys = Vec::new();

@@ -2,7 +2,9 @@
 //!
 //! A pure engine: [`Policy::step`] takes the time (`now`, since any fixed epoch) and a view of
 //! every backend, and returns the weights and flags to write plus audit events. It reads no
-//! clock and does no I/O, so the daemon drives it and tests script it.
+//! clock and does no I/O, so the daemon drives it and tests script it. The one I/O function
+//! here is the probe [`health::check`], which the daemon's health loop runs and whose result
+//! it feeds to the pure [`health::Health::record`].
 //!
 //! Per step and backend (see the submodules for each rule):
 //! - the load score (an EWMA of the largest normalised load signal), compared with the mean
@@ -115,7 +117,7 @@ pub struct Decisions {
 }
 
 impl Decisions {
-    /// Backend id → weight, for `Controller::set_weights`.
+    /// Backend id → weight, for the overlay the shell hands to `Controller::set_overlay`.
     pub fn weights(&self) -> BTreeMap<u32, u32> {
         self.backends.iter().map(|b| (b.id, b.weight)).collect()
     }
