@@ -34,7 +34,7 @@ use aya::{
     programs::{TestRun, TestRunOptions, Xdp},
 };
 use lb_common::{
-    stat, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
+    maps, stat, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
     BACKEND_ACTIVE, CONN_TABLE_SIZE, FAMILY_V4, PROTO_TCP,
 };
 use serde_json::{json, Value};
@@ -586,7 +586,8 @@ fn load_dp(object: &[u8], conn_table_size: u32) -> Result<Dataplane> {
 /// as a whole; the new-flow case deletes exactly the flows it inserted).
 fn conn_map(dp: &mut Dataplane) -> Result<BpfHashMap<MapData, FlowKey, ConnEntry>> {
     Ok(BpfHashMap::try_from(Map::LruHashMap(map_by_name(
-        dp, "CONNS",
+        dp,
+        maps::CONNS,
     )?))?)
 }
 
@@ -609,7 +610,7 @@ fn map_by_name(dp: &mut Dataplane, name: &str) -> Result<MapData> {
 /// through `Dataplane::stats`) so an object from another build, with more or fewer counters,
 /// can be measured with `--object`: the counters both know are read.
 fn counters(dp: &mut Dataplane) -> Result<Vec<u64>> {
-    let data = map_by_name(dp, "STATS")?;
+    let data = map_by_name(dp, maps::STATS)?;
     let n = data.info()?.max_entries().min(stat::COUNT);
     let a: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(data))?;
     (0..n).map(|i| Ok(a.get(&i, 0)?.iter().sum())).collect()
@@ -872,12 +873,12 @@ pub fn main(args: &[String]) -> Result<()> {
         let s = counters(dp)?;
         let want = opts.flows as u64 + 3;
         // (An object built without the miss counter shows 0 misses: not an error.)
-        let misses = s[stat::CONN_MISS as usize];
-        if (misses != want && misses != 0) || s[stat::CONN_INSERT_FAILED as usize] != 0 {
+        let misses = s[stat::CONN_MISS.index()];
+        if (misses != want && misses != 0) || s[stat::CONN_INSERT_FAILED.index()] != 0 {
             bail!(
                 "populating: {} misses (expected {want}), {} failed inserts",
-                s[stat::CONN_MISS as usize],
-                s[stat::CONN_INSERT_FAILED as usize]
+                s[stat::CONN_MISS.index()],
+                s[stat::CONN_INSERT_FAILED.index()]
             );
         }
     }

@@ -246,6 +246,39 @@ pub struct FloodWindow {
     pub new_flows: u64,
 }
 
+/// The names of the data plane's maps (the symbols in `lb-ebpf/src/maps.rs`, and the files
+/// under the pin directory), for the daemon, the bench and the tests alike.
+pub mod maps {
+    /// `[u32; 1]`: the `LAYOUT_VERSION` of the program that created the pinned maps.
+    pub const META: &str = "META";
+    /// `[LbConfig; 1]`: global settings.
+    pub const CONFIG: &str = "CONFIG";
+    /// `VipKey → VipMeta`: the VIPs, looked up per packet.
+    pub const VIPS: &str = "VIPS";
+    /// `[Backend; MAX_BACKENDS]`: every VIP's backends, by id.
+    pub const BACKENDS: &str = "BACKENDS";
+    /// `[RingSlot]`: two Maglev rings per VIP, each `RING_SIZE_MAX` slots apart.
+    pub const MAGLEV_RINGS: &str = "MAGLEV_RINGS";
+    /// `FlowKey → ConnEntry` (LRU): the connection table.
+    pub const CONNS: &str = "CONNS";
+    /// `AffinityKey → AffinityEntry` (LRU): client affinity per VIP.
+    pub const AFFINITY: &str = "AFFINITY";
+    /// ifindex → ifindex (devmap): interfaces `XDP_REDIRECT` may send to.
+    pub const TX_PORTS: &str = "TX_PORTS";
+    /// `[u64; stat::COUNT]` per CPU: the `stat` counters.
+    pub const STATS: &str = "STATS";
+    /// `[TrafficStats; MAX_VIPS]` per CPU: traffic per VIP.
+    pub const VIP_STATS: &str = "VIP_STATS";
+    /// `[TrafficStats; MAX_BACKENDS]` per CPU: traffic per backend.
+    pub const BACKEND_STATS: &str = "BACKEND_STATS";
+    /// `[NextHop; MAX_BACKENDS]` per CPU: next hops learnt from the FIB.
+    pub const NEXTHOPS: &str = "NEXTHOPS";
+    /// `[FloodWindow; 1]` per CPU: the new-flow rate of the flood guard.
+    pub const FLOOD: &str = "FLOOD";
+    /// Ring buffer of `trace::DecisionRecord`s (aya-log's map name).
+    pub const AYA_LOGS: &str = "AYA_LOGS";
+}
+
 /// Indexes of the global per-CPU counter array: every pass, drop and fallback has one.
 ///
 /// Each counter is declared once, with its index, exported name and [`stat::Kind`]: the kind
@@ -267,8 +300,30 @@ pub mod stat {
         Event,
     }
 
+    /// One counter of the array, by index. A type of its own so that a counter carried in a
+    /// `Result` or a parameter cannot be mistaken for an XDP action or any other `u32`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+    #[repr(transparent)]
+    pub struct Counter(pub u32);
+
+    impl Counter {
+        /// Its index in the counter array (and in `NAMES` and `KINDS`).
+        pub const fn index(self) -> usize {
+            self.0 as usize
+        }
+
+        /// Its exported name.
+        pub const fn name(self) -> &'static str {
+            NAMES[self.index()]
+        }
+
+        pub const fn kind(self) -> Kind {
+            KINDS[self.index()]
+        }
+    }
+
     /// Declares the counters in order: `NAME = "exported_name", Kind;` gives `pub const NAME`
-    /// (its index), and the `COUNT`, `NAMES` and `KINDS` tables.
+    /// (a [`Counter`]), and the `COUNT`, `NAMES` and `KINDS` tables.
     macro_rules! counters {
         ($($(#[$doc:meta])* $id:ident = $name:literal, $kind:ident;)*) => {
             counters!(@index 0u32; $($(#[$doc])* $id,)*);
@@ -280,7 +335,7 @@ pub mod stat {
         };
         (@index $n:expr; $(#[$doc:meta])* $id:ident, $($rest:tt)*) => {
             $(#[$doc])*
-            pub const $id: u32 = $n;
+            pub const $id: Counter = Counter($n);
             counters!(@index $n + 1; $($rest)*);
         };
         (@index $n:expr;) => {};

@@ -10,6 +10,7 @@
 mod csum;
 mod decap;
 mod encap;
+mod hdr;
 mod icmp;
 mod maps;
 mod parse;

@@ -3,7 +3,9 @@
 
 use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
-    hash, stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta,
+    hash,
+    stat::{self, Counter},
+    AffinityEntry, AffinityKey, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta,
     BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE, LB_F_WILDCARD_VIPS,
     MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SECOND_CHANCE, VIP_F_SHED,
     VIP_F_SRC_HASH,
@@ -19,12 +21,12 @@ const NS_PER_SEC: u64 = 1_000_000_000;
 /// Why a packet is not forwarded: dropped for a reason, or a new session shed by admission
 /// control (which may be answered with a RST). Each carries its counter.
 pub enum Refusal {
-    Drop(u32),
-    Shed(u32),
+    Drop(Counter),
+    Shed(Counter),
 }
 
-impl From<u32> for Refusal {
-    fn from(counter: u32) -> Self {
+impl From<Counter> for Refusal {
+    fn from(counter: Counter) -> Self {
         Refusal::Drop(counter)
     }
 }

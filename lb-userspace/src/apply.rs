@@ -4,7 +4,7 @@
 
 use anyhow::{Context, Result};
 use lb_common::{
-    Backend as PlaneBackend, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
+    maps, Backend as PlaneBackend, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
     BACKEND_F_FULL, BACKEND_F_GUE, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
 };
 
@@ -231,11 +231,14 @@ impl crate::controller::Plane for MapPlane {
         }
         c.maps.insert(
             "conns".into(),
-            (self.conn_entries, self.dp.capacity("CONNS")?.into()),
+            (self.conn_entries, self.dp.capacity(maps::CONNS)?.into()),
         );
         c.maps.insert(
             "vips".into(),
-            (state.vips.len() as u64, self.dp.capacity("VIPS")?.into()),
+            (
+                state.vips.len() as u64,
+                self.dp.capacity(maps::VIPS)?.into(),
+            ),
         );
         let backends = state.vips.values().map(|v| v.backends.len() as u64).sum();
         c.maps.insert(

@@ -186,15 +186,16 @@ fn dataplane_family(name: &str, kind: Kind) -> (Dataplane, String) {
     (family, label)
 }
 
-/// `sluice_dataplane_{drops,passes,events}_total` from (counter index in `lb_common::stat`,
-/// value) pairs.
-pub(crate) fn dataplane_counters(reg: &mut Registry, values: impl Iterator<Item = (u32, u64)>) {
+/// `sluice_dataplane_{drops,passes,events}_total` from (counter, value) pairs.
+pub(crate) fn dataplane_counters(
+    reg: &mut Registry,
+    values: impl Iterator<Item = (stat::Counter, u64)>,
+) {
     let mut drops = vec![];
     let mut passes = vec![];
     let mut events = vec![];
-    for (i, v) in values {
-        let i = i as usize;
-        match dataplane_family(stat::NAMES[i], stat::KINDS[i]) {
+    for (c, v) in values {
+        match dataplane_family(c.name(), c.kind()) {
             (Dataplane::Drops, r) => drops.push((vec![("reason", r)], v)),
             (Dataplane::Passes, r) => passes.push((vec![("reason", r)], v)),
             (Dataplane::Events, e) => events.push((vec![("event", e)], v)),
@@ -424,9 +425,9 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
 
     dataplane_counters(
         &mut reg,
-        (0..stat::COUNT).map(|i| {
-            let v = snap.counters.global.get(stat::NAMES[i as usize]);
-            (i, v.copied().unwrap_or(0))
+        (0..stat::COUNT).map(stat::Counter).map(|c| {
+            let v = snap.counters.global.get(c.name());
+            (c, v.copied().unwrap_or(0))
         }),
     );
     counters(

@@ -205,8 +205,8 @@ impl Lab {
         run_prog(&mut self.dp, PROG_XDP, frame).unwrap()
     }
 
-    pub fn stat(&mut self, idx: u32) -> u64 {
-        self.dp.stats().unwrap()[idx as usize]
+    pub fn stat(&mut self, counter: lb_common::stat::Counter) -> u64 {
+        self.dp.stats().unwrap()[counter.index()]
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use lb_common::{BACKEND_ACTIVE, LAYOUT_VERSION, PROTO_TCP};
+use lb_common::{maps, BACKEND_ACTIVE, LAYOUT_VERSION, PROTO_TCP};
 use sluice::{
     addr::to_words,
     dataplane::{remove_pinned, Dataplane, LoadOptions},
@@ -159,7 +159,7 @@ fn pinned_maps_of_another_layout_are_refused_with_a_clear_message() {
     }
     // Pretend an older Sluice wrote these maps.
     {
-        let m = aya::maps::MapData::from_pin(dir.0.join("META")).unwrap();
+        let m = aya::maps::MapData::from_pin(dir.0.join(maps::META)).unwrap();
         let mut a: aya::maps::Array<aya::maps::MapData, u32> =
             aya::maps::Array::try_from(aya::maps::Map::Array(m)).unwrap();
         a.set(0, LAYOUT_VERSION + 1, 0).unwrap();
@@ -173,7 +173,7 @@ fn pinned_maps_of_another_layout_are_refused_with_a_clear_message() {
     assert!(err.contains("incompatible Sluice (layout version"), "{err}");
     assert!(err.contains("sluice cleanup"), "{err}");
     // Partial state is refused too.
-    std::fs::remove_file(dir.0.join("CONNS")).unwrap();
+    std::fs::remove_file(dir.0.join(maps::CONNS)).unwrap();
     let err = format!(
         "{:#}",
         Dataplane::load(BPF_OBJECT, &opts(&dir))

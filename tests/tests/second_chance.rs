@@ -153,9 +153,8 @@ fn scenario(second_chance: bool, start: &[usize], change: fn(&mut NetLab, bool))
     };
     for h in &lab.backend_hosts {
         let st = h.stats().unwrap();
-        out.passed_on += st[stat::DECAP_SECOND_HOP as usize];
-        out.missed +=
-            st[stat::DECAP_HISTORY_SHORT as usize] + st[stat::DECAP_NO_SECOND_HOP as usize];
+        out.passed_on += st[stat::DECAP_SECOND_HOP.index()];
+        out.missed += st[stat::DECAP_HISTORY_SHORT.index()] + st[stat::DECAP_NO_SECOND_HOP.index()];
     }
     eprintln!(
         "{}: {} of {STREAMS} streams broken, {} packets passed on, {} found no socket where \
