@@ -374,7 +374,8 @@ pub mod stat {
         DECAP_DROP_ADJUST = "decap_drop_adjust", Drop;
         /// A new session shed by priority; followed by `SHED_RST_SENT` or `DROP_SHED`.
         SHED_PRIORITY = "shed_priority", Event;
-        /// A new session shed because every backend it may use is full.
+        /// A new session shed because every backend it may use is full; followed by
+        /// `SHED_RST_SENT` or `DROP_SHED`.
         SHED_FULL = "shed_full", Event;
         SHED_RST_SENT = "shed_rst_sent", Sent;
         DROP_FRAG_NEEDED = "drop_frag_needed", Drop;

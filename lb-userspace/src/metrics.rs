@@ -662,6 +662,18 @@ mod tests {
             f("padding_trimmed"),
             (Dataplane::Events, "padding_trimmed".into())
         );
+        // A shed session is an event (why) followed by one outcome: a drop, or a RST sent.
+        // Its drops are in the drops family, where a dashboard of drops finds them.
+        assert_eq!(f("drop_shed"), (Dataplane::Drops, "shed".into()));
+        assert_eq!(
+            f("shed_priority"),
+            (Dataplane::Events, "shed_priority".into())
+        );
+        assert_eq!(f("shed_full"), (Dataplane::Events, "shed_full".into()));
+        assert_eq!(
+            f("shed_rst_sent"),
+            (Dataplane::Events, "shed_rst_sent".into())
+        );
         // Every pass or drop loses its word in the label, so no label repeats the family.
         for (name, kind) in stat::NAMES.into_iter().zip(stat::KINDS) {
             let (_, label) = dataplane_family(name, kind);
