@@ -17,7 +17,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use aya::maps::{HashMap, Map, MapData};
 use lb_common::{maps, ConnEntry, FlowKey, FAMILY_V4, PROTO_TCP};
 use serde_json::json;
-use sluice::apply::monotonic_ns;
+use sluice::clock::monotonic_ns;
 use sluice_tests::{
     daemon_lab::{wait_for, DaemonLab, DaemonLabOptions, VipDef},
     netns::{TCP_PORT, VIP4},

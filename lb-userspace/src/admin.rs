@@ -23,7 +23,7 @@ use std::{
         atomic::{AtomicU64, Ordering},
         Arc,
     },
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result};
@@ -52,6 +52,7 @@ use self::{
     views::{flows, stats, vip_detail, BackendView, VipView},
 };
 use crate::{
+    clock::now_ms,
     config::rules,
     controller::{Controller, Peer, Plane},
     limits::{ListenerLimits, Refused},
@@ -103,15 +104,6 @@ pub struct DrainRequest {
     /// A duration from now, e.g. "10m"; the backend is removed then even with flows left.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline: Option<String>,
-}
-
-/// Wall-clock time as the controller takes it: unix milliseconds.
-pub fn now_ms() -> u64 {
-    rules::millis(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default(),
-    )
 }
 
 /// Runs connections from `accept` until `shutdown` completes; then stops accepting and

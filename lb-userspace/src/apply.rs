@@ -168,18 +168,6 @@ impl MapPlane {
     }
 }
 
-/// CLOCK_MONOTONIC in ns, the clock `bpf_ktime_get_coarse_ns` stamps connections with (the
-/// coarse clock lags by at most a tick, far below any idle timeout).
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the struct we pass.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 impl crate::controller::Plane for MapPlane {
     fn apply(&mut self, old: &State, new: &State, overlay: &Overlay) -> Result<()> {
         let done = apply(&mut self.dp, old, new, self.seed, overlay)?;
@@ -213,7 +201,7 @@ impl crate::controller::Plane for MapPlane {
         f: &mut dyn FnMut(crate::controller::FlowEntry) -> bool,
     ) -> Result<()> {
         let fd = self.dp.conns_fd()?;
-        let now = monotonic_ns();
+        let now = crate::clock::monotonic_ns();
         crate::flowwalk::walk(std::os::fd::AsFd::as_fd(&fd), |k, e| {
             f(crate::controller::FlowEntry {
                 key: *k,

@@ -23,8 +23,9 @@ use serde_json::{json, Value};
 pub(crate) mod escape;
 
 use crate::{
-    admin::{now_ms, DrainRequest, NewVip, WeightChange},
+    admin::{DrainRequest, NewVip, WeightChange},
     client::{path_segment, Client},
+    clock::now_ms,
     config::EngineKind,
     state::{BackendSpec, FlowState, HashMode, Protocol, VipSpec},
 };

@@ -20,9 +20,10 @@ use tokio::{
 };
 
 use crate::{
-    admin::{self, now_ms, AdminSocket, DaemonInfo},
+    admin::{self, AdminSocket, DaemonInfo},
     apply::MapPlane,
     check::{check_file, Checked},
+    clock::now_ms,
     config::{self, Config},
     controller::{Controller, HashKind, Persisted, Settings},
     dataplane::{remove_pinned, Dataplane, LoadOptions, PROG_XDP},

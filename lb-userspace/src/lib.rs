@@ -7,6 +7,7 @@ pub mod backend_host;
 pub mod check;
 pub mod cli;
 pub mod client;
+pub mod clock;
 pub mod config;
 pub mod controller;
 pub mod daemon;

@@ -450,7 +450,7 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
     );
     if let Some(c) = snap.flows_counted {
         let age = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
-        age.set(crate::admin::now_ms().saturating_sub(c.taken_ms) as f64 / 1e3);
+        age.set(crate::clock::now_ms().saturating_sub(c.taken_ms) as f64 / 1e3);
         reg.register_with_unit(
             "active_flows_age",
             "Age of the active-flow counts (the connection table is counted in the background)",

@@ -52,7 +52,7 @@ use self::{
     cooldown::{Change, Phase, Steering},
     score::{Score, Trigger},
 };
-use crate::{config::PolicyConfig, controller, telemetry::BackendTelemetry};
+use crate::{config::PolicyConfig, telemetry::BackendTelemetry};
 
 /// One backend of one VIP as the policy sees it at a step.
 #[derive(Clone, Copy, Debug)]
@@ -164,19 +164,6 @@ pub struct Event {
     pub backend: Option<IpAddr>,
     pub reason: String,
     pub telemetry: Option<serde_json::Value>,
-}
-
-impl Event {
-    /// The controller's event (which has wall-clock time and no telemetry).
-    pub fn to_controller(&self, time_ms: u64) -> controller::Event {
-        controller::Event {
-            time_ms,
-            kind: self.kind.as_str().to_owned(),
-            vip: self.vip.clone(),
-            backend: self.backend,
-            reason: self.reason.clone(),
-        }
-    }
 }
 
 fn secs<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
