@@ -13,6 +13,7 @@ pub mod controller;
 pub mod daemon;
 pub mod dataplane;
 pub mod flowwalk;
+pub mod http_server;
 pub mod limits;
 pub mod maglev;
 pub mod manpages;

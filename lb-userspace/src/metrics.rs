@@ -22,8 +22,9 @@ use prometheus_client::{
 use tokio::{net::TcpListener, sync::Mutex};
 
 use crate::{
-    admin::{serve_connections, serve_http, within, DaemonInfo, Snapshot},
+    admin::{DaemonInfo, Snapshot},
     controller::{Controller, Plane},
+    http_server::{serve_connections, serve_http, within},
     limits::METRICS,
     policy::BackendDecision,
     state::{FlowState, PlaneState},
