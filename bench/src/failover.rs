@@ -17,7 +17,7 @@ use sluice_tests::{
     netns::{TCP_PORT, VIP4},
 };
 
-use crate::{report::Summary, sys};
+use crate::{summary::Summary, sys};
 
 const VIP: &str = "chat";
 const MARK: &str = "data plane updated ";

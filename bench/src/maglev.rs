@@ -15,7 +15,7 @@ use sluice::{
     object::BPF_OBJECT,
 };
 
-use crate::{report::Summary, sys};
+use crate::{summary::Summary, sys};
 
 const M: u32 = maglev::DEFAULT_RING_SIZE;
 const SEED: u32 = 0x5eed;

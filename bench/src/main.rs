@@ -17,6 +17,7 @@ mod maglev;
 mod reads;
 mod report;
 mod steer;
+mod summary;
 mod sys;
 pub mod tokens;
 mod xdp;

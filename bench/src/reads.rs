@@ -23,7 +23,7 @@ use sluice_tests::{
     netns::{TCP_PORT, VIP4},
 };
 
-use crate::{report::Summary, sys};
+use crate::{summary::Summary, sys};
 
 const VIP: &str = "chat";
 const BACKENDS: usize = 3;
