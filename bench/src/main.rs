@@ -15,7 +15,6 @@
 mod failover;
 mod maglev;
 mod reads;
-mod report;
 mod steer;
 mod summary;
 mod sys;

@@ -21,6 +21,8 @@
 //!   the production path). The data-plane counters of every batch confirm the path taken.
 //! - Every loop is bounded in calls and in time.
 
+mod report;
+
 use std::{
     collections::BTreeMap,
     os::fd::OwnedFd,
@@ -50,7 +52,7 @@ use sluice_tests::{
     FALLBACK_MAC, RING, SEED,
 };
 
-use crate::{report, sys};
+use crate::sys;
 
 const XDP_PASS: u32 = 2;
 const XDP_TX: u32 = 3;
