@@ -17,6 +17,7 @@ use lb_common::{
 
 use crate::{
     csum::{add_all, fold},
+    decide::Decision,
     hdr::{
         EthHdr, Ipv4Hdr, Ipv6Hdr, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, GUE_HLEN, IPV4_HLEN, IPV6_HLEN,
         TTL, UDP_HLEN,
@@ -25,7 +26,6 @@ use crate::{
     maps::{NEXTHOPS, TX_PORTS},
     parse::{at, trim_to, Parsed},
     stats::count,
-    steer::Decision,
 };
 
 const AF_INET: u8 = 2;

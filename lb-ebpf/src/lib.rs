@@ -9,6 +9,7 @@
 
 mod csum;
 mod decap;
+mod decide;
 mod encap;
 mod hdr;
 mod icmp;
@@ -17,13 +18,12 @@ mod parse;
 mod rst;
 mod second_hop;
 mod stats;
-mod steer;
 mod trace;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use lb_common::{stat, LB_F_TRACE, VIP_F_SHED_RST};
 
-use crate::{maps::CONFIG, stats::count, steer::Refusal};
+use crate::{decide::Refusal, maps::CONFIG, stats::count};
 
 #[xdp(frags)]
 pub fn sluice_xdp(ctx: XdpContext) -> u32 {
@@ -39,7 +39,7 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
     let Some(cfg) = CONFIG.get(0) else {
         return xdp_action::XDP_PASS;
     };
-    let Some(vip) = steer::vip(&p.key, cfg) else {
+    let Some(vip) = decide::vip(&p.key, cfg) else {
         count(if p.icmp_error {
             stat::PASS_ICMP_NOT_VIP
         } else {
@@ -47,7 +47,7 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
         });
         return xdp_action::XDP_PASS;
     };
-    let d = match steer::decide(&p.key, &vip, cfg, !p.icmp_error, p.opens()) {
+    let d = match decide::decide(&p.key, &vip, cfg, !p.icmp_error, p.opens()) {
         Ok(d) => {
             if cfg.flags & LB_F_TRACE != 0 {
                 trace::decision(&p.key, vip.id, d.backend_id, d.new_flow);

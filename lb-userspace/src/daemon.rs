@@ -30,8 +30,8 @@ use crate::{
     limits, metrics, notify,
     object::BPF_OBJECT,
     policy::Policy,
+    scheduler,
     state::{BackendSpec, FlowState, HashMode, Limits, Protocol, State, VipSpec},
-    steering,
     telemetry::{self, Hub},
 };
 
@@ -310,7 +310,7 @@ fn start_health(
     epoch: Instant,
 ) -> Restartable {
     let (ctl, cfg) = (ctl.clone(), cfg.clone());
-    Restartable::spawn(move |stop| steering::run_health(ctl, cfg, epoch, stop))
+    Restartable::spawn(move |stop| scheduler::run_health(ctl, cfg, epoch, stop))
 }
 
 /// Drains and the adaptive policy step together, once per telemetry interval.
@@ -354,7 +354,7 @@ fn start_ticker(
             if let Err(e) = ctl.lock().await.tick(now_ms()) {
                 tracing::error!(error = %format!("{e:#}"), "drain check failed");
             }
-            if let Err(e) = steering::step(&ctl, &hub, &mut policy, rst, epoch.elapsed()).await {
+            if let Err(e) = scheduler::step(&ctl, &hub, &mut policy, rst, epoch.elapsed()).await {
                 tracing::error!(error = %format!("{e:#}"), "steering step failed");
             }
             // Drains and the policy step together (the metric the reads bench reads).

@@ -23,7 +23,7 @@ pub mod object;
 pub mod policy;
 pub mod private_file;
 pub mod ring_history;
+pub mod scheduler;
 pub mod state;
-pub mod steering;
 pub mod telemetry;
 pub mod trace;
