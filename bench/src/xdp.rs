@@ -36,7 +36,7 @@ use aya::{
     programs::{TestRun, TestRunOptions, Xdp},
 };
 use lb_common::{
-    maps, stat, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
+    maps, stat, BackendEntry, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
     BACKEND_ACTIVE, CONN_TABLE_SIZE, FAMILY_V4, PROTO_TCP,
 };
 use serde_json::{json, Value};
@@ -546,7 +546,7 @@ fn add_vip(dp: &mut Dataplane, id: u32, addr: &str, backends: &[(u32, &str)]) ->
         let (ba, bf) = to_words(baddr.parse()?);
         dp.set_backend(
             *bid,
-            &Backend {
+            &BackendEntry {
                 addr: ba,
                 family: bf,
                 state: BACKEND_ACTIVE,

@@ -99,7 +99,7 @@ pub struct RingSlot {
     pub changed: u32,
 }
 
-/// `Backend::state` (an entry never written holds 0, which serves nothing).
+/// `BackendEntry::state` (an entry never written holds 0, which serves nothing).
 /// Takes new flows and keeps its established ones.
 pub const BACKEND_ACTIVE: u8 = 1;
 /// Takes no new flows; established flows continue.
@@ -107,9 +107,9 @@ pub const BACKEND_DRAINING: u8 = 2;
 /// Takes no new flows; its established flows are re-steered to the table's current choice.
 pub const BACKEND_DOWN: u8 = 3;
 
-/// `Backend::flags`: at its session cap or saturated; new flows probe past it.
+/// `BackendEntry::flags`: at its session cap or saturated; new flows probe past it.
 pub const BACKEND_F_FULL: u8 = 1 << 0;
-/// `Backend::flags`: the backend runs `sluice_decap`, so it is sent GUE (which names the
+/// `BackendEntry::flags`: the backend runs `sluice_decap`, so it is sent GUE (which names the
 /// flow's previous backend for second-chance forwarding) instead of IPIP.
 pub const BACKEND_F_GUE: u8 = 1 << 1;
 
@@ -130,7 +130,7 @@ pub const GUE_PRIV_HDR_LEN: usize = 4;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Backend {
+pub struct BackendEntry {
     pub addr: [u32; 4],
     pub family: u8,
     pub state: u8,
@@ -422,7 +422,7 @@ mod pod {
     // SAFETY: all of these are repr(C), contain only integers and have explicit padding.
     unsafe impl aya::Pod for VipKey {}
     unsafe impl aya::Pod for VipMeta {}
-    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for BackendEntry {}
     unsafe impl aya::Pod for FlowKey {}
     unsafe impl aya::Pod for ConnEntry {}
     unsafe impl aya::Pod for AffinityKey {}

@@ -13,7 +13,7 @@ use aya_ebpf::{
     maps::{Array, DevMapHash, PerCpuArray},
 };
 use lb_common::{
-    AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig, NextHop,
+    AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FloodWindow, FlowKey, LbConfig, NextHop,
     RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, MAX_BACKENDS,
     MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
@@ -39,7 +39,8 @@ pub static VIPS: btf_maps::HashMap<VipKey, VipMeta, { MAX_VIPS as usize }> =
 
 /// Every VIP's backends, by id (0 is never used).
 #[btf_map]
-pub static BACKENDS: btf_maps::Array<Backend, { MAX_BACKENDS as usize }> = btf_maps::Array::new();
+pub static BACKENDS: btf_maps::Array<BackendEntry, { MAX_BACKENDS as usize }> =
+    btf_maps::Array::new();
 
 /// Slot `(vip_id * RINGS_PER_VIP + ring) * RING_SIZE_MAX + i` of a VIP's ring: its backend id
 /// (0 = unset) and the slot's history.

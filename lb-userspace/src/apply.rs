@@ -4,7 +4,7 @@
 
 use anyhow::{Context, Result};
 use lb_common::{
-    maps, Backend as PlaneBackend, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
+    maps, BackendEntry, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
     BACKEND_F_FULL, BACKEND_F_GUE, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
 };
 
@@ -26,14 +26,14 @@ pub fn vip_key(v: &Vip) -> VipKey {
     }
 }
 
-fn plane_backend(vip: &Vip, b: &Backend, overlay: &Overlay) -> PlaneBackend {
+fn plane_backend(vip: &Vip, b: &Backend, overlay: &Overlay) -> BackendEntry {
     let (addr, family) = to_words(b.spec.address);
     let state = match b.plane_state() {
         PlaneState::Active => BACKEND_ACTIVE,
         PlaneState::Draining => BACKEND_DRAINING,
         PlaneState::Down => BACKEND_DOWN,
     };
-    PlaneBackend {
+    BackendEntry {
         addr,
         family,
         state,

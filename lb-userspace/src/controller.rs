@@ -287,7 +287,7 @@ impl<P: Plane> Controller<P> {
     }
 
     /// Audits a steering decision with the telemetry that caused it.
-    pub fn audit_event(&self, e: &crate::policy::Event) {
+    pub fn audit_event(&self, e: &crate::policy::PolicyEvent) {
         self.audit(json!({"time_ms": crate::clock::now_ms(), "peer": null, "steering": e}));
     }
 

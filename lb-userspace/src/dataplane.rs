@@ -22,10 +22,10 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    maps, stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, LbConfig,
-    NextHop, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE,
-    LAYOUT_VERSION, LB_F_TRACE, LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_VIPS, RINGS_PER_VIP,
-    RING_SIZE_MAX,
+    maps, stat, AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FloodWindow, FlowKey,
+    LbConfig, NextHop, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
+    CONN_TABLE_SIZE, LAYOUT_VERSION, LB_F_TRACE, LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_VIPS,
+    RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
 use crate::{maglev, ring_history};
@@ -65,7 +65,12 @@ fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 13] {
         (maps::META, u32s, u32s, 1),
         (maps::CONFIG, u32s, size_of::<LbConfig>(), 1),
         (maps::VIPS, size_of::<VipKey>(), size_of::<VipMeta>(), 0),
-        (maps::BACKENDS, u32s, size_of::<Backend>(), MAX_BACKENDS),
+        (
+            maps::BACKENDS,
+            u32s,
+            size_of::<BackendEntry>(),
+            MAX_BACKENDS,
+        ),
         (
             maps::MAGLEV_RINGS,
             u32s,
@@ -390,15 +395,15 @@ impl Dataplane {
         Ok(())
     }
 
-    pub fn set_backend(&mut self, id: u32, b: &Backend) -> Result<()> {
-        let mut a: Array<&mut MapData, Backend> = Array::try_from(self.map(maps::BACKENDS)?)?;
+    pub fn set_backend(&mut self, id: u32, b: &BackendEntry) -> Result<()> {
+        let mut a: Array<&mut MapData, BackendEntry> = Array::try_from(self.map(maps::BACKENDS)?)?;
         a.set(id, b, 0)
             .with_context(|| format!("writing backend {id}"))?;
         Ok(())
     }
 
-    pub fn backend(&mut self, id: u32) -> Result<Backend> {
-        let a: Array<&mut MapData, Backend> = Array::try_from(self.map(maps::BACKENDS)?)?;
+    pub fn backend(&mut self, id: u32) -> Result<BackendEntry> {
+        let a: Array<&mut MapData, BackendEntry> = Array::try_from(self.map(maps::BACKENDS)?)?;
         Ok(a.get(&id, 0)?)
     }
 

@@ -21,7 +21,7 @@ use crate::{
 };
 
 /// The controller's event of a policy event (with wall-clock time, without telemetry).
-fn to_controller(e: &policy::Event, time_ms: u64) -> controller::Event {
+fn to_controller(e: &policy::PolicyEvent, time_ms: u64) -> controller::Event {
     controller::Event {
         time_ms,
         kind: e.kind.as_str().to_owned(),

@@ -13,7 +13,9 @@ use std::net::IpAddr;
 
 use anyhow::{bail, Context, Result};
 use aya::programs::{TestRun, TestRunOptions};
-use lb_common::{hash, Backend, FlowKey, LbConfig, VipKey, VipMeta, BACKEND_ACTIVE, MAX_PROBES};
+use lb_common::{
+    hash, BackendEntry, FlowKey, LbConfig, VipKey, VipMeta, BACKEND_ACTIVE, MAX_PROBES,
+};
 use sluice::{
     addr::{from_words, to_words},
     dataplane::{Dataplane, LoadOptions, PROG_XDP},
@@ -118,7 +120,7 @@ impl Lab {
         let meta = self.dp.vip(vip).unwrap().unwrap();
         for (id, addr, _) in list {
             let (a, family) = to_words(addr.parse().unwrap());
-            let b = Backend {
+            let b = BackendEntry {
                 addr: a,
                 family,
                 state: BACKEND_ACTIVE,

@@ -71,7 +71,7 @@ fn a_second_load_reuses_pinned_maps_and_keeps_flows() {
         let (b, bf) = to_words("10.1.0.1".parse().unwrap());
         dp.set_backend(
             1,
-            &lb_common::Backend {
+            &lb_common::BackendEntry {
                 addr: b,
                 family: bf,
                 state: BACKEND_ACTIVE,

@@ -13,7 +13,7 @@ use std::{
 };
 
 use lb_common::{
-    stat, Backend, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_GUE, VIP_F_SECOND_CHANCE,
+    stat, BackendEntry, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_GUE, VIP_F_SECOND_CHANCE,
 };
 use sluice::{
     addr::to_words,
@@ -59,7 +59,7 @@ fn publish_weighted(lab: &mut NetLab, weights: &[u32], second_chance: bool, drai
         .collect();
     for (i, b) in lab.topo.backends.iter().enumerate() {
         let (w, f) = to_words(b.addr(false));
-        let plane = Backend {
+        let plane = BackendEntry {
             addr: w,
             family: f,
             state: if draining.contains(&i) {
