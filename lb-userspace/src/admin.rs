@@ -941,14 +941,14 @@ mod tests {
                 "/v1/vips",
                 Some(br#"{"vip": {"name": "x", "address": "10.0.0.2", "port": 1, "protocol": "sctp"}}"#),
                 400,
-                "unknown variant `sctp`",
+                "\"sctp\" is not recognised; allowed: \"tcp\", \"udp\"",
             ),
             (
                 "PUT",
                 "/v1/vips/chat/backends/10.1.0.1/weight",
                 Some(b"{\"weight\": 70000}"),
                 400,
-                "weight 70000 is out of range: use 0 to 65535",
+                "weight: 70000 is out of range; allowed: 0..=65535 (0 = no new flows)",
             ),
             (
                 "PUT",

@@ -5,7 +5,7 @@
 use anyhow::{Context, Result};
 use lb_common::{
     maps, BackendEntry, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
-    BACKEND_F_FULL, BACKEND_F_GUE, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
+    BACKEND_F_FULL, BACKEND_F_GUE, VIP_F_SHED, VIP_F_SHED_RST,
 };
 
 use crate::{
@@ -13,17 +13,11 @@ use crate::{
     controller::Overlay,
     dataplane::Dataplane,
     flowwalk::FlowWalker,
-    state::{Backend, FlowState, HashMode, PlaneState, State, Vip},
+    state::{Backend, FlowState, PlaneState, State, Vip},
 };
 
 pub fn vip_key(v: &Vip) -> VipKey {
-    let (addr, family) = to_words(v.spec.address);
-    VipKey {
-        addr,
-        port: v.spec.port.to_be(),
-        proto: v.spec.protocol.number(),
-        family,
-    }
+    crate::config::vip_key(v.spec.address, v.spec.port, v.spec.protocol)
 }
 
 fn plane_backend(vip: &Vip, b: &Backend, overlay: &Overlay) -> BackendEntry {
@@ -57,13 +51,7 @@ fn backend_flags(vip: &Vip, b: &Backend, overlay: &Overlay) -> u8 {
 }
 
 fn vip_flags(vip: &Vip, overlay: &Overlay) -> u32 {
-    let mut f = 0;
-    if vip.spec.flow_state == FlowState::SecondChance {
-        f |= VIP_F_SECOND_CHANCE;
-    }
-    if vip.spec.hash == HashMode::Source {
-        f |= VIP_F_SRC_HASH;
-    }
+    let mut f = vip.spec.hash.vip_flags() | vip.spec.flow_state.vip_flags();
     if overlay.shed.contains(&vip.spec.name) {
         f |= VIP_F_SHED;
     }
@@ -245,6 +233,8 @@ impl crate::controller::Plane for MapPlane {
 
 #[cfg(test)]
 mod tests {
+    use lb_common::VIP_F_SECOND_CHANCE;
+
     use super::*;
 
     #[test]

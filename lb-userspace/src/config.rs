@@ -43,7 +43,7 @@ use std::{
 
 use lb_common::{
     LbConfig, VipKey, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, FAMILY_V4, FAMILY_V6, MAX_BACKENDS,
-    MAX_VIPS, PROTO_TCP, PROTO_UDP, RING_SIZE_MAX, VIP_F_SRC_HASH,
+    MAX_VIPS, PROTO_TCP, PROTO_UDP, RING_SIZE_MAX, VIP_F_SECOND_CHANCE, VIP_F_SRC_HASH,
 };
 use serde::{de, Deserialize, Serialize, Serializer};
 use toml::{
@@ -51,7 +51,10 @@ use toml::{
     Spanned,
 };
 
-use crate::{addr::to_words, maglev::is_prime};
+use crate::{
+    addr::to_words,
+    maglev::{is_prime, DEFAULT_RING_SIZE},
+};
 
 pub mod rules;
 
@@ -239,10 +242,6 @@ pub struct VipConfig {
 }
 
 impl VipConfig {
-    pub const DEFAULT_RING_SIZE: u32 = RING_SIZE_MAX;
-    pub const MAX_PRIORITY: u8 = 7;
-    pub const MAX_AFFINITY_WINDOW: Duration = Duration::from_secs(24 * 3600);
-
     /// `lb_common::FAMILY_V4` or `FAMILY_V6`.
     pub fn family(&self) -> u8 {
         family_of(self.address)
@@ -250,21 +249,12 @@ impl VipConfig {
 
     /// The key of this VIP in the data plane's VIP map (port in network order).
     pub fn vip_key(&self) -> VipKey {
-        let (addr, family) = to_words(self.address);
-        VipKey {
-            addr,
-            port: self.port.to_be(),
-            proto: self.protocol.number(),
-            family,
-        }
+        vip_key(self.address, self.port, self.protocol)
     }
 
     /// `VipMeta::flags` for this VIP.
     pub fn flags(&self) -> u32 {
-        match self.hash {
-            HashMode::FiveTuple => 0,
-            HashMode::Source => VIP_F_SRC_HASH,
-        }
+        self.hash.vip_flags() | self.flow_state.vip_flags()
     }
 
     /// `VipMeta::affinity_secs` (0 = off).
@@ -296,8 +286,7 @@ pub struct BackendConfig {
 }
 
 impl BackendConfig {
-    pub const DEFAULT_WEIGHT: u32 = 100;
-    pub const MAX_WEIGHT: u32 = 65535;
+    pub const DEFAULT_WEIGHT: u32 = rules::WEIGHT_DEFAULT;
 
     /// `lb_common::FAMILY_V4` or `FAMILY_V6` (the outer header's family).
     pub fn family(&self) -> u8 {
@@ -495,7 +484,11 @@ pub struct UnknownKeyword {
 
 impl fmt::Display for UnknownKeyword {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?} is not one of {}", self.input, self.allowed)
+        write!(
+            f,
+            "{:?} is not recognised; allowed: {}",
+            self.input, self.allowed
+        )
     }
 }
 
@@ -537,6 +530,14 @@ macro_rules! keyword_enum {
         impl Serialize for $name {
             fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
                 s.serialize_str(self.as_str())
+            }
+        }
+
+        // The admin API and the state file read the same spellings, with the same words for
+        // a wrong one.
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                String::deserialize(d)?.parse().map_err(de::Error::custom)
             }
         }
     };
@@ -594,6 +595,49 @@ keyword_enum!(
         Rst = "rst",
     }
 );
+
+impl Default for HashMode {
+    fn default() -> Self {
+        HashMode::FiveTuple
+    }
+}
+
+impl Default for FlowState {
+    fn default() -> Self {
+        FlowState::Table
+    }
+}
+
+impl HashMode {
+    /// Its `VIP_F_*` bit.
+    pub fn vip_flags(self) -> u32 {
+        match self {
+            HashMode::FiveTuple => 0,
+            HashMode::Source => VIP_F_SRC_HASH,
+        }
+    }
+}
+
+impl FlowState {
+    /// Its `VIP_F_*` bit.
+    pub fn vip_flags(self) -> u32 {
+        match self {
+            FlowState::Table => 0,
+            FlowState::SecondChance => VIP_F_SECOND_CHANCE,
+        }
+    }
+}
+
+/// The data plane's key of a VIP.
+pub fn vip_key(address: IpAddr, port: u16, protocol: Protocol) -> VipKey {
+    let (addr, family) = to_words(address);
+    VipKey {
+        addr,
+        port: port.to_be(),
+        proto: protocol.number(),
+        family,
+    }
+}
 
 impl Protocol {
     /// IP protocol number (`lb_common::PROTO_TCP` / `PROTO_UDP`).
@@ -1574,16 +1618,12 @@ impl Checker {
         let Some(Int(v)) = v else {
             return Some(default);
         };
-        match T::try_from(v) {
-            Ok(t) if (lo..=hi).contains(&v) => Some(t),
-            _ => {
-                self.err(
-                    path,
-                    format!("{v} is out of range; allowed: {lo}..={hi}{note}"),
-                );
-                None
-            }
+        if let Err(e) = rules::in_range(v, lo, hi, note) {
+            self.err(path, e);
+            return None;
         }
+        // Every caller's range lies within T.
+        T::try_from(v).ok()
     }
 
     /// A finite number accepted by `ok`.
@@ -1641,7 +1681,7 @@ impl Checker {
         Some(d)
     }
 
-    fn keyword<K: Keyword + FromStr>(
+    fn keyword<K: Keyword + FromStr<Err = UnknownKeyword>>(
         &mut self,
         path: &KeyPath,
         v: Option<&str>,
@@ -1650,16 +1690,10 @@ impl Checker {
         let Some(s) = v else {
             return Some(default);
         };
-        match s.parse() {
+        match s.parse::<K>() {
             Ok(k) => Some(k),
-            Err(_) => {
-                self.err(
-                    path,
-                    format!(
-                        "{s:?} is not recognised; allowed: {}",
-                        allowed_keywords::<K>()
-                    ),
-                );
+            Err(e) => {
+                self.err(path, e.to_string());
                 None
             }
         }
@@ -2349,59 +2383,20 @@ fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipParts {
         .duration(&aw_path, r.affinity_window.as_deref(), Duration::ZERO)
         .and_then(|d| {
             let s = r.affinity_window.as_deref().unwrap_or("0s");
-            if d > VipConfig::MAX_AFFINITY_WINDOW {
-                c.err(
-                    &aw_path,
-                    format!("{s:?} is longer than 24h; allowed: 0s..=24h (0s = off)"),
-                );
-                None
-            } else if d.subsec_nanos() != 0 {
-                c.err(
-                    &aw_path,
-                    format!(
-                        "{s:?} is not a whole number of seconds; allowed: whole seconds from 0s \
-                         to 24h (0s = off)"
-                    ),
-                );
-                None
-            } else {
-                Some(d)
-            }
+            c.rule(&aw_path, rules::affinity_window(d, s)).then_some(d)
         });
     let priority = c.int(
         &p.key("priority"),
         r.priority,
         0u8,
         0,
-        VipConfig::MAX_PRIORITY as i64,
+        rules::PRIORITY_MAX as i64,
         " (0 = highest)",
     );
     let rs_path = p.key("ring_size");
     let ring_size = match r.ring_size {
-        None => Some(VipConfig::DEFAULT_RING_SIZE),
-        Some(Int(v)) => {
-            if !(1..=RING_SIZE_MAX as i64).contains(&v) {
-                c.err(
-                    &rs_path,
-                    format!(
-                        "{v} is out of range; allowed: a prime no larger than {RING_SIZE_MAX}, \
-                         e.g. 65537 (the default), 16381, 4093 or 1021"
-                    ),
-                );
-                None
-            } else if !is_prime(v as u32) {
-                c.err(
-                    &rs_path,
-                    format!(
-                        "{v} is not prime; allowed: a prime no larger than {RING_SIZE_MAX}, e.g. \
-                         65537 (the default), 16381, 4093 or 1021"
-                    ),
-                );
-                None
-            } else {
-                Some(v as u32)
-            }
-        }
+        None => Some(DEFAULT_RING_SIZE),
+        Some(Int(v)) => rules::ring_size(v).map_err(|e| c.err(&rs_path, e)).ok(),
     };
 
     let mut backends = Vec::new();
@@ -2511,9 +2506,9 @@ fn backend(
     let weight = c.int(
         &p.key("weight"),
         r.weight,
-        BackendConfig::DEFAULT_WEIGHT,
+        rules::WEIGHT_DEFAULT,
         0,
-        BackendConfig::MAX_WEIGHT as i64,
+        rules::WEIGHT_MAX as i64,
         " (0 = no new flows)",
     );
     let labels = r.labels.unwrap_or_default();

@@ -31,7 +31,7 @@ use crate::{
     object::BPF_OBJECT,
     policy::Policy,
     scheduler,
-    state::{BackendSpec, FlowState, HashMode, Limits, Protocol, State, VipSpec},
+    state::{BackendSpec, Limits, State, VipSpec},
     telemetry::{self, Hub},
 };
 
@@ -44,21 +44,12 @@ pub fn specs(cfg: &Config) -> Vec<(VipSpec, Vec<BackendSpec>)> {
                 name: v.name.clone(),
                 address: v.address,
                 port: v.port,
-                protocol: match v.protocol {
-                    config::Protocol::Tcp => Protocol::Tcp,
-                    config::Protocol::Udp => Protocol::Udp,
-                },
-                hash: match v.hash {
-                    config::HashMode::FiveTuple => HashMode::FiveTuple,
-                    config::HashMode::Source => HashMode::Source,
-                },
+                protocol: v.protocol,
+                hash: v.hash,
                 affinity_secs: v.affinity_secs(),
                 priority: v.priority.into(),
                 ring_size: v.ring_size,
-                flow_state: match v.flow_state {
-                    config::FlowState::Table => FlowState::Table,
-                    config::FlowState::SecondChance => FlowState::SecondChance,
-                },
+                flow_state: v.flow_state,
             };
             let backends = v
                 .backends
