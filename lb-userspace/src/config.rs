@@ -566,8 +566,10 @@ keyword_enum!(
 );
 keyword_enum!(
     /// What a VIP's Maglev lookup hashes.
+    #[derive(Default)]
     HashMode {
         /// The 5-tuple: each connection is placed independently.
+        #[default]
         FiveTuple = "five-tuple",
         /// The client address: all of a client's connections reach one backend.
         Source = "source",
@@ -575,8 +577,10 @@ keyword_enum!(
 );
 keyword_enum!(
     /// Where a VIP's TCP flow state lives.
+    #[derive(Default)]
     FlowState {
         /// The LB's connection table pins each flow.
+        #[default]
         Table = "table",
         /// The ring with its history; backends pass on what they have no socket for.
         SecondChance = "second-chance",
@@ -595,18 +599,6 @@ keyword_enum!(
         Rst = "rst",
     }
 );
-
-impl Default for HashMode {
-    fn default() -> Self {
-        HashMode::FiveTuple
-    }
-}
-
-impl Default for FlowState {
-    fn default() -> Self {
-        FlowState::Table
-    }
-}
 
 impl HashMode {
     /// Its `VIP_F_*` bit.
