@@ -11,13 +11,13 @@ use std::{
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::json;
-use sluice::admin::now_ms;
+use sluice::clock::now_ms;
 use sluice_tests::{
     daemon_lab::{wait_for, DaemonLab, DaemonLabOptions, VipDef},
     netns::{TCP_PORT, VIP4},
 };
 
-use crate::{report::Summary, sys};
+use crate::{summary::Summary, sys};
 
 const VIP: &str = "chat";
 const MARK: &str = "data plane updated ";

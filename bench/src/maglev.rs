@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use lb_common::{Backend, VipKey, VipMeta, BACKEND_ACTIVE, PROTO_TCP};
+use lb_common::{BackendEntry, VipKey, VipMeta, BACKEND_ACTIVE, PROTO_TCP};
 use serde_json::{json, Value};
 use sluice::{
     addr::to_words,
@@ -15,7 +15,7 @@ use sluice::{
     object::BPF_OBJECT,
 };
 
-use crate::{report::Summary, sys};
+use crate::{summary::Summary, sys};
 
 const M: u32 = maglev::DEFAULT_RING_SIZE;
 const SEED: u32 = 0x5eed;
@@ -103,7 +103,7 @@ pub fn main(args: &[String]) -> Result<()> {
         let (addr, family) = to_words(k.parse()?);
         dp.set_backend(
             i as u32 + 1,
-            &Backend {
+            &BackendEntry {
                 addr,
                 family,
                 state: BACKEND_ACTIVE,

@@ -15,15 +15,15 @@ use std::{
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::maps::{HashMap, Map, MapData};
-use lb_common::{ConnEntry, FlowKey, FAMILY_V4, PROTO_TCP};
+use lb_common::{maps, ConnEntry, FlowKey, FAMILY_V4, PROTO_TCP};
 use serde_json::json;
-use sluice::apply::monotonic_ns;
+use sluice::clock::monotonic_ns;
 use sluice_tests::{
     daemon_lab::{wait_for, DaemonLab, DaemonLabOptions, VipDef},
     netns::{TCP_PORT, VIP4},
 };
 
-use crate::{report::Summary, sys};
+use crate::{summary::Summary, sys};
 
 const VIP: &str = "chat";
 const BACKENDS: usize = 3;
@@ -189,7 +189,7 @@ pub fn main(args: &[String]) -> Result<()> {
 /// Inserts `n` distinct TCP flows to the VIP, round-robin over `ids`, one thread per CPU (an
 /// LRU map without a common list takes an insert from the inserting CPU's share).
 fn fill(lab: &DaemonLab, ids: &[u32], n: u32) -> Result<()> {
-    let path = lab.bpffs.join("CONNS");
+    let path = lab.bpffs.join(maps::CONNS);
     let cpus = sys::online_cpus() as u32;
     let now = monotonic_ns();
     let vip = u32::from_ne_bytes(VIP4.octets());

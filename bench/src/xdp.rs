@@ -25,6 +25,8 @@
 //!   `backend_*` cases run `sluice_decap` on that LB's GUE output (`fib` variant only: the
 //!   socket and FIB lookups happen there) against `sluice_pass` on the same frame.
 
+mod report;
+
 use std::{
     collections::BTreeMap,
     os::fd::OwnedFd,
@@ -38,7 +40,7 @@ use aya::{
     programs::{TestRun, TestRunOptions, Xdp},
 };
 use lb_common::{
-    stat, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
+    maps, stat, BackendEntry, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
     BACKEND_ACTIVE, BACKEND_F_GUE, CONN_TABLE_SIZE, FAMILY_V4, PROTO_TCP, VIP_F_INBAND,
     VIP_F_SECOND_CHANCE,
 };
@@ -55,7 +57,7 @@ use sluice_tests::{
     FALLBACK_MAC, RING, SEED,
 };
 
-use crate::{report, sys};
+use crate::sys;
 
 const XDP_PASS: u32 = 2;
 const XDP_TX: u32 = 3;
@@ -676,13 +678,12 @@ fn add_vip(
         ring_size: RING,
         active_ring: 0,
         affinity_secs: 0,
-        priority: 0,
     };
     for (bid, baddr) in backends {
         let (ba, bf) = to_words(baddr.parse()?);
         dp.set_backend(
             *bid,
-            &Backend {
+            &BackendEntry {
                 addr: ba,
                 family: bf,
                 state: BACKEND_ACTIVE,
@@ -745,7 +746,8 @@ fn load_dp(object: &[u8], conn_table_size: u32, second_chance: bool) -> Result<D
 /// as a whole; the new-flow case deletes exactly the flows it inserted).
 fn conn_map(dp: &mut Dataplane) -> Result<BpfHashMap<MapData, FlowKey, ConnEntry>> {
     Ok(BpfHashMap::try_from(Map::LruHashMap(map_by_name(
-        dp, "CONNS",
+        dp,
+        maps::CONNS,
     )?))?)
 }
 
@@ -768,7 +770,7 @@ fn map_by_name(dp: &mut Dataplane, name: &str) -> Result<MapData> {
 /// through `Dataplane::stats`) so an object from another build, with more or fewer counters,
 /// can be measured with `--object`: the counters both know are read.
 fn counters(dp: &mut Dataplane) -> Result<Vec<u64>> {
-    let data = map_by_name(dp, "STATS")?;
+    let data = map_by_name(dp, maps::STATS)?;
     let n = data.info()?.max_entries().min(stat::COUNT);
     let a: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(data))?;
     (0..n).map(|i| Ok(a.get(&i, 0)?.iter().sum())).collect()
@@ -1040,7 +1042,7 @@ pub fn main(args: &[String]) -> Result<()> {
         let s = counters(dp)?;
         let want = opts.flows as u64 + 4;
         // (An object built without the miss counter shows 0 misses: not an error.)
-        let misses = s[stat::CONN_MISS as usize];
+        let misses = s[stat::CONN_MISS.index()];
         if misses != want && misses != 0 {
             bail!("populating: {misses} misses (expected {want})");
         }

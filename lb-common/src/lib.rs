@@ -84,8 +84,6 @@ pub struct VipMeta {
     pub active_ring: u32,
     /// Client-affinity window in seconds; 0 disables the affinity table for this VIP.
     pub affinity_secs: u32,
-    /// Priority class for admission control (0 = most important).
-    pub priority: u32,
 }
 
 /// One slot of a VIP's Maglev ring: its backend, the backend that held it before its last
@@ -106,7 +104,7 @@ pub struct RingSlot {
     pub changed: u32,
 }
 
-pub const BACKEND_UNSET: u8 = 0;
+/// `BackendEntry::state` (an entry never written holds 0, which serves nothing).
 /// Takes new flows and keeps its established ones.
 pub const BACKEND_ACTIVE: u8 = 1;
 /// Takes no new flows; established flows continue.
@@ -114,9 +112,9 @@ pub const BACKEND_DRAINING: u8 = 2;
 /// Takes no new flows; its established flows are re-steered to the table's current choice.
 pub const BACKEND_DOWN: u8 = 3;
 
-/// `Backend::flags`: at its session cap or saturated; new flows probe past it.
+/// `BackendEntry::flags`: at its session cap or saturated; new flows probe past it.
 pub const BACKEND_F_FULL: u8 = 1 << 0;
-/// `Backend::flags`: the backend runs `sluice_decap`, so it is sent GUE (which names the
+/// `BackendEntry::flags`: the backend runs `sluice_decap`, so it is sent GUE (which names the
 /// flow's previous backend for second-chance forwarding) instead of IPIP.
 pub const BACKEND_F_GUE: u8 = 1 << 1;
 
@@ -137,7 +135,7 @@ pub const GUE_PRIV_HDR_LEN: usize = 4;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Backend {
+pub struct BackendEntry {
     pub addr: [u32; 4],
     pub family: u8,
     pub state: u8,
@@ -335,6 +333,41 @@ pub struct FloodWindow {
     pub new_flows: u64,
 }
 
+/// The names of the data plane's maps (the symbols in `lb-ebpf/src/maps.rs`, and the files
+/// under the pin directory), for the daemon, the bench and the tests alike.
+pub mod maps {
+    /// `[u32; 1]`: the `LAYOUT_VERSION` of the program that created the pinned maps.
+    pub const META: &str = "META";
+    /// `[LbConfig; 1]`: global settings.
+    pub const CONFIG: &str = "CONFIG";
+    /// `VipKey → VipMeta`: the VIPs, looked up per packet.
+    pub const VIPS: &str = "VIPS";
+    /// `[Backend; MAX_BACKENDS]`: every VIP's backends, by id.
+    pub const BACKENDS: &str = "BACKENDS";
+    /// `[RingSlot]`: two Maglev rings per VIP, each `RING_SIZE_MAX` slots apart.
+    pub const MAGLEV_RINGS: &str = "MAGLEV_RINGS";
+    /// `FlowKey → ConnEntry` (LRU): the connection table.
+    pub const CONNS: &str = "CONNS";
+    /// `AffinityKey → AffinityEntry` (LRU): client affinity per VIP.
+    pub const AFFINITY: &str = "AFFINITY";
+    /// ifindex → ifindex (devmap): interfaces `XDP_REDIRECT` may send to.
+    pub const TX_PORTS: &str = "TX_PORTS";
+    /// `[u64; stat::COUNT]` per CPU: the `stat` counters.
+    pub const STATS: &str = "STATS";
+    /// `[TrafficStats; MAX_VIPS]` per CPU: traffic per VIP.
+    pub const VIP_STATS: &str = "VIP_STATS";
+    /// `[TrafficStats; MAX_BACKENDS]` per CPU: traffic per backend.
+    pub const BACKEND_STATS: &str = "BACKEND_STATS";
+    /// `[NextHop; MAX_BACKENDS]` per CPU: next hops learnt from the FIB.
+    pub const NEXTHOPS: &str = "NEXTHOPS";
+    /// `[FloodWindow; 1]` per CPU: the new-flow rate of the flood guard.
+    pub const FLOOD: &str = "FLOOD";
+    /// `[InbandStats; MAX_BACKENDS]` per CPU: in-band TTFB, delivery and stalls per backend.
+    pub const INBAND_STATS: &str = "INBAND_STATS";
+    /// Ring buffer of `trace::DecisionRecord`s (aya-log's map name).
+    pub const AYA_LOGS: &str = "AYA_LOGS";
+}
+
 /// Indexes of the global per-CPU counter array: every pass, drop and fallback has one.
 ///
 /// Each counter is declared once, with its index, exported name and [`stat::Kind`]: the kind
@@ -356,8 +389,30 @@ pub mod stat {
         Event,
     }
 
+    /// One counter of the array, by index. A type of its own so that a counter carried in a
+    /// `Result` or a parameter cannot be mistaken for an XDP action or any other `u32`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+    #[repr(transparent)]
+    pub struct Counter(pub u32);
+
+    impl Counter {
+        /// Its index in the counter array (and in `NAMES` and `KINDS`).
+        pub const fn index(self) -> usize {
+            self.0 as usize
+        }
+
+        /// Its exported name.
+        pub const fn name(self) -> &'static str {
+            NAMES[self.index()]
+        }
+
+        pub const fn kind(self) -> Kind {
+            KINDS[self.index()]
+        }
+    }
+
     /// Declares the counters in order: `NAME = "exported_name", Kind;` gives `pub const NAME`
-    /// (its index), and the `COUNT`, `NAMES` and `KINDS` tables.
+    /// (a [`Counter`]), and the `COUNT`, `NAMES` and `KINDS` tables.
     macro_rules! counters {
         ($($(#[$doc:meta])* $id:ident = $name:literal, $kind:ident;)*) => {
             counters!(@index 0u32; $($(#[$doc])* $id,)*);
@@ -369,7 +424,7 @@ pub mod stat {
         };
         (@index $n:expr; $(#[$doc:meta])* $id:ident, $($rest:tt)*) => {
             $(#[$doc])*
-            pub const $id: u32 = $n;
+            pub const $id: Counter = Counter($n);
             counters!(@index $n + 1; $($rest)*);
         };
         (@index $n:expr;) => {};
@@ -402,12 +457,12 @@ pub mod stat {
         DROP_NO_NEXTHOP = "drop_no_nexthop", Drop;
         TX = "tx", Sent;
         REDIRECT = "redirect", Sent;
-        DROP_NO_CONFIG = "drop_no_config", Drop;
         DECAP_OK = "decap_ok", Event;
         DECAP_PASS_NOT_ENCAP = "decap_pass_not_encap", Pass;
         /// A new session shed by priority; followed by `SHED_RST_SENT` or `DROP_SHED`.
         SHED_PRIORITY = "shed_priority", Event;
-        /// A new session shed because every backend it may use is full.
+        /// A new session shed because every backend it may use is full; followed by
+        /// `SHED_RST_SENT` or `DROP_SHED`.
         SHED_FULL = "shed_full", Event;
         SHED_RST_SENT = "shed_rst_sent", Sent;
         DROP_FRAG_NEEDED = "drop_frag_needed", Drop;
@@ -463,7 +518,7 @@ mod pod {
     // SAFETY: all of these are repr(C), contain only integers and have explicit padding.
     unsafe impl aya::Pod for VipKey {}
     unsafe impl aya::Pod for VipMeta {}
-    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for BackendEntry {}
     unsafe impl aya::Pod for FlowKey {}
     unsafe impl aya::Pod for ConnEntry {}
     unsafe impl aya::Pod for AffinityKey {}

@@ -6,11 +6,13 @@ use aya_ebpf::{
     bindings::xdp_action, helpers::bpf_xdp_adjust_head, programs::XdpContext, EbpfContext,
 };
 use lb_common::{
-    stat, GUE_PORT, GUE_PRIV_HDR_LEN, GUE_PRIV_KIND, PROTO_IPIP, PROTO_IPV6, PROTO_UDP,
+    stat::{self, Counter},
+    GUE_PORT, GUE_PRIV_HDR_LEN, GUE_PRIV_KIND, PROTO_IPIP, PROTO_IPV6, PROTO_UDP,
 };
 
 use crate::{
-    parse::{at, be16_at, frame_holds, l2, trim_to, u8_at, ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
+    hdr::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPV4_HLEN, IPV6_HLEN},
+    parse::{at, be16_at, frame_holds, l2, trim_to, u8_at},
     second_hop::{self, Tunnel},
     stats::count,
 };
@@ -26,15 +28,15 @@ pub fn decap(ctx: &XdpContext) -> u32 {
 }
 
 #[inline(always)]
-fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
+fn try_decap(ctx: &XdpContext) -> Result<u32, Counter> {
     let (proto, l3) = l2(ctx).map_err(|_| stat::DECAP_PASS_NOT_ENCAP)?;
     // (outer header length, outer packet length, inner protocol)
     let (ip_len, outer_tot, outer) = match proto {
         ETH_P_IP => {
-            let p = at(ctx, l3, 20).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
+            let p = at(ctx, l3, IPV4_HLEN).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
             let ihl = ((unsafe { u8_at(p) } & 0x0f) as usize) * 4;
             // A fragmented tunnel packet cannot be stripped in place.
-            if ihl < 20 || unsafe { be16_at(p + 6) } & 0x3fff != 0 {
+            if ihl < IPV4_HLEN || unsafe { be16_at(p + 6) } & 0x3fff != 0 {
                 return Err(stat::DECAP_PASS_NOT_ENCAP);
             }
             (ihl, unsafe { be16_at(p + 2) } as usize, unsafe {
@@ -42,10 +44,12 @@ fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
             })
         }
         ETH_P_IPV6 => {
-            let p = at(ctx, l3, 40).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
-            (40, unsafe { be16_at(p + 4) } as usize + 40, unsafe {
-                u8_at(p + 6)
-            })
+            let p = at(ctx, l3, IPV6_HLEN).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
+            (
+                IPV6_HLEN,
+                unsafe { be16_at(p + 4) } as usize + IPV6_HLEN,
+                unsafe { u8_at(p + 6) },
+            )
         }
         _ => return Err(stat::DECAP_PASS_NOT_ENCAP),
     };
@@ -65,12 +69,13 @@ fn try_decap(ctx: &XdpContext) -> Result<u32, u32> {
     };
     // The inner packet's own length must cover its header, fill the outer payload exactly,
     // and the frame must hold it: the stack then receives exactly the packet the LB
-    // encapsulated, and a frame whose lengths disagree is left to the kernel's checks.
-    let i = at(ctx, l3 + outer_len, 20).ok_or(stat::DECAP_PASS_BAD_LEN)?;
+    // encapsulated, and a frame whose lengths disagree is left to the kernel's checks. (20 bytes hold both
+    // families' length fields.)
+    let i = at(ctx, l3 + outer_len, IPV4_HLEN).ok_or(stat::DECAP_PASS_BAD_LEN)?;
     let inner_len = if inner_eth == ETH_P_IP {
         (unsafe { be16_at(i + 2) }) as usize
     } else {
-        (unsafe { be16_at(i + 4) }) as usize + 40
+        (unsafe { be16_at(i + 4) }) as usize + IPV6_HLEN
     };
     if inner_len < 20 || outer_tot != outer_len + inner_len || !frame_holds(ctx, l3 + outer_tot) {
         return Err(stat::DECAP_PASS_BAD_LEN);
@@ -119,7 +124,7 @@ fn gue<const WORDS: usize>(
     ctx: &XdpContext,
     off: usize,
     len: usize,
-) -> Result<(usize, u8, Option<Tunnel>), u32> {
+) -> Result<(usize, u8, Option<Tunnel>), Counter> {
     const UDP_GUE: usize = 8 + 4;
     let tunnel = UDP_GUE + GUE_PRIV_HDR_LEN + 4 * WORDS;
     let u = at(ctx, off, tunnel).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;

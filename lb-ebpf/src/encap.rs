@@ -10,69 +10,36 @@ use aya_ebpf::{
     EbpfContext,
 };
 use lb_common::{
-    stat, LbConfig, NextHop, BACKEND_F_GUE, FAMILY_V4, GUE_PORT, GUE_PRIV_HDR_LEN, GUE_PRIV_KIND,
+    stat::{self, Counter},
+    LbConfig, NextHop, BACKEND_F_GUE, FAMILY_V4, GUE_PORT, GUE_PRIV_HDR_LEN, GUE_PRIV_KIND,
     GUE_SPORT_BASE, GUE_SPORT_MASK, NEXTHOP_TTL_NS, PROTO_IPIP, PROTO_IPV6, PROTO_UDP,
 };
 
 use crate::{
     csum::{add_all, fold},
+    decide::Decision,
+    hdr::{
+        EthHdr, Ipv4Hdr, Ipv6Hdr, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, GUE_HLEN, IPV4_HLEN, IPV6_HLEN,
+        TTL, UDP_HLEN,
+    },
     icmp,
     maps::{NEXTHOPS, TX_PORTS},
-    parse::{at, trim_to, Parsed, ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
+    parse::{at, trim_to, Parsed},
     stats::count,
-    steer::Decision,
 };
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
-const IPV4_HLEN: usize = 20;
-const IPV6_HLEN: usize = 40;
-const UDP_HLEN: usize = 8;
-/// The GUE base header: version 0, no control bit, `Hlen`, protocol, no flags.
-const GUE_HLEN: usize = 4;
-const TTL: u8 = 64;
-
 /// UDP, GUE and Sluice's private data (which ends with a `WORDS`-word address) after the
 /// outer IP header.
 const fn gue_len(words: usize) -> usize {
     UDP_HLEN + GUE_HLEN + GUE_PRIV_HDR_LEN + 4 * words
 }
 
-#[repr(C)]
-struct EthHdr {
-    dst: [u8; 6],
-    src: [u8; 6],
-    proto: u16,
-}
-
-#[repr(C)]
-struct Ipv4Hdr {
-    vihl: u8,
-    tos: u8,
-    tot_len: u16,
-    id: u16,
-    frag: u16,
-    ttl: u8,
-    proto: u8,
-    csum: u16,
-    src: u32,
-    dst: u32,
-}
-
-#[repr(C)]
-struct Ipv6Hdr {
-    vtc_flow: u32,
-    payload_len: u16,
-    next: u8,
-    hop_limit: u8,
-    src: [u32; 4],
-    dst: [u32; 4],
-}
-
 /// Encapsulates the packet for the decided backend and returns the XDP action, or
 /// `Err(drop counter)`.
 #[inline(always)]
-pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Result<u32, u32> {
+pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Result<u32, Counter> {
     let b = &d.backend;
     let h = d.hash;
     let outer_v4 = b.family == FAMILY_V4;
@@ -101,8 +68,8 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
         v4: src_v4,
         v6: src_v6,
     };
-    let nh = match next_hop(ctx, d, &src, p.l3_len + outer_len, cfg) {
-        Ok(nh) => nh,
+    let hop = match next_hop(ctx, d, &src, p.l3_len + outer_len, cfg) {
+        Ok(hop) => hop,
         Err(NoHop::Drop(reason)) => return Err(reason),
         Err(NoHop::TooBig(mtu)) => {
             // Tell the client the largest packet that fits once encapsulated.
@@ -133,8 +100,8 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
         return Err(stat::DROP_ADJUST_HEAD);
     };
     let eth = EthHdr {
-        dst: nh.dmac,
-        src: nh.smac,
+        dst: hop.dmac,
+        src: hop.smac,
         proto: if outer_v4 {
             ETH_P_IP.to_be()
         } else {
@@ -196,11 +163,11 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
         }
     }
 
-    if nh.ifindex == unsafe { (*ctx.ctx).ingress_ifindex } {
+    if hop.ifindex == unsafe { (*ctx.ctx).ingress_ifindex } {
         count(stat::TX);
         return Ok(xdp_action::XDP_TX);
     }
-    match TX_PORTS.redirect(nh.ifindex, 0) {
+    match TX_PORTS.redirect(hop.ifindex, 0) {
         Ok(a) => {
             count(stat::REDIRECT);
             Ok(a)
@@ -252,13 +219,13 @@ fn write_gue<const WORDS: usize>(
 
 /// Why there is no next hop to send the packet to.
 enum NoHop {
-    Drop(u32),
+    Drop(Counter),
     /// The encapsulated packet exceeds this egress MTU.
     TooBig(u32),
 }
 
-impl From<u32> for NoHop {
-    fn from(counter: u32) -> Self {
+impl From<Counter> for NoHop {
+    fn from(counter: Counter) -> Self {
         NoHop::Drop(counter)
     }
 }

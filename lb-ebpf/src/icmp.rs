@@ -13,12 +13,10 @@ use lb_common::{FAMILY_V4, PROTO_ICMP, PROTO_ICMPV6};
 
 use crate::{
     csum::{add32, add_all, fold},
-    parse::{at, be16_at, raw32_at, Parsed, ETH_HLEN, ETH_P_IP, ETH_P_IPV6},
+    hdr::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, ICMP_HLEN, IPV4_HLEN, IPV6_HLEN, TTL},
+    parse::{at, be16_at, raw32_at, Parsed},
 };
 
-const IPV4_HLEN: usize = 20;
-const IPV6_HLEN: usize = 40;
-const ICMP_HLEN: usize = 8;
 /// The quoted part of the offending packet: its IP header and 8 bytes of L4.
 const QUOTE_V4: usize = IPV4_HLEN + 8;
 const QUOTE_V6: usize = IPV6_HLEN + 8;
@@ -78,7 +76,7 @@ fn v4(ctx: &XdpContext, p: &Parsed, mtu: u32) -> Option<u32> {
     let h = at(ctx, ETH_HLEN, IPV4_HLEN + ICMP_HLEN)?;
     // Words are built as host values and stored big-endian; a checksum (a memory-order
     // value) goes into its host-value slot byte-swapped.
-    let ttl_proto = 64u32 << 24 | (PROTO_ICMP as u32) << 16;
+    let ttl_proto = (TTL as u32) << 24 | (PROTO_ICMP as u32) << 16;
     let mut ip: [u32; 5] = [
         (0x4500_0000u32 | (IPV4_HLEN + ICMP_HLEN + QUOTE_V4) as u32).to_be(),
         0,
@@ -118,7 +116,7 @@ fn v6(ctx: &XdpContext, p: &Parsed, mtu: u32) -> Option<u32> {
     let h = at(ctx, ETH_HLEN, IPV6_HLEN + ICMP_HLEN)?;
     let head: [u32; 2] = [
         0x6000_0000u32.to_be(),
-        (len << 16 | (PROTO_ICMPV6 as u32) << 8 | 64).to_be(),
+        (len << 16 | (PROTO_ICMPV6 as u32) << 8 | TTL as u32).to_be(),
     ];
     // Pseudo-header: addresses, upper-layer length, next header.
     let mut sum = add_all(add_all(0, &vip), &client);

@@ -27,7 +27,8 @@ use lb_common::{
 
 use crate::{
     maps::INBAND_STATS,
-    parse::{at, u8_at, Parsed, TCP_ACK, TCP_RST, TCP_SYN},
+    hdr::{TCP_ACK, TCP_RST, TCP_SYN},
+    parse::{at, u8_at, Parsed},
     stats::count,
 };
 

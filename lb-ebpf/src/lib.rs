@@ -9,7 +9,9 @@
 
 mod csum;
 mod decap;
+mod decide;
 mod encap;
+mod hdr;
 mod icmp;
 mod inband;
 mod maps;
@@ -17,13 +19,12 @@ mod parse;
 mod rst;
 mod second_hop;
 mod stats;
-mod steer;
 mod trace;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use lb_common::{stat, LB_F_TRACE, PROTO_TCP, VIP_F_INBAND, VIP_F_SHED_RST};
 
-use crate::{maps::CONFIG, stats::count, steer::Refusal};
+use crate::{decide::Refusal, maps::CONFIG, stats::count};
 
 #[xdp(frags)]
 pub fn sluice_xdp(ctx: XdpContext) -> u32 {
@@ -35,11 +36,11 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
             return xdp_action::XDP_PASS;
         }
     };
+    // Element 0 of an array map always exists: the check is for the verifier and never fails.
     let Some(cfg) = CONFIG.get(0) else {
-        count(stat::DROP_NO_CONFIG);
-        return xdp_action::XDP_DROP;
+        return xdp_action::XDP_PASS;
     };
-    let Some(vip) = steer::vip(&p.key, cfg) else {
+    let Some(vip) = decide::vip(&p.key, cfg) else {
         count(if p.icmp_error {
             stat::PASS_ICMP_NOT_VIP
         } else {
@@ -47,7 +48,7 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
         });
         return xdp_action::XDP_PASS;
     };
-    let d = match steer::decide(&p.key, &vip, cfg, !p.icmp_error, p.opens()) {
+    let d = match decide::decide(&p.key, &vip, cfg, !p.icmp_error, p.opens()) {
         Ok(d) => {
             if cfg.flags & LB_F_TRACE != 0 {
                 trace::decision(&p.key, vip.id, d.backend_id, d.new_flow);

@@ -4,7 +4,8 @@
 //! The maps an operator reads (`CONFIG`, `VIPS`, `BACKENDS`, `CONNS`, `AFFINITY`) are
 //! BTF-defined, so `bpftool map dump` shows their keys and values by field name (a legacy
 //! `#[map]` carries no key/value types). The rest stay legacy maps: rings of ids, counters
-//! and caches, whose raw dump says as much.
+//! and caches, whose raw dump says as much. Userspace opens each by its name in
+//! `lb_common::maps`.
 
 use aya_ebpf::{
     btf_maps,
@@ -12,9 +13,9 @@ use aya_ebpf::{
     maps::{Array, DevMapHash, PerCpuArray},
 };
 use lb_common::{
-    AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, InbandStats, LbConfig,
-    NextHop, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE,
-    MAX_BACKENDS, MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
+    AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FloodWindow, FlowKey, InbandStats, LbConfig, NextHop,
+    RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, MAX_BACKENDS,
+    MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
 /// Per-CPU LRU lists: each CPU evicts from its own list, so flows steered by RSS to one CPU
@@ -27,15 +28,19 @@ const BPF_F_NO_COMMON_LRU: u32 = 1 << 1;
 #[map]
 pub static META: Array<u32> = Array::with_max_entries(1, 0);
 
+/// Global settings (`LbConfig`), element 0.
 #[btf_map]
 pub static CONFIG: btf_maps::Array<LbConfig, 1> = btf_maps::Array::new();
 
+/// The VIPs, looked up per packet (exact port first, then port 0).
 #[btf_map]
 pub static VIPS: btf_maps::HashMap<VipKey, VipMeta, { MAX_VIPS as usize }> =
     btf_maps::HashMap::new();
 
+/// Every VIP's backends, by id (0 is never used).
 #[btf_map]
-pub static BACKENDS: btf_maps::Array<Backend, { MAX_BACKENDS as usize }> = btf_maps::Array::new();
+pub static BACKENDS: btf_maps::Array<BackendEntry, { MAX_BACKENDS as usize }> =
+    btf_maps::Array::new();
 
 /// Slot `(vip_id * RINGS_PER_VIP + ring) * RING_SIZE_MAX + i` of a VIP's ring: its backend id
 /// (0 = unset) and the slot's history.
@@ -43,6 +48,7 @@ pub static BACKENDS: btf_maps::Array<Backend, { MAX_BACKENDS as usize }> = btf_m
 pub static MAGLEV_RINGS: Array<RingSlot> =
     Array::with_max_entries(MAX_VIPS * RINGS_PER_VIP * RING_SIZE_MAX, 0);
 
+/// The connection table: a flow's backend, so established flows survive table changes.
 #[btf_map]
 pub static CONNS: btf_maps::LruHashMap<
     FlowKey,
@@ -51,6 +57,7 @@ pub static CONNS: btf_maps::LruHashMap<
     { BPF_F_NO_COMMON_LRU as usize },
 > = btf_maps::LruHashMap::new();
 
+/// Client affinity: a client's last backend per VIP, for `affinity_secs`.
 #[btf_map]
 pub static AFFINITY: btf_maps::LruHashMap<
     AffinityKey,
@@ -63,19 +70,24 @@ pub static AFFINITY: btf_maps::LruHashMap<
 #[map]
 pub static TX_PORTS: DevMapHash = DevMapHash::with_max_entries(MAX_TX_PORTS, 0);
 
+/// The `lb_common::stat` counters, by index.
 #[map]
 pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(lb_common::stat::COUNT, 0);
 
+/// Traffic per VIP id.
 #[map]
 pub static VIP_STATS: PerCpuArray<TrafficStats> = PerCpuArray::with_max_entries(MAX_VIPS, 0);
 
+/// Traffic per backend id.
 #[map]
 pub static BACKEND_STATS: PerCpuArray<TrafficStats> =
     PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
 
+/// Next hops learnt from the FIB, per backend id (see `NEXTHOP_TTL_NS`).
 #[map]
 pub static NEXTHOPS: PerCpuArray<NextHop> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
 
+/// The flood guard's new-flow window.
 #[map]
 pub static FLOOD: PerCpuArray<FloodWindow> = PerCpuArray::with_max_entries(1, 0);
 

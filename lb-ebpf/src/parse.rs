@@ -10,16 +10,17 @@ use aya_ebpf::{
     EbpfContext,
 };
 use lb_common::{
-    stat, FlowKey, FAMILY_V4, FAMILY_V6, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    stat::{self, Counter},
+    FlowKey, FAMILY_V4, FAMILY_V6, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
 };
 
-pub const ETH_HLEN: usize = 14;
-pub const ETH_P_IP: u16 = 0x0800;
-pub const ETH_P_IPV6: u16 = 0x86dd;
-const ETH_P_8021Q: u16 = 0x8100;
-const ETH_P_8021AD: u16 = 0x88a8;
-const IPV6_HLEN: usize = 40;
-const IPV4_HLEN: usize = 20;
+use core::mem::offset_of;
+
+use crate::hdr::{
+    Ipv4Hdr, Ipv6Hdr, ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_IP, ETH_P_IPV6, IPV4_HLEN,
+    IPV6_HLEN, TCP_ACK, TCP_SYN,
+};
+
 /// IPv6 extension headers walked before giving up (hop-by-hop, routing, destination options).
 const MAX_EXT_HDRS: usize = 4;
 
@@ -41,10 +42,6 @@ pub struct Parsed {
     pub tcp_flags: u8,
 }
 
-pub const TCP_SYN: u8 = 0x02;
-pub const TCP_RST: u8 = 0x04;
-pub const TCP_ACK: u8 = 0x10;
-
 impl Parsed {
     /// A packet that opens a session: a TCP SYN without ACK, or any UDP packet (QUIC has no
     /// handshake visible at L4).
@@ -55,7 +52,7 @@ impl Parsed {
 }
 
 /// A frame that passes untouched, with the counter that says why.
-pub type Pass = u32;
+pub type Pass = Counter;
 
 /// Pointer to `len` bytes at `off`, or `None` when the frame is shorter.
 #[inline(always)]
@@ -170,24 +167,24 @@ fn ipv4(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
         return Err(stat::PASS_BAD_IP_LEN);
     }
     at(ctx, l3, ihl).ok_or(stat::PASS_TRUNCATED_L3)?;
-    let tot_len = unsafe { be16_at(p + 2) } as usize;
+    let tot_len = unsafe { be16_at(p + offset_of!(Ipv4Hdr, tot_len)) } as usize;
     if tot_len < ihl || !frame_holds(ctx, l3 + tot_len) {
         return Err(stat::PASS_BAD_IP_LEN);
     }
     let end = l3 + tot_len;
     // More-fragments flag or a fragment offset: only the first fragment has ports, so
     // steering fragments by 5-tuple would split them. They go to the kernel.
-    if unsafe { be16_at(p + 6) } & 0x3fff != 0 {
+    if unsafe { be16_at(p + offset_of!(Ipv4Hdr, frag)) } & 0x3fff != 0 {
         return Err(stat::PASS_FRAGMENT);
     }
     let mut key = FlowKey {
         family: FAMILY_V4,
-        proto: unsafe { u8_at(p + 9) },
+        proto: unsafe { u8_at(p + offset_of!(Ipv4Hdr, proto)) },
         ..FlowKey::default()
     };
-    key.src[0] = unsafe { raw32_at(p + 12) };
-    key.dst[0] = unsafe { raw32_at(p + 16) };
-    let tos = unsafe { u8_at(p + 1) };
+    key.src[0] = unsafe { raw32_at(p + offset_of!(Ipv4Hdr, src)) };
+    key.dst[0] = unsafe { raw32_at(p + offset_of!(Ipv4Hdr, dst)) };
+    let tos = unsafe { u8_at(p + offset_of!(Ipv4Hdr, tos)) };
     let mut tcp_flags = 0;
     let icmp_error = match key.proto {
         PROTO_TCP | PROTO_UDP => {
@@ -218,7 +215,7 @@ fn ipv6(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
     if vtc >> 12 != 6 {
         return Err(stat::PASS_BAD_IP_LEN);
     }
-    let l3_len = unsafe { be16_at(p + 4) } as usize + IPV6_HLEN;
+    let l3_len = unsafe { be16_at(p + offset_of!(Ipv6Hdr, payload_len)) } as usize + IPV6_HLEN;
     if !frame_holds(ctx, l3 + l3_len) {
         return Err(stat::PASS_BAD_IP_LEN);
     }
@@ -227,13 +224,18 @@ fn ipv6(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
         family: FAMILY_V6,
         ..FlowKey::default()
     };
-    key.src = unsafe { addr6_at(p + 8) };
-    key.dst = unsafe { addr6_at(p + 24) };
-    let (nh, l4) = ext_headers(ctx, unsafe { u8_at(p + 6) }, l3 + IPV6_HLEN, end)?;
-    key.proto = nh;
+    key.src = unsafe { addr6_at(p + offset_of!(Ipv6Hdr, src)) };
+    key.dst = unsafe { addr6_at(p + offset_of!(Ipv6Hdr, dst)) };
+    let (next_hdr, l4) = ext_headers(
+        ctx,
+        unsafe { u8_at(p + offset_of!(Ipv6Hdr, next)) },
+        l3 + IPV6_HLEN,
+        end,
+    )?;
+    key.proto = next_hdr;
     let tos = (vtc >> 4) as u8;
     let mut tcp_flags = 0;
-    let icmp_error = match nh {
+    let icmp_error = match next_hdr {
         PROTO_TCP | PROTO_UDP => {
             tcp_flags = ports(ctx, l4, end, &mut key)?;
             false
@@ -259,19 +261,19 @@ fn ipv6(ctx: &XdpContext, l3: usize) -> Result<Parsed, Pass> {
 #[inline(always)]
 fn ext_headers(
     ctx: &XdpContext,
-    mut nh: u8,
+    mut next_hdr: u8,
     mut off: usize,
     end: usize,
 ) -> Result<(u8, usize), Pass> {
     for _ in 0..MAX_EXT_HDRS {
-        match nh {
+        match next_hdr {
             0 | 43 | 60 => {
                 let e = in_packet(ctx, off, 8, end, stat::PASS_TRUNCATED_L3)?;
-                nh = unsafe { u8_at(e) };
+                next_hdr = unsafe { u8_at(e) };
                 off += (unsafe { u8_at(e + 1) } as usize + 1) * 8;
             }
             44 => return Err(stat::PASS_FRAGMENT),
-            _ => return Ok((nh, off)),
+            _ => return Ok((next_hdr, off)),
         }
     }
     Err(stat::PASS_EXT_HDR_LIMIT)
@@ -313,17 +315,17 @@ fn icmp4_too_big(ctx: &XdpContext, l4: usize, end: usize, key: &mut FlowKey) -> 
     if ihl < IPV4_HLEN {
         return Err(stat::PASS_BAD_IP_LEN);
     }
-    key.proto = unsafe { u8_at(q + 9) };
+    key.proto = unsafe { u8_at(q + offset_of!(Ipv4Hdr, proto)) };
     if key.proto != PROTO_TCP && key.proto != PROTO_UDP {
         return Err(stat::PASS_ICMP_NOT_VIP);
     }
     // The error must be addressed to the quoted packet's sender (the VIP): one sent to
     // another host is not this balancer's to steer.
-    if unsafe { raw32_at(q + 12) } != key.dst[0] {
+    if unsafe { raw32_at(q + offset_of!(Ipv4Hdr, src)) } != key.dst[0] {
         return Err(stat::PASS_ICMP_NOT_VIP);
     }
-    key.src[0] = unsafe { raw32_at(q + 16) };
-    key.dst[0] = unsafe { raw32_at(q + 12) };
+    key.src[0] = unsafe { raw32_at(q + offset_of!(Ipv4Hdr, dst)) };
+    key.dst[0] = unsafe { raw32_at(q + offset_of!(Ipv4Hdr, src)) };
     quoted_ports(ctx, l4 + 8 + ihl, end, key)
 }
 
@@ -336,15 +338,15 @@ fn icmp6_too_big(ctx: &XdpContext, l4: usize, end: usize, key: &mut FlowKey) -> 
         return Err(stat::PASS_ICMP_NOT_VIP);
     }
     let q = in_packet(ctx, l4 + 8, IPV6_HLEN, end, stat::PASS_TRUNCATED_L4)?;
-    key.proto = unsafe { u8_at(q + 6) };
+    key.proto = unsafe { u8_at(q + offset_of!(Ipv6Hdr, next)) };
     if key.proto != PROTO_TCP && key.proto != PROTO_UDP {
         return Err(stat::PASS_ICMP_NOT_VIP);
     }
     // Addressed to the quoted packet's sender (the VIP), as for IPv4.
-    if unsafe { addr6_at(q + 8) } != key.dst {
+    if unsafe { addr6_at(q + offset_of!(Ipv6Hdr, src)) } != key.dst {
         return Err(stat::PASS_ICMP_NOT_VIP);
     }
-    key.src = unsafe { addr6_at(q + 24) };
-    key.dst = unsafe { addr6_at(q + 8) };
+    key.src = unsafe { addr6_at(q + offset_of!(Ipv6Hdr, dst)) };
+    key.dst = unsafe { addr6_at(q + offset_of!(Ipv6Hdr, src)) };
     quoted_ports(ctx, l4 + 8 + IPV6_HLEN, end, key)
 }

@@ -12,12 +12,9 @@ use lb_common::{FAMILY_V4, PROTO_TCP};
 
 use crate::{
     csum::{add32, add_all, fold},
-    parse::{at, raw32_at, Parsed, TCP_ACK, TCP_RST},
+    hdr::{IPV4_HLEN, IPV6_HLEN, TCP_ACK, TCP_HLEN, TCP_RST, TTL},
+    parse::{at, raw32_at, Parsed},
 };
-
-const IPV4_HLEN: usize = 20;
-const IPV6_HLEN: usize = 40;
-const TCP_HLEN: usize = 20;
 
 /// Rewrites the SYN in `p` into a RST|ACK back to its sender; returns XDP_TX, or `None`
 /// when the headers are not plain enough to answer.
@@ -56,7 +53,7 @@ pub fn reply(ctx: &XdpContext, p: &Parsed) -> Option<u32> {
             core::ptr::write_unaligned(w.add(1), ((IPV4_HLEN + TCP_HLEN) as u16).to_be());
             core::ptr::write_unaligned(w.add(2), 0);
             core::ptr::write_unaligned(w.add(3), 0x4000u16.to_be());
-            core::ptr::write_unaligned(w.add(4), (64u16 << 8 | PROTO_TCP as u16).to_be());
+            core::ptr::write_unaligned(w.add(4), ((TTL as u16) << 8 | PROTO_TCP as u16).to_be());
             core::ptr::write_unaligned(w.add(5), 0);
             core::ptr::write_unaligned((ip + 12) as *mut u32, dst);
             core::ptr::write_unaligned((ip + 16) as *mut u32, src);
@@ -70,7 +67,7 @@ pub fn reply(ctx: &XdpContext, p: &Parsed) -> Option<u32> {
             let src = core::ptr::read_unaligned((ip + 8) as *const [u32; 4]);
             let dst = core::ptr::read_unaligned((ip + 24) as *const [u32; 4]);
             core::ptr::write_unaligned((ip + 4) as *mut u16, (TCP_HLEN as u16).to_be());
-            *((ip + 7) as *mut u8) = 64;
+            *((ip + 7) as *mut u8) = TTL;
             core::ptr::write_unaligned((ip + 8) as *mut [u32; 4], dst);
             core::ptr::write_unaligned((ip + 24) as *mut [u32; 4], src);
             for i in 0..4 {

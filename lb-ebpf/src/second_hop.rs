@@ -15,7 +15,8 @@ use lb_common::{stat, GUE_HOP_FORWARDED, PROTO_TCP};
 
 use crate::{
     csum::{add_all, fold},
-    parse::{at, u8_at, ETH_HLEN, ETH_P_IP, TCP_ACK, TCP_SYN},
+    hdr::{ETH_HLEN, ETH_P_IP, IPV4_HLEN, IPV6_HLEN, TCP_ACK, TCP_HLEN, TCP_SYN},
+    parse::{at, u8_at},
     stats::count,
 };
 
@@ -24,7 +25,6 @@ const AF_INET6: u8 = 10;
 /// `BPF_F_CURRENT_NETNS`: look sockets up in the namespace of the receiving device.
 const CURRENT_NETNS: u64 = u64::MAX;
 const TCP_LISTEN: u32 = 10;
-const TCP_HLEN: usize = 20;
 
 /// What the tunnel told us: where its private data sits and the hop flags in it.
 pub struct Tunnel {
@@ -54,7 +54,7 @@ pub fn forward<const WORDS: usize>(
         count(stat::DECAP_HISTORY_SHORT);
         return None;
     }
-    let outer_ip = if WORDS == 1 { 20 } else { 40 };
+    let outer_ip = if WORDS == 1 { IPV4_HLEN } else { IPV6_HLEN };
     // Only the LB's own layout is rewritten in place: no VLAN tag, no IPv4 options.
     if l3 != ETH_HLEN || t.priv_off != ETH_HLEN + outer_ip + 12 {
         count(stat::DECAP_NO_SECOND_HOP);
@@ -83,7 +83,7 @@ pub fn forward<const WORDS: usize>(
         } else {
             f.family = AF_INET6;
             f.__bindgen_anon_1.tot_len =
-                u16::from_be(core::ptr::read_unaligned((ip + 4) as *const u16)) + 40;
+                u16::from_be(core::ptr::read_unaligned((ip + 4) as *const u16)) + IPV6_HLEN as u16;
             f.__bindgen_anon_3.ipv6_src = core::ptr::read_unaligned((ip + 8) as *const [u32; 4]);
             f.__bindgen_anon_4.ipv6_dst = previous;
         }
@@ -135,19 +135,19 @@ pub fn forward<const WORDS: usize>(
 fn has_socket(ctx: &XdpContext, off: usize, inner_eth: u16) -> Option<bool> {
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
     let (iph_len, th_off, size) = if inner_eth == ETH_P_IP {
-        let i = at(ctx, off, 20)?;
+        let i = at(ctx, off, IPV4_HLEN)?;
         let ihl = ((unsafe { u8_at(i) } & 0x0f) as usize) * 4;
         let frag = u16::from_be(unsafe { core::ptr::read_unaligned((i + 6) as *const u16) });
-        if unsafe { u8_at(i + 9) } != PROTO_TCP || ihl < 20 || frag & 0x1fff != 0 {
+        if unsafe { u8_at(i + 9) } != PROTO_TCP || ihl < IPV4_HLEN || frag & 0x1fff != 0 {
             return None;
         }
         unsafe {
             tuple.__bindgen_anon_1.ipv4.saddr = core::ptr::read_unaligned((i + 12) as *const u32);
             tuple.__bindgen_anon_1.ipv4.daddr = core::ptr::read_unaligned((i + 16) as *const u32);
         }
-        (20u32, off + ihl, 12u32)
+        (IPV4_HLEN as u32, off + ihl, 12u32)
     } else {
-        let i = at(ctx, off, 40)?;
+        let i = at(ctx, off, IPV6_HLEN)?;
         // Extension headers are left to the stack: only the LB's own traffic is passed on.
         if unsafe { u8_at(i + 6) } != PROTO_TCP {
             return None;
@@ -158,7 +158,7 @@ fn has_socket(ctx: &XdpContext, off: usize, inner_eth: u16) -> Option<bool> {
             tuple.__bindgen_anon_1.ipv6.daddr =
                 core::ptr::read_unaligned((i + 24) as *const [u32; 4]);
         }
-        (40u32, off + 40, 36u32)
+        (IPV6_HLEN as u32, off + IPV6_HLEN, 36u32)
     };
     let th = at(ctx, th_off, TCP_HLEN)?;
     let flags = unsafe { u8_at(th + 13) };

@@ -1,12 +1,12 @@
 //! Per-CPU counters: plain increments, no atomics (each CPU owns its slot).
 
-use lb_common::TrafficStats;
+use lb_common::{stat::Counter, TrafficStats};
 
 use crate::maps::{BACKEND_STATS, STATS, VIP_STATS};
 
 #[inline(always)]
-pub fn count(idx: u32) {
-    if let Some(c) = STATS.get_ptr_mut(idx) {
+pub fn count(counter: Counter) {
+    if let Some(c) = STATS.get_ptr_mut(counter.0) {
         unsafe { *c += 1 };
     }
 }

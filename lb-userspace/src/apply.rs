@@ -4,9 +4,8 @@
 
 use anyhow::{Context, Result};
 use lb_common::{
-    Backend as PlaneBackend, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
-    BACKEND_F_FULL, BACKEND_F_GUE, VIP_F_INBAND, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST,
-    VIP_F_SRC_HASH,
+    maps, BackendEntry, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
+    BACKEND_F_FULL, BACKEND_F_GUE, VIP_F_INBAND, VIP_F_SHED, VIP_F_SHED_RST,
 };
 
 use crate::{
@@ -14,27 +13,21 @@ use crate::{
     controller::Overlay,
     dataplane::Dataplane,
     flowwalk::FlowWalker,
-    state::{Backend, FlowState, HashMode, PlaneState, State, Vip},
+    state::{Backend, FlowState, PlaneState, State, Vip},
 };
 
 pub fn vip_key(v: &Vip) -> VipKey {
-    let (addr, family) = to_words(v.spec.address);
-    VipKey {
-        addr,
-        port: v.spec.port.to_be(),
-        proto: v.spec.protocol.number(),
-        family,
-    }
+    crate::config::vip_key(v.spec.address, v.spec.port, v.spec.protocol)
 }
 
-fn plane_backend(vip: &Vip, b: &Backend, overlay: &Overlay) -> PlaneBackend {
+fn plane_backend(vip: &Vip, b: &Backend, overlay: &Overlay) -> BackendEntry {
     let (addr, family) = to_words(b.spec.address);
     let state = match b.plane_state() {
         PlaneState::Active => BACKEND_ACTIVE,
         PlaneState::Draining => BACKEND_DRAINING,
         PlaneState::Down => BACKEND_DOWN,
     };
-    PlaneBackend {
+    BackendEntry {
         addr,
         family,
         state,
@@ -58,13 +51,7 @@ fn backend_flags(vip: &Vip, b: &Backend, overlay: &Overlay) -> u8 {
 }
 
 fn vip_flags(vip: &Vip, overlay: &Overlay) -> u32 {
-    let mut f = 0;
-    if vip.spec.flow_state == FlowState::SecondChance {
-        f |= VIP_F_SECOND_CHANCE;
-    }
-    if vip.spec.hash == HashMode::Source {
-        f |= VIP_F_SRC_HASH;
-    }
+    let mut f = vip.spec.hash.vip_flags() | vip.spec.flow_state.vip_flags();
     if vip.spec.inband {
         f |= VIP_F_INBAND;
     }
@@ -114,7 +101,6 @@ pub fn apply(
             ring_size: vip.spec.ring_size,
             active_ring: 0,
             affinity_secs: vip.spec.affinity_secs,
-            priority: vip.spec.priority,
         };
         done.ring_slots += dp
             .publish(&vip_key(vip), meta, &table)
@@ -173,17 +159,6 @@ impl MapPlane {
     }
 }
 
-/// CLOCK_MONOTONIC in ns, the clock `bpf_ktime_get_ns` stamps connections with.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the struct we pass.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 impl crate::controller::Plane for MapPlane {
     fn apply(&mut self, old: &State, new: &State, overlay: &Overlay) -> Result<()> {
         let done = apply(&mut self.dp, old, new, self.seed, overlay)?;
@@ -217,7 +192,7 @@ impl crate::controller::Plane for MapPlane {
         f: &mut dyn FnMut(crate::controller::FlowEntry) -> bool,
     ) -> Result<()> {
         let fd = self.dp.conns_fd()?;
-        let now = monotonic_ns();
+        let now = crate::clock::monotonic_ns();
         crate::flowwalk::walk(std::os::fd::AsFd::as_fd(&fd), |k, e| {
             f(crate::controller::FlowEntry {
                 key: *k,
@@ -244,11 +219,14 @@ impl crate::controller::Plane for MapPlane {
         }
         c.maps.insert(
             "conns".into(),
-            (self.conn_entries, self.dp.capacity("CONNS")?.into()),
+            (self.conn_entries, self.dp.capacity(maps::CONNS)?.into()),
         );
         c.maps.insert(
             "vips".into(),
-            (state.vips.len() as u64, self.dp.capacity("VIPS")?.into()),
+            (
+                state.vips.len() as u64,
+                self.dp.capacity(maps::VIPS)?.into(),
+            ),
         );
         let backends = state.vips.values().map(|v| v.backends.len() as u64).sum();
         c.maps.insert(
@@ -267,6 +245,8 @@ impl crate::controller::Plane for MapPlane {
 
 #[cfg(test)]
 mod tests {
+    use lb_common::VIP_F_SECOND_CHANCE;
+
     use super::*;
 
     #[test]

@@ -292,8 +292,8 @@ impl<P: Plane> Controller<P> {
     }
 
     /// Audits a steering decision with the telemetry that caused it.
-    pub fn audit_event(&self, e: &crate::policy::Event) {
-        self.audit(json!({"time_ms": crate::admin::now_ms(), "peer": null, "steering": e}));
+    pub fn audit_event(&self, e: &crate::policy::PolicyEvent) {
+        self.audit(json!({"time_ms": crate::clock::now_ms(), "peer": null, "steering": e}));
     }
 
     pub fn record(&mut self, e: Event) {

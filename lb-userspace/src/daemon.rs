@@ -20,17 +20,18 @@ use tokio::{
 };
 
 use crate::{
-    admin::{self, now_ms, AdminSocket, DaemonInfo},
+    admin::{self, AdminSocket, DaemonInfo},
     apply::MapPlane,
     check::{check_file, Checked},
+    clock::now_ms,
     config::{self, Config},
     controller::{Controller, HashKind, Persisted, Settings},
     dataplane::{remove_pinned, Dataplane, LoadOptions, PROG_XDP},
     fleet, limits, metrics, notify,
     object::BPF_OBJECT,
     policy::Policy,
-    state::{BackendSpec, FlowState, HashMode, Limits, Protocol, State, VipSpec},
-    steering,
+    scheduler,
+    state::{BackendSpec, Limits, State, VipSpec},
     telemetry::{self, Hub},
 };
 
@@ -43,21 +44,12 @@ pub fn specs(cfg: &Config) -> Vec<(VipSpec, Vec<BackendSpec>)> {
                 name: v.name.clone(),
                 address: v.address,
                 port: v.port,
-                protocol: match v.protocol {
-                    config::Protocol::Tcp => Protocol::Tcp,
-                    config::Protocol::Udp => Protocol::Udp,
-                },
-                hash: match v.hash {
-                    config::HashMode::FiveTuple => HashMode::FiveTuple,
-                    config::HashMode::Source => HashMode::Source,
-                },
+                protocol: v.protocol,
+                hash: v.hash,
                 affinity_secs: v.affinity_secs(),
                 priority: v.priority.into(),
                 ring_size: v.ring_size,
-                flow_state: match v.flow_state {
-                    config::FlowState::Table => FlowState::Table,
-                    config::FlowState::SecondChance => FlowState::SecondChance,
-                },
+                flow_state: v.flow_state,
                 inband: v.inband,
             };
             let backends = v
@@ -310,7 +302,7 @@ fn start_health(
     epoch: Instant,
 ) -> Restartable {
     let (ctl, cfg) = (ctl.clone(), cfg.clone());
-    Restartable::spawn(move |stop| steering::run_health(ctl, cfg, epoch, stop))
+    Restartable::spawn(move |stop| scheduler::run_health(ctl, cfg, epoch, stop))
 }
 
 /// Drains and the adaptive policy step together, once per telemetry interval.
@@ -355,7 +347,7 @@ fn start_ticker(
             if let Err(e) = ctl.lock().await.tick(now_ms()) {
                 tracing::error!(error = %format!("{e:#}"), "drain check failed");
             }
-            let step = steering::step(&ctl, &hub, &mut policy, &mut inband, rst, epoch.elapsed());
+            let step = scheduler::step(&ctl, &hub, &mut policy, &mut inband, rst, epoch.elapsed());
             if let Err(e) = step.await {
                 tracing::error!(error = %format!("{e:#}"), "steering step failed");
             }

@@ -22,7 +22,8 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FloodWindow, FlowKey, InbandStats,
+    maps, stat, AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FloodWindow, FlowKey,
+    InbandStats,
     LbConfig, NextHop, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
     CONN_TABLE_SIZE, LAYOUT_VERSION, LB_F_TRACE, LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_VIPS,
     RINGS_PER_VIP, RING_SIZE_MAX,
@@ -62,35 +63,40 @@ impl Default for LoadOptions {
 fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 14] {
     let u32s = size_of::<u32>();
     [
-        ("META", u32s, u32s, 1),
-        ("CONFIG", u32s, size_of::<LbConfig>(), 1),
-        ("VIPS", size_of::<VipKey>(), size_of::<VipMeta>(), 0),
-        ("BACKENDS", u32s, size_of::<Backend>(), MAX_BACKENDS),
+        (maps::META, u32s, u32s, 1),
+        (maps::CONFIG, u32s, size_of::<LbConfig>(), 1),
+        (maps::VIPS, size_of::<VipKey>(), size_of::<VipMeta>(), 0),
         (
-            "MAGLEV_RINGS",
+            maps::BACKENDS,
+            u32s,
+            size_of::<BackendEntry>(),
+            MAX_BACKENDS,
+        ),
+        (
+            maps::MAGLEV_RINGS,
             u32s,
             size_of::<RingSlot>(),
             opts.max_vips * RINGS_PER_VIP * RING_SIZE_MAX,
         ),
-        ("CONNS", size_of::<FlowKey>(), size_of::<ConnEntry>(), 0),
+        (maps::CONNS, size_of::<FlowKey>(), size_of::<ConnEntry>(), 0),
         (
-            "AFFINITY",
+            maps::AFFINITY,
             size_of::<AffinityKey>(),
             size_of::<AffinityEntry>(),
             0,
         ),
-        ("TX_PORTS", u32s, 0, 0),
-        ("STATS", u32s, size_of::<u64>(), stat::COUNT),
-        ("VIP_STATS", u32s, size_of::<TrafficStats>(), MAX_VIPS),
+        (maps::TX_PORTS, u32s, 0, 0),
+        (maps::STATS, u32s, size_of::<u64>(), stat::COUNT),
+        (maps::VIP_STATS, u32s, size_of::<TrafficStats>(), MAX_VIPS),
         (
-            "BACKEND_STATS",
+            maps::BACKEND_STATS,
             u32s,
             size_of::<TrafficStats>(),
             MAX_BACKENDS,
         ),
-        ("FLOOD", u32s, size_of::<FloodWindow>(), 1),
-        ("NEXTHOPS", u32s, size_of::<NextHop>(), MAX_BACKENDS),
-        ("INBAND_STATS", u32s, size_of::<InbandStats>(), MAX_BACKENDS),
+        (maps::FLOOD, u32s, size_of::<FloodWindow>(), 1),
+        (maps::NEXTHOPS, u32s, size_of::<NextHop>(), MAX_BACKENDS),
+        (maps::INBAND_STATS, u32s, size_of::<InbandStats>(), MAX_BACKENDS),
     ]
 }
 
@@ -140,7 +146,7 @@ fn check_pinned(dir: &Path, opts: &LoadOptions) -> Result<bool> {
         }
     }
     let meta: Array<MapData, u32> = Array::try_from(aya::maps::Map::Array(
-        MapData::from_pin(dir.join("META")).context("opening pinned META")?,
+        MapData::from_pin(dir.join(maps::META)).context("opening pinned META")?,
     ))?;
     let version = meta.get(&0, 0)?;
     if version != LAYOUT_VERSION {
@@ -213,10 +219,10 @@ impl Dataplane {
         }
         let mut loader = EbpfLoader::new();
         loader
-            .map_max_entries("CONNS", opts.conn_table_size)
-            .map_max_entries("AFFINITY", opts.affinity_table_size)
+            .map_max_entries(maps::CONNS, opts.conn_table_size)
+            .map_max_entries(maps::AFFINITY, opts.affinity_table_size)
             .map_max_entries(
-                "MAGLEV_RINGS",
+                maps::MAGLEV_RINGS,
                 opts.max_vips * RINGS_PER_VIP * RING_SIZE_MAX,
             );
         let mut reused = false;
@@ -250,7 +256,7 @@ impl Dataplane {
             shadows: StdHashMap::new(),
         };
         if !reused {
-            let mut meta: Array<&mut MapData, u32> = Array::try_from(dp.map("META")?)?;
+            let mut meta: Array<&mut MapData, u32> = Array::try_from(dp.map(maps::META)?)?;
             meta.set(0, LAYOUT_VERSION, 0).context("writing META")?;
         }
         Ok(dp)
@@ -336,7 +342,7 @@ impl Dataplane {
     }
 
     fn set_config_flag(&mut self, flag: u32, on: bool) -> Result<()> {
-        let mut a: Array<&mut MapData, LbConfig> = Array::try_from(self.map("CONFIG")?)?;
+        let mut a: Array<&mut MapData, LbConfig> = Array::try_from(self.map(maps::CONFIG)?)?;
         let mut cfg = a.get(&0, 0)?;
         let flags = if on {
             cfg.flags | flag
@@ -352,7 +358,7 @@ impl Dataplane {
 
     /// Writes the global settings, keeping the flags the map writer maintains.
     pub fn set_config(&mut self, cfg: &LbConfig) -> Result<()> {
-        let mut a: Array<&mut MapData, LbConfig> = Array::try_from(self.map("CONFIG")?)?;
+        let mut a: Array<&mut MapData, LbConfig> = Array::try_from(self.map(maps::CONFIG)?)?;
         let live = a.get(&0, 0)?;
         let cfg = LbConfig {
             flags: cfg.flags | (live.flags & LB_F_WILDCARD_VIPS),
@@ -371,7 +377,7 @@ impl Dataplane {
 
     /// Adds an egress interface for XDP_REDIRECT.
     pub fn add_tx_port(&mut self, ifindex: u32) -> Result<()> {
-        let mut m: DevMapHash<&mut MapData> = DevMapHash::try_from(self.map("TX_PORTS")?)?;
+        let mut m: DevMapHash<&mut MapData> = DevMapHash::try_from(self.map(maps::TX_PORTS)?)?;
         m.insert(ifindex, ifindex, None, 0)
             .with_context(|| format!("adding tx port {ifindex}"))?;
         Ok(())
@@ -381,7 +387,7 @@ impl Dataplane {
     /// the FIB (after a routing change that should take effect before the cache's TTL).
     pub fn flush_next_hops(&mut self, ids: impl IntoIterator<Item = u32>) -> Result<()> {
         let mut a: PerCpuArray<&mut MapData, NextHop> =
-            PerCpuArray::try_from(self.map("NEXTHOPS")?)?;
+            PerCpuArray::try_from(self.map(maps::NEXTHOPS)?)?;
         let cpus = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;
         for id in ids {
             let empty = aya::maps::PerCpuValues::try_from(vec![NextHop::default(); cpus])?;
@@ -391,15 +397,15 @@ impl Dataplane {
         Ok(())
     }
 
-    pub fn set_backend(&mut self, id: u32, b: &Backend) -> Result<()> {
-        let mut a: Array<&mut MapData, Backend> = Array::try_from(self.map("BACKENDS")?)?;
+    pub fn set_backend(&mut self, id: u32, b: &BackendEntry) -> Result<()> {
+        let mut a: Array<&mut MapData, BackendEntry> = Array::try_from(self.map(maps::BACKENDS)?)?;
         a.set(id, b, 0)
             .with_context(|| format!("writing backend {id}"))?;
         Ok(())
     }
 
-    pub fn backend(&mut self, id: u32) -> Result<Backend> {
-        let a: Array<&mut MapData, Backend> = Array::try_from(self.map("BACKENDS")?)?;
+    pub fn backend(&mut self, id: u32) -> Result<BackendEntry> {
+        let a: Array<&mut MapData, BackendEntry> = Array::try_from(self.map(maps::BACKENDS)?)?;
         Ok(a.get(&id, 0)?)
     }
 
@@ -411,13 +417,14 @@ impl Dataplane {
                 self.max_vips
             );
         }
-        let mut m: HashMap<&mut MapData, VipKey, VipMeta> = HashMap::try_from(self.map("VIPS")?)?;
+        let mut m: HashMap<&mut MapData, VipKey, VipMeta> =
+            HashMap::try_from(self.map(maps::VIPS)?)?;
         m.insert(key, meta, 0).context("writing VIPS")?;
         Ok(())
     }
 
     pub fn vip(&mut self, key: &VipKey) -> Result<Option<VipMeta>> {
-        let m: HashMap<&mut MapData, VipKey, VipMeta> = HashMap::try_from(self.map("VIPS")?)?;
+        let m: HashMap<&mut MapData, VipKey, VipMeta> = HashMap::try_from(self.map(maps::VIPS)?)?;
         match m.get(key, 0) {
             Ok(v) => Ok(Some(v)),
             Err(aya::maps::MapError::KeyNotFound) => Ok(None),
@@ -426,7 +433,8 @@ impl Dataplane {
     }
 
     pub fn remove_vip(&mut self, key: &VipKey) -> Result<()> {
-        let mut m: HashMap<&mut MapData, VipKey, VipMeta> = HashMap::try_from(self.map("VIPS")?)?;
+        let mut m: HashMap<&mut MapData, VipKey, VipMeta> =
+            HashMap::try_from(self.map(maps::VIPS)?)?;
         // The rings keep their contents and their shadows, so a VIP that later reuses the id
         // is still written as a diff against what the kernel really holds.
         m.remove(key).context("removing from VIPS")?;
@@ -487,7 +495,7 @@ impl Dataplane {
         let changes: Vec<(u32, RingSlot)> = maglev::diff(&old[..len], &slots).collect();
         let map = self
             .ebpf
-            .map_mut("MAGLEV_RINGS")
+            .map_mut(maps::MAGLEV_RINGS)
             .ok_or_else(|| anyhow!("map MAGLEV_RINGS missing"))?;
         let mut rings: Array<&mut MapData, RingSlot> = Array::try_from(map)?;
         for &(slot, s) in &changes {
@@ -516,7 +524,7 @@ impl Dataplane {
 
     /// All `RING_SIZE_MAX` slots of one of a VIP's rings, read from the kernel.
     fn read_ring(&mut self, vip_id: u32, ring: u32) -> Result<Vec<RingSlot>> {
-        let rings: Array<&mut MapData, RingSlot> = Array::try_from(self.map("MAGLEV_RINGS")?)?;
+        let rings: Array<&mut MapData, RingSlot> = Array::try_from(self.map(maps::MAGLEV_RINGS)?)?;
         let base = (vip_id * RINGS_PER_VIP + ring) * RING_SIZE_MAX;
         (base..base + RING_SIZE_MAX)
             .map(|i| {
@@ -528,7 +536,8 @@ impl Dataplane {
     }
 
     pub fn conn(&mut self, key: &FlowKey) -> Result<Option<ConnEntry>> {
-        let m: HashMap<&mut MapData, FlowKey, ConnEntry> = HashMap::try_from(self.map("CONNS")?)?;
+        let m: HashMap<&mut MapData, FlowKey, ConnEntry> =
+            HashMap::try_from(self.map(maps::CONNS)?)?;
         match m.get(key, 0) {
             Ok(v) => Ok(Some(v)),
             Err(aya::maps::MapError::KeyNotFound) => Ok(None),
@@ -557,7 +566,7 @@ impl Dataplane {
     /// A descriptor of its own for the connection table, for readers on other threads (the
     /// flow walker).
     pub fn conns_fd(&mut self) -> Result<OwnedFd> {
-        let data = match self.map("CONNS")? {
+        let data = match self.map(maps::CONNS)? {
             aya::maps::Map::LruHashMap(d) | aya::maps::Map::HashMap(d) => d,
             _ => bail!("map CONNS is not a hash map"),
         };
@@ -570,7 +579,7 @@ impl Dataplane {
     pub fn clear_conns(&mut self) -> Result<()> {
         let keys: Vec<FlowKey> = self.conns()?.into_iter().map(|(k, _)| k).collect();
         let mut m: HashMap<&mut MapData, FlowKey, ConnEntry> =
-            HashMap::try_from(self.map("CONNS")?)?;
+            HashMap::try_from(self.map(maps::CONNS)?)?;
         for k in keys {
             let _ = m.remove(&k);
         }
@@ -579,7 +588,7 @@ impl Dataplane {
 
     /// Global counters summed over CPUs, indexed by `lb_common::stat`.
     pub fn stats(&mut self) -> Result<Vec<u64>> {
-        let a: PerCpuArray<&mut MapData, u64> = PerCpuArray::try_from(self.map("STATS")?)?;
+        let a: PerCpuArray<&mut MapData, u64> = PerCpuArray::try_from(self.map(maps::STATS)?)?;
         (0..stat::COUNT)
             .map(|i| Ok(sum_u64(&a.get(&i, 0)?)))
             .collect()
@@ -597,17 +606,17 @@ impl Dataplane {
     }
 
     pub fn vip_stats(&mut self, vip_id: u32) -> Result<TrafficStats> {
-        self.traffic("VIP_STATS", vip_id)
+        self.traffic(maps::VIP_STATS, vip_id)
     }
 
     pub fn backend_stats(&mut self, backend_id: u32) -> Result<TrafficStats> {
-        self.traffic("BACKEND_STATS", backend_id)
+        self.traffic(maps::BACKEND_STATS, backend_id)
     }
 
     /// A backend's in-band aggregates summed over CPUs.
     pub fn inband_stats(&mut self, backend_id: u32) -> Result<InbandStats> {
         let a: PerCpuArray<&mut MapData, InbandStats> =
-            PerCpuArray::try_from(self.map("INBAND_STATS")?)?;
+            PerCpuArray::try_from(self.map(maps::INBAND_STATS)?)?;
         let v = a.get(&backend_id, 0)?;
         Ok(v.iter()
             .fold(InbandStats::default(), |acc, s| acc.merged(s)))

@@ -165,7 +165,7 @@ pub fn pause_after(took: Duration) -> Duration {
 /// Walks the table `fd` once and counts it.
 fn count(fd: BorrowedFd<'_>, idle: Duration) -> Result<FlowCounts> {
     let (started, cpu0) = (Instant::now(), thread_cpu());
-    let mut t = Tally::new(crate::apply::monotonic_ns(), idle, crate::admin::now_ms());
+    let mut t = Tally::new(crate::clock::monotonic_ns(), idle, crate::clock::now_ms());
     walk(fd, |_, e| {
         t.add(e);
         true

@@ -22,8 +22,9 @@ use prometheus_client::{
 use tokio::{net::TcpListener, sync::Mutex};
 
 use crate::{
-    admin::{serve_connections, serve_http, within, DaemonInfo, Snapshot},
+    admin::{DaemonInfo, Snapshot},
     controller::{Controller, Plane},
+    http_server::{serve_connections, serve_http, within},
     limits::METRICS,
     policy::BackendDecision,
     state::{FlowState, PlaneState},
@@ -186,15 +187,16 @@ fn dataplane_family(name: &str, kind: Kind) -> (Dataplane, String) {
     (family, label)
 }
 
-/// `sluice_dataplane_{drops,passes,events}_total` from (counter index in `lb_common::stat`,
-/// value) pairs.
-pub(crate) fn dataplane_counters(reg: &mut Registry, values: impl Iterator<Item = (u32, u64)>) {
+/// `sluice_dataplane_{drops,passes,events}_total` from (counter, value) pairs.
+pub(crate) fn dataplane_counters(
+    reg: &mut Registry,
+    values: impl Iterator<Item = (stat::Counter, u64)>,
+) {
     let mut drops = vec![];
     let mut passes = vec![];
     let mut events = vec![];
-    for (i, v) in values {
-        let i = i as usize;
-        match dataplane_family(stat::NAMES[i], stat::KINDS[i]) {
+    for (c, v) in values {
+        match dataplane_family(c.name(), c.kind()) {
             (Dataplane::Drops, r) => drops.push((vec![("reason", r)], v)),
             (Dataplane::Passes, r) => passes.push((vec![("reason", r)], v)),
             (Dataplane::Events, e) => events.push((vec![("event", e)], v)),
@@ -440,9 +442,9 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
 
     dataplane_counters(
         &mut reg,
-        (0..stat::COUNT).map(|i| {
-            let v = snap.counters.global.get(stat::NAMES[i as usize]);
-            (i, v.copied().unwrap_or(0))
+        (0..stat::COUNT).map(stat::Counter).map(|c| {
+            let v = snap.counters.global.get(c.name());
+            (c, v.copied().unwrap_or(0))
         }),
     );
     counters(
@@ -465,7 +467,7 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
     );
     if let Some(c) = snap.flows_counted {
         let age = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
-        age.set(crate::admin::now_ms().saturating_sub(c.taken_ms) as f64 / 1e3);
+        age.set(crate::clock::now_ms().saturating_sub(c.taken_ms) as f64 / 1e3);
         reg.register_with_unit(
             "active_flows_age",
             "Age of the active-flow counts (the connection table is counted in the background)",
@@ -682,6 +684,18 @@ mod tests {
         assert_eq!(
             f("padding_trimmed"),
             (Dataplane::Events, "padding_trimmed".into())
+        );
+        // A shed session is an event (why) followed by one outcome: a drop, or a RST sent.
+        // Its drops are in the drops family, where a dashboard of drops finds them.
+        assert_eq!(f("drop_shed"), (Dataplane::Drops, "shed".into()));
+        assert_eq!(
+            f("shed_priority"),
+            (Dataplane::Events, "shed_priority".into())
+        );
+        assert_eq!(f("shed_full"), (Dataplane::Events, "shed_full".into()));
+        assert_eq!(
+            f("shed_rst_sent"),
+            (Dataplane::Events, "shed_rst_sent".into())
         );
         // Every pass or drop loses its word in the label, so no label repeats the family.
         for (name, kind) in stat::NAMES.into_iter().zip(stat::KINDS) {

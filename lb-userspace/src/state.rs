@@ -3,59 +3,15 @@
 //! Pure: no maps, no clock. Every operation validates against a copy and returns the new
 //! state, so a rejected request changes nothing and an accepted one is applied whole.
 
-use std::{collections::BTreeMap, fmt, net::IpAddr};
+use std::{collections::BTreeMap, net::IpAddr, time::Duration};
 
-use lb_common::{MAX_BACKENDS, RING_SIZE_MAX};
+use lb_common::MAX_BACKENDS;
 use serde::{Deserialize, Serialize};
 
 use crate::{config::rules, maglev};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Protocol {
-    Tcp,
-    Udp,
-}
-
-impl Protocol {
-    pub fn number(self) -> u8 {
-        match self {
-            Protocol::Tcp => lb_common::PROTO_TCP,
-            Protocol::Udp => lb_common::PROTO_UDP,
-        }
-    }
-}
-
-impl fmt::Display for Protocol {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Protocol::Tcp => "tcp",
-            Protocol::Udp => "udp",
-        })
-    }
-}
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum HashMode {
-    #[default]
-    FiveTuple,
-    /// Client affinity: the source address alone picks the backend.
-    Source,
-}
-
-/// Where a VIP's per-flow state lives.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum FlowState {
-    /// The LB's connection table pins each flow to its backend.
-    #[default]
-    Table,
-    /// TCP flows are steered by the ring alone; backends (running `sluice_decap`, sent GUE)
-    /// pass a packet they have no socket for to the slot's previous backend. UDP keeps the
-    /// table.
-    SecondChance,
-}
+// One model of a VIP's keywords: the configuration file's, with its spellings and words.
+pub use crate::config::{FlowState, HashMode, Protocol};
 
 /// A VIP as an operator describes it (config file or admin API).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,7 +39,7 @@ pub struct VipSpec {
 }
 
 fn default_ring() -> u32 {
-    RING_SIZE_MAX
+    maglev::DEFAULT_RING_SIZE
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -100,10 +56,8 @@ pub struct BackendSpec {
 }
 
 fn default_weight() -> u32 {
-    100
+    rules::WEIGHT_DEFAULT
 }
-
-pub const MAX_WEIGHT: u32 = 65535;
 
 /// What the operator asked of a backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -336,24 +290,13 @@ impl State {
                 spec.protocol, spec.address, spec.port, other.spec.name
             )));
         }
-        if spec.ring_size > RING_SIZE_MAX || !maglev::is_prime(spec.ring_size) {
-            return Err(OpError::Invalid(format!(
-                "ring_size {} must be a prime no larger than {RING_SIZE_MAX} (e.g. 65537, 16381, 4099)",
-                spec.ring_size
-            )));
-        }
-        if spec.priority > 7 {
-            return Err(OpError::Invalid(format!(
-                "priority {} must be 0 (highest) to 7",
-                spec.priority
-            )));
-        }
-        if spec.affinity_secs > 86_400 {
-            return Err(OpError::Invalid(format!(
-                "affinity window {}s is longer than the 24h allowed",
-                spec.affinity_secs
-            )));
-        }
+        // The configuration file's rules, in its words.
+        let invalid = |key: &str, e: String| OpError::Invalid(format!("{key}: {e}"));
+        rules::ring_size(spec.ring_size.into()).map_err(|e| invalid("ring_size", e))?;
+        rules::priority(spec.priority.into()).map_err(|e| invalid("priority", e))?;
+        let secs = spec.affinity_secs;
+        rules::affinity_window(Duration::from_secs(secs.into()), &format!("{secs}s"))
+            .map_err(|e| invalid("affinity_window", e))?;
         Ok(())
     }
 
@@ -379,12 +322,7 @@ impl State {
     }
 
     fn check_weight(w: u32) -> Result<(), OpError> {
-        if w > MAX_WEIGHT {
-            return Err(OpError::Invalid(format!(
-                "weight {w} is out of range: use 0 to {MAX_WEIGHT}"
-            )));
-        }
-        Ok(())
+        rules::weight(w.into()).map_err(|e| OpError::Invalid(format!("weight: {e}")))
     }
 
     fn add_backend(&mut self, vip: &str, spec: BackendSpec) -> Result<(), OpError> {
@@ -571,7 +509,7 @@ pub(crate) mod testing {
             hash: HashMode::FiveTuple,
             affinity_secs: 0,
             priority: 0,
-            ring_size: RING_SIZE_MAX,
+            ring_size: maglev::DEFAULT_RING_SIZE,
             flow_state: FlowState::Table,
             inband: false,
         }

@@ -1550,7 +1550,7 @@ fn config_cidr_mac_and_mode_types() {
     assert_eq!("five-tuple".parse::<HashMode>(), Ok(HashMode::FiveTuple));
     assert_eq!(
         "sctp".parse::<Protocol>().unwrap_err().to_string(),
-        "\"sctp\" is not one of \"tcp\", \"udp\""
+        "\"sctp\" is not recognised; allowed: \"tcp\", \"udp\""
     );
 }
 

@@ -20,7 +20,7 @@ use std::{
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::maps::{Map, MapData, PerCpuArray};
-use lb_common::stat;
+use lb_common::{maps, stat};
 use sluice::dataplane::remove_pinned;
 
 use crate::netns::{tool, Netns, Topology, DEV};
@@ -374,7 +374,7 @@ impl BackendHost {
     /// Its `sluice_decap` counters, read from the pinned STATS map (indexed by
     /// `lb_common::stat`), whether or not the daemon runs.
     pub fn stats(&self) -> Result<Vec<u64>> {
-        let pin = self.bpffs.join("STATS");
+        let pin = self.bpffs.join(maps::STATS);
         let data = MapData::from_pin(&pin).with_context(|| format!("opening {}", pin.display()))?;
         let a: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(data))?;
         (0..stat::COUNT)

@@ -287,9 +287,9 @@ pub fn run(frames: u64, seed: u64) -> Result<Summary> {
     let elapsed = start.elapsed();
     let total = lab.dp.stats()?;
     ensure!(
-        total[stat::RX as usize] == frames,
+        total[stat::RX.index()] == frames,
         "rx counted {} of {frames} frames",
-        total[stat::RX as usize]
+        total[stat::RX.index()]
     );
     let outcomes: u64 = total
         .iter()
@@ -327,9 +327,9 @@ fn check(
 ) -> Result<()> {
     let delta: Vec<u64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
     ensure!(
-        delta[stat::RX as usize] == 1,
+        delta[stat::RX.index()] == 1,
         "rx moved by {}",
-        delta[stat::RX as usize]
+        delta[stat::RX.index()]
     );
     let moved: Vec<(usize, u64)> = delta
         .iter()
@@ -364,7 +364,7 @@ fn check(
                 bail!("a frame without an IP packet was sent")
             };
             ensure!(to_vip_addr, "a frame not addressed to a VIP was sent");
-            if counter == stat::REDIRECT as usize {
+            if counter == stat::REDIRECT.index() {
                 ensure!(
                     action == XDP_REDIRECT,
                     "redirect counted for action {action}"
@@ -373,9 +373,9 @@ fn check(
                 return Ok(());
             }
             ensure!(action == XDP_TX, "action {action} counted as {names:?}");
-            if counter == stat::ICMP_TOO_BIG_SENT as usize {
+            if counter == stat::ICMP_TOO_BIG_SENT.index() {
                 too_big_reply(vips, frame, &ip, out)?;
-            } else if counter == stat::SHED_RST_SENT as usize {
+            } else if counter == stat::SHED_RST_SENT.index() {
                 ensure!(
                     vips.iter().any(|v| v.addr == ip.dst && v.shed_rst),
                     "a RST from {}, which sheds nothing",
@@ -383,7 +383,7 @@ fn check(
                 );
                 rst_reply(frame, &ip, out)?;
             } else {
-                ensure!(counter == stat::TX as usize, "XDP_TX counted as {names:?}");
+                ensure!(counter == stat::TX.index(), "XDP_TX counted as {names:?}");
                 encapsulation(lab, vips, frame, &ip, out, false)?;
             }
         }
@@ -1021,14 +1021,14 @@ pub fn run_decap(frames: u64, seed: u64) -> Result<BTreeMap<&'static str, u64>> 
             ensure!(action == XDP_PASS, "sluice_decap returned {action}");
             let moved: Vec<&str> = outcomes
                 .iter()
-                .filter(|&&c| after[c as usize] != before[c as usize])
-                .map(|&c| stat::NAMES[c as usize])
+                .filter(|&&c| after[c.index()] != before[c.index()])
+                .map(|&c| c.name())
                 .collect();
             ensure!(
                 moved.len() == 1
                     && outcomes
                         .iter()
-                        .map(|&c| after[c as usize] - before[c as usize])
+                        .map(|&c| after[c.index()] - before[c.index()])
                         .sum::<u64>()
                         == 1,
                 "exactly one decap counter must move by one: {moved:?}"

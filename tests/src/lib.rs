@@ -15,7 +15,9 @@ use std::net::IpAddr;
 
 use anyhow::{bail, Context, Result};
 use aya::programs::{TestRun, TestRunOptions};
-use lb_common::{hash, Backend, FlowKey, LbConfig, VipKey, VipMeta, BACKEND_ACTIVE, MAX_PROBES};
+use lb_common::{
+    hash, BackendEntry, FlowKey, LbConfig, VipKey, VipMeta, BACKEND_ACTIVE, MAX_PROBES,
+};
 use sluice::{
     addr::{from_words, to_words},
     dataplane::{Dataplane, LoadOptions, PROG_XDP},
@@ -107,7 +109,6 @@ impl Lab {
             ring_size: RING,
             active_ring: 0,
             affinity_secs,
-            priority: 0,
         };
         if port == 0 {
             self.dp.set_wildcard_vips(true).unwrap();
@@ -121,7 +122,7 @@ impl Lab {
         let meta = self.dp.vip(vip).unwrap().unwrap();
         for (id, addr, _) in list {
             let (a, family) = to_words(addr.parse().unwrap());
-            let b = Backend {
+            let b = BackendEntry {
                 addr: a,
                 family,
                 state: BACKEND_ACTIVE,
@@ -208,8 +209,8 @@ impl Lab {
         run_prog(&mut self.dp, PROG_XDP, frame).unwrap()
     }
 
-    pub fn stat(&mut self, idx: u32) -> u64 {
-        self.dp.stats().unwrap()[idx as usize]
+    pub fn stat(&mut self, counter: lb_common::stat::Counter) -> u64 {
+        self.dp.stats().unwrap()[counter.index()]
     }
 }
 

@@ -59,7 +59,8 @@ use crate::{
 use anyhow::{anyhow, bail, Context, Result};
 use aya::programs::XdpMode;
 use lb_common::{
-    Backend, FlowKey, LbConfig, VipKey, VipMeta, BACKEND_ACTIVE, FAMILY_V4, PROTO_TCP, PROTO_UDP,
+    BackendEntry, FlowKey, LbConfig, VipKey, VipMeta, BACKEND_ACTIVE, FAMILY_V4, PROTO_TCP,
+    PROTO_UDP,
 };
 use sluice::{
     addr::to_words,
@@ -1397,7 +1398,6 @@ impl NetLab {
             ring_size: RING,
             active_ring: 0,
             affinity_secs: 0,
-            priority: 0,
         };
         let mut ids = vec![0; self.topo.backends.len()];
         let mut keys = Vec::new();
@@ -1412,7 +1412,7 @@ impl NetLab {
             let bid = backend_id(id, i);
             self.lb_dp.set_backend(
                 bid,
-                &Backend {
+                &BackendEntry {
                     addr: w,
                     family: f,
                     state: BACKEND_ACTIVE,

@@ -19,9 +19,10 @@ use std::{
     io::ErrorKind,
     net::{Ipv4Addr, SocketAddr},
     thread,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant},
 };
 
+use sluice::clock::now_ms;
 use sluice_tests::{
     daemon_lab::{tally, wait_for, DaemonLab, DaemonLabOptions, FakeTelemetry, Running, VipDef},
     netns::{TCP_PORT, VIP4},
@@ -33,13 +34,6 @@ const BACKENDS: usize = 3;
 
 fn vip() -> SocketAddr {
     SocketAddr::new(VIP4.into(), TCP_PORT)
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
 }
 
 /// Three backends with fake exporters, every one scraped for dcgm, vLLM and RoCE.

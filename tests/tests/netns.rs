@@ -46,12 +46,12 @@ const OTHER_FRAMES_SLACK: u64 = 40;
 fn settled_counters(lab: &mut NetLab, before: &Counters) -> Counters {
     let deadline = Instant::now() + Duration::from_secs(10);
     let key = |d: &Counters| {
-        let decapped: u64 = d.decap.iter().map(|s| s[stat::DECAP_OK as usize]).sum();
+        let decapped: u64 = d.decap.iter().map(|s| s[stat::DECAP_OK.index()]).sum();
         (
             d.vip_packets,
-            d.lb[stat::TX as usize],
+            d.lb[stat::TX.index()],
             decapped,
-            d.lb[stat::RX as usize],
+            d.lb[stat::RX.index()],
         )
     };
     let mut last = key(&lab.counters().unwrap().since(before));
@@ -77,10 +77,10 @@ fn settled_counters(lab: &mut NetLab, before: &Counters) -> Counters {
 /// nothing else; yet the client received many more packets (the replies) than that slack.
 fn assert_dsr(d: &Counters, what: &str) {
     let lb = &d.lb;
-    let rx = lb[stat::RX as usize];
-    let tx = lb[stat::TX as usize];
-    let edge_rx = d.edge[stat::RX as usize];
-    let decapped: u64 = d.decap.iter().map(|s| s[stat::DECAP_OK as usize]).sum();
+    let rx = lb[stat::RX.index()];
+    let tx = lb[stat::TX.index()];
+    let edge_rx = d.edge[stat::RX.index()];
+    let decapped: u64 = d.decap.iter().map(|s| s[stat::DECAP_OK.index()]).sum();
     let reply_packets = d.client_link.rx_packets;
     eprintln!(
         "{what}: LB XDP rx {rx} (VIP {}), encapsulated+XDP_TX {tx}, fallback {}, dropped \
@@ -88,9 +88,9 @@ fn assert_dsr(d: &Counters, what: &str) {
          decapsulated on backends {decapped}; client eth0 rx {} packets / {} bytes, tx {} \
          packets; LB eth0 rx {} packets / {} bytes",
         d.vip_packets,
-        lb[stat::FIB_FALLBACK_MAC as usize],
-        lb[stat::DROP_NO_BACKEND as usize],
-        lb[stat::DROP_NO_NEXTHOP as usize],
+        lb[stat::FIB_FALLBACK_MAC.index()],
+        lb[stat::DROP_NO_BACKEND.index()],
+        lb[stat::DROP_NO_NEXTHOP.index()],
         d.client_link.rx_packets,
         d.client_link.rx_bytes,
         d.client_link.tx_packets,
@@ -104,7 +104,7 @@ fn assert_dsr(d: &Counters, what: &str) {
         d.vip_packets
     );
     assert_eq!(
-        lb[stat::FIB_FALLBACK_MAC as usize],
+        lb[stat::FIB_FALLBACK_MAC.index()],
         0,
         "{what}: the FIB gave no next hop for some backend (neighbours not resolved?)"
     );
@@ -361,7 +361,7 @@ fn a_syn_flood_does_not_evict_the_entries_of_running_streams() {
     let before = lab.counters().unwrap();
     let sent = syn_flood(&client.ns, client.v4, vip, 1024, 20_000);
     let d = lab.counters().unwrap().since(&before);
-    let bypass = d.lb[stat::FLOOD_BYPASS as usize];
+    let bypass = d.lb[stat::FLOOD_BYPASS.index()];
     eprintln!(
         "{sent} SYNs sent; flood_bypass +{bypass}, VIP packets +{}",
         d.vip_packets
@@ -516,10 +516,7 @@ fn without_neighbour_entries_the_lb_forwards_through_the_fallback_router() {
         }
     }
     let d = lab.counters().unwrap().since(&before);
-    let (fallback, tx) = (
-        d.lb[stat::FIB_FALLBACK_MAC as usize],
-        d.lb[stat::TX as usize],
-    );
+    let (fallback, tx) = (d.lb[stat::FIB_FALLBACK_MAC.index()], d.lb[stat::TX.index()]);
     assert!(
         tx > 0 && fallback == tx,
         "fallback {fallback} of {tx} encapsulations"
@@ -581,10 +578,10 @@ fn jumbo_udp_datagrams_cross_a_native_xdp_lb_at_mtu_9000() {
         );
     }
     assert_eq!(
-        d.lb[stat::PASS_BAD_IP_LEN as usize],
+        d.lb[stat::PASS_BAD_IP_LEN.index()],
         0,
         "the LB saw a frame shorter than its IP length (a jumbo frame's first page only)"
     );
-    let decapped: u64 = d.decap.iter().map(|s| s[stat::DECAP_OK as usize]).sum();
+    let decapped: u64 = d.decap.iter().map(|s| s[stat::DECAP_OK.index()]).sum();
     assert!(decapped >= 2 * PER_VIP, "backends decapsulated {decapped}");
 }

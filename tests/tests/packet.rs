@@ -745,7 +745,7 @@ fn frames_not_steered_pass_untouched_and_are_counted() {
     }
     deep[5 * 8 - 8] = PROTO_TCP;
     deep.extend_from_slice(&tcp(1, 443, SYN, b""));
-    let cases: Vec<(&str, Vec<u8>, u32)> = vec![
+    let cases: Vec<(&str, Vec<u8>, stat::Counter)> = vec![
         ("arp", arp, stat::PASS_NOT_IP),
         (
             "ipv6_neighbour_solicitation",
@@ -795,7 +795,7 @@ fn frames_not_steered_pass_untouched_and_are_counted() {
             lab.stat(counter),
             before + 1,
             "{name}: counter {}",
-            stat::NAMES[counter as usize]
+            counter.name()
         );
     }
 }
@@ -815,7 +815,7 @@ fn lying_length_fields_pass_untouched_and_are_counted() {
     v6_long[4..6].copy_from_slice(&100u16.to_be_bytes());
     let mut short_l4 = V4::new(CLIENT4, VIP4, PROTO_TCP).build(&[0u8; 10]);
     short_l4[2..4].copy_from_slice(&30u16.to_be_bytes());
-    let cases: Vec<(&str, Vec<u8>, u32)> = vec![
+    let cases: Vec<(&str, Vec<u8>, stat::Counter)> = vec![
         (
             "ipv4_total_length_beyond_frame",
             patch(&|p| p[2..4].copy_from_slice(&1500u16.to_be_bytes())),
@@ -861,7 +861,7 @@ fn lying_length_fields_pass_untouched_and_are_counted() {
             lab.stat(counter),
             before + 1,
             "{name}: counter {}",
-            stat::NAMES[counter as usize]
+            counter.name()
         );
     }
 }
@@ -902,7 +902,7 @@ fn frames_truncated_at_every_length_pass_untouched_and_are_counted() {
                 lab.stat(counter),
                 before + 1,
                 "cut at {cut}: {}",
-                stat::NAMES[counter as usize]
+                counter.name()
             );
         }
     }

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use aya::programs::XdpMode;
-use lb_common::{BACKEND_ACTIVE, LAYOUT_VERSION, PROTO_TCP};
+use lb_common::{maps, BACKEND_ACTIVE, LAYOUT_VERSION, PROTO_TCP};
 use sluice::{
     addr::to_words,
     dataplane::{remove_pinned, Dataplane, LoadOptions, PROG_XDP},
@@ -73,7 +73,7 @@ fn a_second_load_reuses_pinned_maps_and_keeps_flows() {
         let (b, bf) = to_words("10.1.0.1".parse().unwrap());
         dp.set_backend(
             1,
-            &lb_common::Backend {
+            &lb_common::BackendEntry {
                 addr: b,
                 family: bf,
                 state: BACKEND_ACTIVE,
@@ -161,7 +161,7 @@ fn pinned_maps_of_another_layout_are_refused_with_a_clear_message() {
     }
     // Pretend an older Sluice wrote these maps.
     {
-        let m = aya::maps::MapData::from_pin(dir.0.join("META")).unwrap();
+        let m = aya::maps::MapData::from_pin(dir.0.join(maps::META)).unwrap();
         let mut a: aya::maps::Array<aya::maps::MapData, u32> =
             aya::maps::Array::try_from(aya::maps::Map::Array(m)).unwrap();
         a.set(0, LAYOUT_VERSION + 1, 0).unwrap();
@@ -175,7 +175,7 @@ fn pinned_maps_of_another_layout_are_refused_with_a_clear_message() {
     assert!(err.contains("incompatible Sluice (layout version"), "{err}");
     assert!(err.contains("sluice cleanup"), "{err}");
     // Partial state is refused too.
-    std::fs::remove_file(dir.0.join("CONNS")).unwrap();
+    std::fs::remove_file(dir.0.join(maps::CONNS)).unwrap();
     let err = format!(
         "{:#}",
         Dataplane::load(BPF_OBJECT, &opts(&dir))
@@ -282,7 +282,7 @@ fn not_ip(dir: &PinDir) -> u64 {
     let m = aya::maps::MapData::from_pin(dir.0.join("STATS")).unwrap();
     let a: aya::maps::PerCpuArray<aya::maps::MapData, u64> =
         aya::maps::PerCpuArray::try_from(aya::maps::Map::PerCpuArray(m)).unwrap();
-    a.get(&lb_common::stat::PASS_NOT_IP, 0)
+    a.get(&(lb_common::stat::PASS_NOT_IP.index() as u32), 0)
         .unwrap()
         .iter()
         .sum()

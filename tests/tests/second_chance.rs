@@ -13,7 +13,7 @@ use std::{
 };
 
 use lb_common::{
-    stat, Backend, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_GUE, VIP_F_SECOND_CHANCE,
+    stat, BackendEntry, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_GUE, VIP_F_SECOND_CHANCE,
 };
 use sluice::{
     addr::to_words,
@@ -59,7 +59,7 @@ fn publish_weighted(lab: &mut NetLab, weights: &[u32], second_chance: bool, drai
         .collect();
     for (i, b) in lab.topo.backends.iter().enumerate() {
         let (w, f) = to_words(b.addr(false));
-        let plane = Backend {
+        let plane = BackendEntry {
             addr: w,
             family: f,
             state: if draining.contains(&i) {
@@ -153,9 +153,8 @@ fn scenario(second_chance: bool, start: &[usize], change: fn(&mut NetLab, bool))
     };
     for h in &lab.backend_hosts {
         let st = h.stats().unwrap();
-        out.passed_on += st[stat::DECAP_SECOND_HOP as usize];
-        out.missed +=
-            st[stat::DECAP_HISTORY_SHORT as usize] + st[stat::DECAP_NO_SECOND_HOP as usize];
+        out.passed_on += st[stat::DECAP_SECOND_HOP.index()];
+        out.missed += st[stat::DECAP_HISTORY_SHORT.index()] + st[stat::DECAP_NO_SECOND_HOP.index()];
     }
     eprintln!(
         "{}: {} of {STREAMS} streams broken, {} packets passed on, {} found no socket where \

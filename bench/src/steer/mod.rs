@@ -25,7 +25,7 @@ use std::{
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
-use sluice::admin::now_ms;
+use sluice::clock::now_ms;
 use sluice_tests::{
     daemon_lab::{wait_for, Accel, DaemonLab, DaemonLabOptions, VipDef},
     netns::{TCP_PORT, VIP4},

@@ -19,7 +19,7 @@ use serde::Serialize;
 use tokio::sync::{Mutex, Notify};
 
 use crate::{
-    admin::now_ms,
+    clock::now_ms,
     controller::{Controller, Event, Plane},
 };
 

@@ -252,14 +252,14 @@ log_level = "loud"
         assert_eq!(
             e.0,
             [
-                r#"h.toml: interfaces[0].mode: "fast" is not one of "auto", "native", "generic""#,
+                r#"h.toml: interfaces[0].mode: "fast" is not recognised; allowed: "auto", "native", "generic""#,
                 r#"h.toml: interfaces[1].name: "eth0" is listed twice"#,
                 r#"h.toml: vips[1]: "nope" is not an IP address (a VIP is an address, e.g. "10.0.0.1")"#,
                 "h.toml: vips[2]: 127.0.0.1 cannot be a VIP (unspecified, multicast or loopback)",
                 "h.toml: bpffs: relative is not an absolute path",
                 "h.toml: client_mtu: 100 is out of range; allowed: 576 to 65535",
                 r#"h.toml: metrics.listen: "localhost" is not ADDRESS:PORT with a port other than 0"#,
-                r#"h.toml: log_level: "loud" is not one of "error", "warn", "info", "debug", "trace""#,
+                r#"h.toml: log_level: "loud" is not recognised; allowed: "error", "warn", "info", "debug", "trace""#,
             ]
         );
     }

@@ -23,7 +23,7 @@ use std::{
 };
 
 use anyhow::{anyhow, bail, Context, Result};
-use lb_common::stat;
+use lb_common::{maps, stat};
 use prometheus_client::{
     encoding::prometheus_text,
     metrics::{gauge::Gauge, info::Info},
@@ -41,7 +41,7 @@ use crate::{
 };
 
 /// The counters of `sluice_decap` (the rest of `lb_common::stat` belongs to the LB).
-pub const DECAP_COUNTERS: [u32; 3] = [
+pub const DECAP_COUNTERS: [stat::Counter; 3] = [
     stat::DECAP_OK,
     stat::DECAP_PASS_NOT_ENCAP,
     stat::DECAP_PASS_BAD_LEN,
@@ -108,7 +108,7 @@ struct Live {
 /// The exposition text: the decapsulation counters, the DSR findings per check (read
 /// afresh: a fixed sysctl shows at the next scrape), the VIPs served, uptime and version.
 fn render(
-    counters: &[(u32, u64)],
+    counters: &[(stat::Counter, u64)],
     refused: u64,
     cfg: &HostConfig,
     findings: &[Finding],
@@ -160,11 +160,11 @@ fn render(
 }
 
 /// The decapsulation counters of a data plane, by name.
-fn read_counters(dp: &mut Dataplane) -> Result<Vec<(u32, u64)>> {
+fn read_counters(dp: &mut Dataplane) -> Result<Vec<(stat::Counter, u64)>> {
     let all = dp.stats()?;
     Ok(DECAP_COUNTERS
         .iter()
-        .map(|&i| (i, all[i as usize]))
+        .map(|&c| (c, all[c.index()]))
         .collect())
 }
 
@@ -366,7 +366,7 @@ pub fn status(path: &Path, json: bool, out: &mut dyn Write) -> Result<()> {
             (i.name.clone(), pinned)
         })
         .collect();
-    let counters = if cfg.bpffs.join("STATS").exists() {
+    let counters = if cfg.bpffs.join(maps::STATS).exists() {
         Some(read_pinned_counters(&cfg.bpffs)?)
     } else {
         None
@@ -421,16 +421,16 @@ pub fn status(path: &Path, json: bool, out: &mut dyn Write) -> Result<()> {
 /// The decapsulation counters from a pinned STATS map (while the daemon runs or after it).
 fn read_pinned_counters(dir: &Path) -> Result<Vec<(&'static str, u64)>> {
     use aya::maps::{MapData, PerCpuArray};
-    let data = MapData::from_pin(dir.join("STATS"))
+    let data = MapData::from_pin(dir.join(maps::STATS))
         .with_context(|| format!("opening {}/STATS (are you root?)", dir.display()))?;
     let a: PerCpuArray<MapData, u64> = PerCpuArray::try_from(aya::maps::Map::PerCpuArray(data))?;
     DECAP_COUNTERS
         .iter()
-        .map(|&i| {
+        .map(|&c| {
             let v = a
-                .get(&i, 0)
-                .map_err(|e| anyhow!("reading counter {i}: {e}"))?;
-            Ok((stat::NAMES[i as usize], v.iter().sum()))
+                .get(&c.0, 0)
+                .map_err(|e| anyhow!("reading counter {}: {e}", c.0))?;
+            Ok((c.name(), v.iter().sum()))
         })
         .collect()
 }

@@ -21,6 +21,66 @@ pub const LABELS_MAX: usize = 32;
 pub const DURATION_MAX: Duration = Duration::from_secs(365 * 24 * 3600);
 /// [`DURATION_MAX`] as operators write it.
 pub const DURATION_MAX_TEXT: &str = "365d";
+/// Largest backend weight (weights are relative shares of the ring; 0 takes no new flows).
+pub const WEIGHT_MAX: u32 = 65535;
+/// A backend's weight when none is given.
+pub const WEIGHT_DEFAULT: u32 = 100;
+/// Lowest admission priority class (0 is the highest).
+pub const PRIORITY_MAX: u8 = 7;
+/// Longest client-affinity window.
+pub const AFFINITY_WINDOW_MAX: Duration = Duration::from_secs(24 * 3600);
+
+/// An integer within `lo..=hi`; `note` follows the allowed range (e.g. " (0 = off)").
+pub fn in_range(v: i64, lo: i64, hi: i64, note: &str) -> Result<(), String> {
+    if (lo..=hi).contains(&v) {
+        Ok(())
+    } else {
+        Err(format!("{v} is out of range; allowed: {lo}..={hi}{note}"))
+    }
+}
+
+/// A backend weight: 0 to [`WEIGHT_MAX`].
+pub fn weight(w: i64) -> Result<(), String> {
+    in_range(w, 0, WEIGHT_MAX.into(), " (0 = no new flows)")
+}
+
+/// A VIP's admission priority class: 0 to [`PRIORITY_MAX`].
+pub fn priority(p: i64) -> Result<(), String> {
+    in_range(p, 0, PRIORITY_MAX.into(), " (0 = highest)")
+}
+
+/// A Maglev ring size: a prime no larger than `RING_SIZE_MAX`.
+pub fn ring_size(v: i64) -> Result<u32, String> {
+    use lb_common::RING_SIZE_MAX;
+    let allowed = format!(
+        "allowed: a prime no larger than {RING_SIZE_MAX}, e.g. {} (the default), 16381, 4093 \
+         or 1021",
+        crate::maglev::DEFAULT_RING_SIZE
+    );
+    if !(1..=RING_SIZE_MAX as i64).contains(&v) {
+        Err(format!("{v} is out of range; {allowed}"))
+    } else if !crate::maglev::is_prime(v as u32) {
+        Err(format!("{v} is not prime; {allowed}"))
+    } else {
+        Ok(v as u32)
+    }
+}
+
+/// A client-affinity window, written `text`: whole seconds, at most [`AFFINITY_WINDOW_MAX`].
+pub fn affinity_window(d: Duration, text: &str) -> Result<(), String> {
+    if d > AFFINITY_WINDOW_MAX {
+        Err(format!(
+            "{text:?} is longer than 24h; allowed: 0s..=24h (0s = off)"
+        ))
+    } else if d.subsec_nanos() != 0 {
+        Err(format!(
+            "{text:?} is not a whole number of seconds; allowed: whole seconds from 0s to 24h \
+             (0s = off)"
+        ))
+    } else {
+        Ok(())
+    }
+}
 
 /// A VIP name: 1 to 32 of a-z, 0-9, `-` and `_` (it appears in paths and metric labels).
 pub fn vip_name(s: &str) -> Result<(), String> {

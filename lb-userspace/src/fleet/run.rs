@@ -18,11 +18,11 @@ use super::{
     with_overlay, Fleet,
 };
 use crate::{
-    admin::now_ms,
+    clock::now_ms,
     controller::{Controller, Event, Peer, Plane},
     policy::Policy,
     state::Op,
-    steering,
+    scheduler,
     telemetry::Hub,
 };
 
@@ -302,7 +302,7 @@ async fn round<S: Store, P: Plane>(
     }
     let overlay = {
         let mut c = s.ctl.lock().await;
-        let (overlay, d) = steering::decide(
+        let (overlay, d) = scheduler::decide(
             &c,
             &s.hub,
             &mut s.policy,
@@ -310,7 +310,7 @@ async fn round<S: Store, P: Plane>(
             s.epoch.elapsed(),
             &sessions,
         );
-        steering::record(&mut c, &d);
+        scheduler::record(&mut c, &d);
         overlay
     };
     let published = fleet

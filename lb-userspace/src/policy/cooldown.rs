@@ -33,17 +33,18 @@ pub enum Change {
 }
 
 #[derive(Clone, Debug, PartialEq)]
-pub struct Steering {
+/// A backend's move-away state: in rotation or moved away, its cooldown and its ramp.
+pub struct MoveAway {
     pub phase: Phase,
     /// The last cooldown served, the base for doubling.
     cooldown: Duration,
     returned_at: Option<Duration>,
 }
 
-impl Steering {
+impl MoveAway {
     /// `ramp_from`: start in slow start from this time (`None`: at full weight).
     pub fn new(ramp_from: Option<Duration>) -> Self {
-        Steering {
+        MoveAway {
             phase: Phase::InRotation { ramp_from },
             cooldown: Duration::ZERO,
             returned_at: None,
@@ -143,7 +144,7 @@ mod tests {
     #[test]
     fn cooldown_doubles_on_flaps_caps_and_resets_after_stability() {
         let cfg = PolicyConfig::default(); // base 10s, max 600s, flap 300s, stable 120s
-        let mut st = Steering::new(None);
+        let mut st = MoveAway::new(None);
         let mut t = Duration::ZERO;
         let mut served = Vec::new();
         for _ in 0..8 {
@@ -176,7 +177,7 @@ mod tests {
     #[test]
     fn stays_away_until_cooldown_ends_and_signals_are_fine() {
         let cfg = PolicyConfig::default();
-        let mut st = Steering::new(None);
+        let mut st = MoveAway::new(None);
         st.update(Duration::ZERO, Some(Reason::Throttling), &cfg);
         assert!(st.wants_out(5 * S, None));
         assert_eq!(st.update(5 * S, None, &cfg), None);
@@ -188,7 +189,7 @@ mod tests {
     #[test]
     fn no_ramp_after_saturation() {
         let cfg = PolicyConfig::default();
-        let mut st = Steering::new(None);
+        let mut st = MoveAway::new(None);
         st.update(Duration::ZERO, Some(Reason::Saturation), &cfg);
         assert_eq!(st.update(10 * S, None, &cfg), Some(Change::Returned));
         assert!(!st.ramping());
@@ -198,7 +199,7 @@ mod tests {
     #[test]
     fn ramp_is_linear_from_one_level_to_target() {
         let cfg = PolicyConfig::default(); // slow_start 30s
-        let mut st = Steering::new(Some(Duration::ZERO));
+        let mut st = MoveAway::new(Some(Duration::ZERO));
         let levels: Vec<u32> = [0, 5, 15, 29, 30, 31]
             .iter()
             .map(|&s| st.ramp_level(s * S, 7, &cfg))

@@ -17,7 +17,7 @@ use tokio::{net::TcpStream, time::timeout};
 
 use crate::config::{HealthCheck, HealthConfig};
 
-use super::{Event, EventKind};
+use super::{EventKind, PolicyEvent};
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Health {
@@ -50,7 +50,7 @@ impl Health {
         cfg: &HealthConfig,
         vip: &str,
         backend: IpAddr,
-    ) -> Option<Event> {
+    ) -> Option<PolicyEvent> {
         if let Err(e) = result {
             self.last_error = Some(e.to_string());
         }
@@ -84,7 +84,7 @@ impl Health {
                 ),
             ),
         };
-        Some(Event {
+        Some(PolicyEvent {
             at: now,
             kind,
             vip: vip.to_owned(),

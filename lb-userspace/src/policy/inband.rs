@@ -11,7 +11,7 @@
 
 use std::{collections::BTreeSet, time::Duration};
 
-use super::{Event, EventKind, Reason, Trigger, Work};
+use super::{EventKind, PolicyEvent, Reason, Trigger, Work};
 
 /// Slow when the time to first byte is over this many times the peers' median...
 pub const TTFB_FACTOR: f64 = 1.8;
@@ -77,7 +77,7 @@ pub(super) fn slow(
     now: Duration,
     work: &mut [Work],
     mismatched: &mut BTreeSet<u32>,
-    events: &mut Vec<Event>,
+    events: &mut Vec<PolicyEvent>,
 ) {
     let found: Vec<(usize, String)> = (0..work.len())
         .filter_map(|i| departs(work, i).map(|d| (i, d)))
@@ -89,7 +89,7 @@ pub(super) fn slow(
         // Pressure is capped at 1: at 1 some load signal is at its threshold.
         let explained = !w.conditions.is_empty() || w.pressure.is_some_and(|p| p >= 1.0);
         if !explained && mismatched.insert(w.input.id) {
-            events.push(Event {
+            events.push(PolicyEvent {
                 at: now,
                 kind: EventKind::TelemetryMismatch,
                 vip: w.input.vip.to_owned(),

@@ -2,7 +2,9 @@
 //!
 //! A pure engine: [`Policy::step`] takes the time (`now`, since any fixed epoch) and a view of
 //! every backend, and returns the weights and flags to write plus audit events. It reads no
-//! clock and does no I/O, so the daemon drives it and tests script it.
+//! clock and does no I/O, so the daemon drives it and tests script it. The one I/O function
+//! here is the probe [`health::check`], which the daemon's health loop runs and whose result
+//! it feeds to the pure [`health::Health::record`].
 //!
 //! Per step and backend (see the submodules for each rule):
 //! - the load score (an EWMA of the largest normalised load signal), compared with the mean
@@ -48,10 +50,10 @@ pub use self::{
 };
 use self::{
     admission::{ShedChange, Shedder},
-    cooldown::{Change, Phase, Steering},
+    cooldown::{Change, MoveAway, Phase},
     score::{Score, Trigger},
 };
-use crate::{config::PolicyConfig, controller, telemetry::BackendTelemetry};
+use crate::{config::PolicyConfig, telemetry::BackendTelemetry};
 
 /// One backend of one VIP as the policy sees it at a step.
 #[derive(Clone, Copy, Debug)]
@@ -115,11 +117,11 @@ pub struct Decisions {
     pub backends: Vec<BackendDecision>,
     /// Per VIP name.
     pub shed: BTreeMap<String, Shed>,
-    pub events: Vec<Event>,
+    pub events: Vec<PolicyEvent>,
 }
 
 impl Decisions {
-    /// Backend id → weight, for `Controller::set_weights`.
+    /// Backend id → weight, for the overlay the shell hands to `Controller::set_overlay`.
     pub fn weights(&self) -> BTreeMap<u32, u32> {
         self.backends.iter().map(|b| (b.id, b.weight)).collect()
     }
@@ -161,7 +163,7 @@ impl EventKind {
 
 /// An audit event; `telemetry` is the backend's telemetry view at the time, as JSON.
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Event {
+pub struct PolicyEvent {
     #[serde(rename = "at_s", serialize_with = "secs")]
     pub at: Duration,
     pub kind: EventKind,
@@ -169,19 +171,6 @@ pub struct Event {
     pub backend: Option<IpAddr>,
     pub reason: String,
     pub telemetry: Option<serde_json::Value>,
-}
-
-impl Event {
-    /// The controller's event (which has wall-clock time and no telemetry).
-    pub fn to_controller(&self, time_ms: u64) -> controller::Event {
-        controller::Event {
-            time_ms,
-            kind: self.kind.as_str().to_owned(),
-            vip: self.vip.clone(),
-            backend: self.backend,
-            reason: self.reason.clone(),
-        }
-    }
 }
 
 fn secs<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -201,7 +190,7 @@ pub const SATURATION_STEPS: u32 = 2;
 /// What the policy remembers of a backend between steps.
 struct Memory {
     score: Score,
-    steering: Steering,
+    move_away: MoveAway,
     healthy: bool,
     /// Consecutive steps with a saturation condition.
     saturated: u32,
@@ -291,13 +280,13 @@ impl Policy {
         let ramp = self.started.then_some(now);
         let m = self.backends.entry(input.id).or_insert_with(|| Memory {
             score: Score::new(cfg),
-            steering: Steering::new(ramp),
+            move_away: MoveAway::new(ramp),
             healthy: input.healthy,
             saturated: 0,
             weight: None,
         });
         if input.healthy && !m.healthy {
-            m.steering.on_up(now);
+            m.move_away.on_up(now);
         }
         m.healthy = input.healthy;
         let fresh = input.telemetry.filter(|t| !t.stale);
@@ -345,7 +334,7 @@ impl Policy {
                 .max_by_key(|t| t.reason.severity())
                 .cloned();
             let reason = w.trigger.as_ref().map(|t| t.reason);
-            w.wants_out = w.eligible && m.steering.wants_out(now, reason);
+            w.wants_out = w.eligible && m.move_away.wants_out(now, reason);
         }
     }
 
@@ -377,7 +366,7 @@ impl Policy {
         for w in work {
             let m = &self.backends[&w.input.id];
             let fresh = w.input.telemetry.is_some_and(|t| !t.stale);
-            if w.eligible && fresh && matches!(m.steering.phase, Phase::InRotation { .. }) {
+            if w.eligible && fresh && matches!(m.move_away.phase, Phase::InRotation { .. }) {
                 let e = sums.entry(w.input.vip).or_default();
                 e.0 += value(m, w);
                 e.1 += 1;
@@ -399,7 +388,7 @@ impl Policy {
             }
             let load = |i: usize| {
                 let m = &self.backends[&work[i].input.id];
-                let reason = match &m.steering.phase {
+                let reason = match &m.move_away.phase {
                     Phase::MovedAway { reason, .. } => Some(*reason),
                     Phase::InRotation { .. } => None,
                 };
@@ -421,13 +410,13 @@ impl Policy {
         now: Duration,
         w: &Work,
         kept: bool,
-        events: &mut Vec<Event>,
+        events: &mut Vec<PolicyEvent>,
     ) -> BackendDecision {
         let cfg = &self.cfg;
         let input = w.input;
         let m = self.backends.get_mut(&input.id).expect("observed");
         let snapshot = || input.telemetry.and_then(|t| serde_json::to_value(t).ok());
-        let event = |kind, reason: String| Event {
+        let event = |kind, reason: String| PolicyEvent {
             at: now,
             kind,
             vip: input.vip.to_owned(),
@@ -437,7 +426,7 @@ impl Policy {
         };
         if w.eligible && !kept {
             let reason = w.trigger.as_ref().map(|t| t.reason);
-            match m.steering.update(now, reason, cfg) {
+            match m.move_away.update(now, reason, cfg) {
                 Some(Change::Moved { cooldown, flap }) => {
                     let detail = w.trigger.as_ref().map_or("", |t| &t.detail);
                     events.push(event(EventKind::Reroute, detail.to_owned()));
@@ -461,11 +450,11 @@ impl Policy {
                 None => {}
             }
         }
-        let moved = matches!(m.steering.phase, Phase::MovedAway { .. });
+        let moved = matches!(m.move_away.phase, Phase::MovedAway { .. });
         let level = match (input.healthy, moved, kept) {
             (false, ..) | (true, true, false) => 0,
             (true, true, true) => m.score.level,
-            (true, false, _) => m.steering.ramp_level(now, m.score.level, cfg),
+            (true, false, _) => m.move_away.ramp_level(now, m.score.level, cfg),
         };
         let state = if !input.healthy {
             SteerState::Down
@@ -473,7 +462,7 @@ impl Policy {
             SteerState::Guarded
         } else if moved {
             SteerState::MovedAway
-        } else if m.steering.ramping() {
+        } else if m.move_away.ramping() {
             SteerState::SlowStart
         } else {
             SteerState::Active
@@ -488,7 +477,7 @@ impl Policy {
             events.push(event(EventKind::WeightChange, why));
         }
         m.weight = Some(weight);
-        let reason = match &m.steering.phase {
+        let reason = match &m.move_away.phase {
             Phase::MovedAway { reason, .. } => Some(*reason),
             Phase::InRotation { .. } => w.trigger.as_ref().map(|t| t.reason),
         };
@@ -500,7 +489,7 @@ impl Policy {
             state,
             moved_away: state == SteerState::MovedAway,
             reason,
-            cooldown_left: m.steering.cooldown_left(now),
+            cooldown_left: m.move_away.cooldown_left(now),
             full: admission::full(input.sessions, input.max_sessions, input.telemetry, cfg),
             score: m.score.value(),
             sessions: input.sessions,
@@ -540,7 +529,7 @@ impl Policy {
                     format!("{} of {backends} backends have room", backends - full),
                 ),
             };
-            out.events.push(Event {
+            out.events.push(PolicyEvent {
                 at: now,
                 kind,
                 vip: pool.to_owned(),

@@ -182,7 +182,7 @@ fn flapping_signal_doubles_the_cooldown_and_bounds_weight_changes() {
         sim.sample(0).ecn_rate = Some(if bad { 5000.0 } else { 0.0 });
         decisions.push(sim.step());
     }
-    let events: Vec<&Event> = decisions.iter().flat_map(|d| &d.events).collect();
+    let events: Vec<&PolicyEvent> = decisions.iter().flat_map(|d| &d.events).collect();
     let cooldowns: Vec<String> = events
         .iter()
         .filter(|e| matches!(e.kind, EventKind::CooldownStart | EventKind::CooldownExtend))
@@ -563,7 +563,7 @@ fn healthy_fleet_does_not_churn_and_a_slowdown_moves_within_two_seconds() {
         decisions.push(sim.step());
     }
     assert!(bursts > 24, "{bursts} bursts: the test must exercise them");
-    let events: Vec<&Event> = decisions.iter().flat_map(|d| &d.events).collect();
+    let events: Vec<&PolicyEvent> = decisions.iter().flat_map(|d| &d.events).collect();
     let reroutes = events
         .iter()
         .filter(|e| e.kind == EventKind::Reroute)

@@ -13,22 +13,11 @@
 //! merges the parts and judges staleness. The I/O shell is small: [`http`] fetches a page,
 //! [`scrape::run`] polls every [`Target`] built by [`targets`] and feeds the hub.
 //!
-//! Wiring in the daemon:
-//!
-//! ```text
-//! let targets = telemetry::targets(&config)?; // rejects https endpoints
-//! let mut hub = Hub::new(config.telemetry.stale_after);
-//! for (key, sources) in telemetry::sources(&config) {
-//!     hub.configure(key, sources);
-//! }
-//! let hub = Arc::new(Mutex::new(hub));
-//! tokio::spawn(telemetry::run(targets, hub.clone(), config.telemetry.clone(), shutdown));
-//! // policy: hub.lock().unwrap().view(&(vip, addr), Instant::now())
-//! // admin POST .../telemetry: sample.validate()?; hub.push(&key, sample, now)
-//! ```
-//!
-//! On a configuration reload, stop `run` (its shutdown future), call [`Hub::configure`] for
-//! the new backends and [`Hub::retain`] for the ones still present, and start `run` again.
+//! The daemon wires it up in `daemon::start_scraper`: the hub is told each backend's sources
+//! ([`Hub::configure`], [`Hub::retain`]) and its staleness limit, then [`run`] starts. A
+//! configuration reload stops `run`, does the same for the new file and starts it again; the
+//! hub, and so each backend's last samples, lives on. The steering tick reads
+//! [`Hub::view`]; the admin API's `POST .../telemetry` pushes samples ([`Hub::push`]).
 
 pub mod dcgm;
 pub mod engine;

@@ -12,13 +12,24 @@ use std::{
 use tokio::sync::Mutex;
 
 use crate::{
-    admin::now_ms,
+    clock::now_ms,
     config::{Config, HealthCheck},
-    controller::{Controller, Overlay, Peer, Plane},
-    policy::{health, BackendDecision, BackendInput, Decisions, Policy},
+    controller::{self, Controller, Overlay, Peer, Plane},
+    policy::{self, health, BackendDecision, BackendInput, Decisions, Policy},
     state::{Op, Vip},
     telemetry::{inband::Tracker, BackendKey, Hub, Source},
 };
+
+/// The controller's event of a policy event (with wall-clock time, without telemetry).
+fn to_controller(e: &policy::PolicyEvent, time_ms: u64) -> controller::Event {
+    controller::Event {
+        time_ms,
+        kind: e.kind.as_str().to_owned(),
+        vip: e.vip.clone(),
+        backend: e.backend,
+        reason: e.reason.clone(),
+    }
+}
 
 /// The health check of a backend: the configured one, else TCP to the VIP's port (a
 /// backend of an all-ports VIP added at run time without one is not checked).
@@ -101,7 +112,7 @@ pub async fn run_health<P: Plane + 'static>(
                 address: addr,
                 healthy: t.up,
             };
-            let mut ev = ev.to_controller(now_ms());
+            let mut ev = to_controller(&ev, now_ms());
             match c.submit(op, Peer::default(), now_ms()) {
                 // The failover latency the operator cares about, measured where it happens
                 // (the failover bench reads it from the event).
@@ -176,7 +187,7 @@ pub async fn step<P: Plane + 'static>(
 pub fn record<P: Plane>(c: &mut Controller<P>, d: &Decisions) {
     let t = now_ms();
     for e in &d.events {
-        c.record(e.to_controller(t));
+        c.record(to_controller(e, t));
         c.audit_event(e);
     }
     c.set_decisions(d.backends.clone());

@@ -3,10 +3,12 @@
 
 use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
-    hash, stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FlowKey, InbandFlow, LbConfig,
-    VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE,
-    LB_F_WILDCARD_VIPS, MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SECOND_CHANCE,
-    VIP_F_SHED, VIP_F_SRC_HASH,
+    hash,
+    stat::{self, Counter},
+    AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FlowKey, InbandFlow, LbConfig, VipKey,
+    VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE, LB_F_WILDCARD_VIPS,
+    MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SECOND_CHANCE, VIP_F_SHED,
+    VIP_F_SRC_HASH,
 };
 
 use crate::{
@@ -19,19 +21,19 @@ const NS_PER_SEC: u64 = 1_000_000_000;
 /// Why a packet is not forwarded: dropped for a reason, or a new session shed by admission
 /// control (which may be answered with a RST). Each carries its counter.
 pub enum Refusal {
-    Drop(u32),
-    Shed(u32),
+    Drop(Counter),
+    Shed(Counter),
 }
 
-impl From<u32> for Refusal {
-    fn from(counter: u32) -> Self {
+impl From<Counter> for Refusal {
+    fn from(counter: Counter) -> Self {
         Refusal::Drop(counter)
     }
 }
 
 pub struct Decision {
     pub backend_id: u32,
-    pub backend: Backend,
+    pub backend: BackendEntry,
     pub new_flow: bool,
     pub hash: u32,
     /// The coarse clock read once per packet (connection ages, next-hop cache).
@@ -64,7 +66,7 @@ pub fn vip(key: &FlowKey, cfg: &LbConfig) -> Option<VipMeta> {
 }
 
 #[inline(always)]
-fn backend(id: u32, vip: &VipMeta) -> Option<Backend> {
+fn backend(id: u32, vip: &VipMeta) -> Option<BackendEntry> {
     let b = BACKENDS.get(id)?;
     // A backend id reused for another VIP since the entry was written is not this flow's.
     if b.vip != vip.id {
@@ -198,7 +200,7 @@ fn steering_hash(key: &FlowKey, vip: &VipMeta, cfg: &LbConfig) -> u32 {
 /// packet of a session under way, it is active or draining (a draining backend keeps its
 /// sessions, and the ring may still name it while its drain is being published).
 #[inline(always)]
-fn takes(b: &Backend, new_session: bool) -> bool {
+fn takes(b: &BackendEntry, new_session: bool) -> bool {
     if new_session {
         b.state == BACKEND_ACTIVE && b.flags & BACKEND_F_FULL == 0
     } else {
@@ -217,7 +219,7 @@ fn choose(
     h: u32,
     now: u64,
     new_session: bool,
-) -> Result<(u32, Backend, Option<[u32; 4]>), Refusal> {
+) -> Result<(u32, BackendEntry, Option<[u32; 4]>), Refusal> {
     let akey = AffinityKey {
         addr: key.src,
         vip: vip.id,
@@ -272,7 +274,7 @@ fn choose(
 /// when it still serves this VIP (active or draining), also runs the backend program and
 /// has the same address family (it is reached with the same outer header).
 #[inline(always)]
-fn second_hop(b: &Backend, previous: u32, vip: &VipMeta) -> Option<[u32; 4]> {
+fn second_hop(b: &BackendEntry, previous: u32, vip: &VipMeta) -> Option<[u32; 4]> {
     if b.flags & BACKEND_F_GUE == 0 || previous == 0 {
         return None;
     }
