@@ -162,6 +162,12 @@ pub async fn step<P: Plane + 'static>(
     let overlay = Overlay {
         weights: d.weights(),
         full: d.backends.iter().filter(|b| b.full).map(|b| b.id).collect(),
+        moved: d
+            .backends
+            .iter()
+            .filter(|b| b.moved_away)
+            .map(|b| b.id)
+            .collect(),
         shed: state
             .vips
             .values()

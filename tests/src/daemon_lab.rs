@@ -88,6 +88,8 @@ pub struct VipDef {
     pub telemetry: bool,
     /// The flow hash: "five-tuple" or "source" (client affinity).
     pub hash: &'static str,
+    /// `affinity_window` in seconds (0: the daemon's default, none).
+    pub affinity_secs: u32,
 }
 
 impl VipDef {
@@ -103,6 +105,7 @@ impl VipDef {
             max_sessions: 0,
             telemetry: false,
             hash: "five-tuple",
+            affinity_secs: 0,
         }
     }
 }
@@ -703,6 +706,9 @@ impl DaemonLab {
                 v.priority,
                 v.hash
             );
+            if v.affinity_secs > 0 {
+                text += &format!("affinity_window = \"{}s\"\n", v.affinity_secs);
+            }
             for &i in &v.backends {
                 let b = &self.topo.backends[i];
                 text += &format!(
