@@ -5,9 +5,8 @@ use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
     hash, stat, AffinityEntry, AffinityKey, Backend, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta,
     BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY,
-    LB_F_WILDCARD_VIPS,
-    MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SECOND_CHANCE, VIP_F_SHED,
-    VIP_F_SRC_HASH,
+    LB_F_WILDCARD_VIPS, MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SECOND_CHANCE,
+    VIP_F_SHED, VIP_F_SRC_HASH,
 };
 
 use crate::{

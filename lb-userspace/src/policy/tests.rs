@@ -645,7 +645,9 @@ fn without_headroom_a_sick_backend_keeps_a_part_and_saturation_moves_nobody() {
         (d.backends[0].state, d.backends[0].weight),
         (SteerState::MovedAway, 25)
     );
-    assert!(later.iter().all(|d| d.backends[1].state == SteerState::Active));
+    assert!(later
+        .iter()
+        .all(|d| d.backends[1].state == SteerState::Active));
     sim.sample(0).throttle = Some(0);
     let back = sim.run_until(40 * S);
     let first = back
@@ -653,5 +655,8 @@ fn without_headroom_a_sick_backend_keeps_a_part_and_saturation_moves_nobody() {
         .find(|d| d.backends[0].state != SteerState::MovedAway)
         .expect("returned after its cooldown");
     assert_eq!(first.backends[0].state, SteerState::Active);
-    assert_eq!(first.backends[0].weight, 100, "no slow start without headroom");
+    assert_eq!(
+        first.backends[0].weight, 100,
+        "no slow start without headroom"
+    );
 }
