@@ -729,7 +729,11 @@ fn load_dp(object: &[u8], conn_table_size: u32, second_chance: bool) -> Result<D
     };
     let mut dp = Dataplane::load(object, &opts).context("loading the data plane")?;
     dp.set_config(&config())?;
-    let sc = if second_chance { VIP_F_SECOND_CHANCE } else { 0 };
+    let sc = if second_chance {
+        VIP_F_SECOND_CHANCE
+    } else {
+        0
+    };
     add_vip(&mut dp, 0, (VIP4, VIP_PORT), sc, &BACKENDS4)?;
     add_vip(&mut dp, 1, (VIP6, VIP_PORT), sc, &BACKENDS6)?;
     add_vip(

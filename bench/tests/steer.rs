@@ -1,12 +1,13 @@
 //! The short end-to-end steer run: the `throttled` scenario (one accelerator throttled to
-//! 0.4x over the middle third) under plain Maglev and under adaptive steering, in the
-//! namespace lab with the real daemon and simulated accelerators. Adaptive must react (weight
-//! changes for the throttled accelerator), send it fewer new sessions than Maglev does, and
-//! break no stream. Whether it also gives a lower p99 time to first token is the benchmark's
-//! question (docs/benchmarks.md): on runs this short the p99 is a handful of requests and
-//! the answer is not stable yet, so the test prints both and does not assert it. Needs root and the built workspace
-//! (`cargo xtask build --debug`: the sluice, sluice-accel and sluice-testsrv binaries next
-//! to sluice-bench); fails saying what is missing otherwise.
+//! 0.4x over the middle third of 30 s) under plain Maglev and under adaptive steering, in
+//! the namespace lab with the real daemon and simulated accelerators. Adaptive must react
+//! (weight changes for the throttled accelerator), send it fewer new sessions than Maglev
+//! does, and break no stream. A lower p99 time to first token is the benchmark's question
+//! (docs/benchmarks.md), not asserted here: in 30 s the fleet is still filling up, the p99
+//! is the second-worst of ~180 requests, and a run on a loaded machine measured adaptive
+//! 831 ms against Maglev's 162 ms. Needs root and the built workspace (`cargo xtask build
+//! --debug`: the sluice, sluice-accel and sluice-testsrv binaries next to sluice-bench);
+//! fails saying what is missing otherwise.
 
 use std::process::Command;
 
@@ -25,7 +26,7 @@ fn throttled_adaptive_moves_sessions_off_the_throttled_accelerator_and_breaks_no
             "--policies",
             "maglev,adaptive",
         ])
-        .args(["--duration", "15", "--out"])
+        .args(["--duration", "30", "--out"])
         .arg(&out)
         .arg("--plots")
         .arg(dir.join("plots"))

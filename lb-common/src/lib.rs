@@ -117,6 +117,9 @@ pub const BACKEND_F_FULL: u8 = 1 << 0;
 /// `BackendEntry::flags`: the backend runs `sluice_decap`, so it is sent GUE (which names the
 /// flow's previous backend for second-chance forwarding) instead of IPIP.
 pub const BACKEND_F_GUE: u8 = 1 << 1;
+/// `Backend::flags`: weight 0, or moved away by the policy (at weight 0 or a reduced one):
+/// a client's affinity entry brings it no new session; only its ring slots do.
+pub const BACKEND_F_NO_AFFINITY: u8 = 1 << 2;
 
 /// UDP destination port of GUE tunnel packets (the port Linux's GUE examples use).
 pub const GUE_PORT: u16 = 6080;

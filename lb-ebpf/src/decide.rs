@@ -6,9 +6,9 @@ use lb_common::{
     hash,
     stat::{self, Counter},
     AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FlowKey, InbandFlow, LbConfig, VipKey,
-    VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE, LB_F_WILDCARD_VIPS,
-    MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_SIZE_MAX, VIP_F_SECOND_CHANCE, VIP_F_SHED,
-    VIP_F_SRC_HASH,
+    VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE,
+    BACKEND_F_NO_AFFINITY, LB_F_WILDCARD_VIPS, MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_SIZE_MAX,
+    VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SRC_HASH,
 };
 
 use crate::{
@@ -208,8 +208,9 @@ fn takes(b: &BackendEntry, new_session: bool) -> bool {
     }
 }
 
-/// A backend for a flow without one: the client's affinity entry while it is fresh,
-/// otherwise the first of the flow's probe positions in the live ring whose backend takes
+/// A backend for a flow without one: the client's affinity entry while it is fresh and its
+/// backend is not flagged `BACKEND_F_NO_AFFINITY` (one moved away or at weight 0 keeps its
+/// sessions, not its clients: a conversation's next turn goes where the ring says), otherwise the first of the flow's probe positions in the live ring whose backend takes
 /// it, with the slot's previous backend for a GUE backend (see [`second_hop`]). A new
 /// session finding only full backends is shed.
 #[inline(always)]
@@ -228,7 +229,7 @@ fn choose(
         if let Some(a) = unsafe { AFFINITY.get(akey) } {
             if now.wrapping_sub(a.last_seen_ns) < vip.affinity_secs as u64 * NS_PER_SEC {
                 if let Some(b) = backend(a.backend, vip) {
-                    if takes(&b, new_session) {
+                    if takes(&b, new_session) && b.flags & BACKEND_F_NO_AFFINITY == 0 {
                         count(stat::AFFINITY_HIT);
                         let id = a.backend;
                         remember(&akey, id, now);

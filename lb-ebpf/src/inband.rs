@@ -26,8 +26,8 @@ use lb_common::{
 };
 
 use crate::{
-    maps::INBAND_STATS,
     hdr::{TCP_ACK, TCP_RST, TCP_SYN},
+    maps::INBAND_STATS,
     parse::{at, u8_at, Parsed},
     stats::count,
 };

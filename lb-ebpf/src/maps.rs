@@ -13,9 +13,9 @@ use aya_ebpf::{
     maps::{Array, DevMapHash, PerCpuArray},
 };
 use lb_common::{
-    AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FloodWindow, FlowKey, InbandStats, LbConfig, NextHop,
-    RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, MAX_BACKENDS,
-    MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
+    AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FloodWindow, FlowKey, InbandStats,
+    LbConfig, NextHop, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
+    CONN_TABLE_SIZE, MAX_BACKENDS, MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
 /// Per-CPU LRU lists: each CPU evicts from its own list, so flows steered by RSS to one CPU

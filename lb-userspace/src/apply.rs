@@ -5,7 +5,7 @@
 use anyhow::{Context, Result};
 use lb_common::{
     maps, BackendEntry, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
-    BACKEND_F_FULL, BACKEND_F_GUE, VIP_F_INBAND, VIP_F_SHED, VIP_F_SHED_RST,
+    BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, VIP_F_INBAND, VIP_F_SHED, VIP_F_SHED_RST,
 };
 
 use crate::{
@@ -46,6 +46,9 @@ fn backend_flags(vip: &Vip, b: &Backend, overlay: &Overlay) -> u8 {
     // names the flow's previous backend.
     if vip.spec.flow_state == FlowState::SecondChance {
         f |= BACKEND_F_GUE;
+    }
+    if overlay.weight(b) == 0 || overlay.moved.contains(&b.id) {
+        f |= BACKEND_F_NO_AFFINITY;
     }
     f
 }
@@ -293,6 +296,19 @@ mod tests {
         assert_eq!(backend_flags(&vip, &b, &o), BACKEND_F_GUE);
         o.full.insert(3);
         assert_eq!(backend_flags(&vip, &b, &o), BACKEND_F_GUE | BACKEND_F_FULL);
+        // Moved away (weight 0, or reduced): its clients' affinity entries must not bring
+        // new sessions.
+        o.moved.insert(3);
+        assert_eq!(
+            backend_flags(&vip, &b, &o),
+            BACKEND_F_GUE | BACKEND_F_FULL | BACKEND_F_NO_AFFINITY
+        );
+        o.moved.clear();
+        o.weights.insert(3, 0);
+        assert_eq!(
+            backend_flags(&vip, &b, &o),
+            BACKEND_F_GUE | BACKEND_F_FULL | BACKEND_F_NO_AFFINITY
+        );
         vip.spec.flow_state = FlowState::Table;
         vip.spec.inband = true;
         assert_eq!(vip_flags(&vip, &o), VIP_F_INBAND);

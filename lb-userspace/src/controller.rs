@@ -31,6 +31,9 @@ pub struct Overlay {
     pub weights: BTreeMap<u32, u32>,
     /// Backends at their session cap or saturated: new sessions probe past them.
     pub full: std::collections::BTreeSet<u32>,
+    /// Backends the policy moved away (to weight 0, or a reduced weight when the others
+    /// have no headroom): affinity entries bring them no new sessions.
+    pub moved: std::collections::BTreeSet<u32>,
     /// VIPs whose new sessions are shed (their priority class is below what the
     /// overloaded pool admits).
     pub shed: std::collections::BTreeSet<String>,

@@ -23,8 +23,7 @@ use aya::{
 };
 use lb_common::{
     maps, stat, AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FloodWindow, FlowKey,
-    InbandStats,
-    LbConfig, NextHop, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
+    InbandStats, LbConfig, NextHop, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
     CONN_TABLE_SIZE, LAYOUT_VERSION, LB_F_TRACE, LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_VIPS,
     RINGS_PER_VIP, RING_SIZE_MAX,
 };
@@ -96,7 +95,12 @@ fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 14] {
         ),
         (maps::FLOOD, u32s, size_of::<FloodWindow>(), 1),
         (maps::NEXTHOPS, u32s, size_of::<NextHop>(), MAX_BACKENDS),
-        (maps::INBAND_STATS, u32s, size_of::<InbandStats>(), MAX_BACKENDS),
+        (
+            maps::INBAND_STATS,
+            u32s,
+            size_of::<InbandStats>(),
+            MAX_BACKENDS,
+        ),
     ]
 }
 

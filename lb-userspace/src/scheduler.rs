@@ -236,6 +236,12 @@ pub fn decide<P: Plane>(
     let overlay = Overlay {
         weights: d.weights(),
         full: d.backends.iter().filter(|b| b.full).map(|b| b.id).collect(),
+        moved: d
+            .backends
+            .iter()
+            .filter(|b| b.moved_away)
+            .map(|b| b.id)
+            .collect(),
         shed: state
             .vips
             .values()

@@ -90,6 +90,8 @@ pub struct VipDef {
     pub hash: &'static str,
     /// In-band signals (`inband = true`).
     pub inband: bool,
+    /// `affinity_window` in seconds (0: the daemon's default, none).
+    pub affinity_secs: u32,
 }
 
 impl VipDef {
@@ -106,6 +108,7 @@ impl VipDef {
             telemetry: false,
             hash: "five-tuple",
             inband: false,
+            affinity_secs: 0,
         }
     }
 }
@@ -708,6 +711,9 @@ impl DaemonLab {
             );
             if v.inband {
                 text += "inband = true\n";
+            }
+            if v.affinity_secs > 0 {
+                text += &format!("affinity_window = \"{}s\"\n", v.affinity_secs);
             }
             for &i in &v.backends {
                 let b = &self.topo.backends[i];

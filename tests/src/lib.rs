@@ -3,8 +3,8 @@
 
 pub mod backend_host;
 pub mod daemon_lab;
-pub mod fleet_lab;
 pub mod etcd;
+pub mod fleet_lab;
 pub mod frames;
 pub mod fuzz;
 pub mod netns;

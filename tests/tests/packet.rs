@@ -5,9 +5,9 @@
 use std::net::IpAddr;
 
 use lb_common::{
-    stat, BACKEND_DOWN, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE, PROTO_ICMP, PROTO_ICMPV6,
-    PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST,
-    VIP_F_SRC_HASH,
+    stat, BACKEND_DOWN, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY,
+    PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_SECOND_CHANCE,
+    VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
 };
 use sluice::dataplane::PROG_DECAP;
 use sluice_tests::{flow, frames::*, run_prog, Lab, FALLBACK_MAC};
@@ -384,6 +384,42 @@ fn affinity_window_keeps_a_reconnecting_client_on_its_backend_after_a_table_chan
         assert_eq!(lab.dp.conn(&k).unwrap().unwrap().backend, b);
     }
     assert_eq!(lab.stat(stat::AFFINITY_HIT), 10);
+}
+
+#[test]
+fn affinity_entry_brings_no_new_session_to_a_backend_moved_to_weight_zero() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, 0, 600);
+    lab.backends(&vip, &BACKENDS4);
+    let (a, _) = lab.run(&on_wire(&v4_tcp(CLIENT4, 1000, VIP4, 443, SYN, 0)));
+    assert_eq!(a, XDP_TX);
+    let first = flow(CLIENT4, 1000, VIP4, 443, PROTO_TCP);
+    let b = lab.dp.conn(&first).unwrap().unwrap().backend;
+    // The policy moves `b` away: weight 0 (no ring slot) and flagged, state still active.
+    let rest: Vec<(u32, &str, u32)> = BACKENDS4
+        .iter()
+        .map(|&(id, addr, w)| (id, addr, if id == b { 0 } else { w }))
+        .collect();
+    lab.backends(&vip, &rest);
+    lab.set_flags(b, BACKEND_F_NO_AFFINITY);
+    for sport in 2000..2010 {
+        let (a, _) = lab.run(&on_wire(&v4_tcp(CLIENT4, sport, VIP4, 443, SYN, 0)));
+        assert_eq!(a, XDP_TX);
+        let k = flow(CLIENT4, sport, VIP4, 443, PROTO_TCP);
+        let now = lab.dp.conn(&k).unwrap().unwrap().backend;
+        assert_ne!(
+            now, b,
+            "the client's next session went to the moved-away backend"
+        );
+    }
+    assert_eq!(
+        lab.stat(stat::AFFINITY_HIT),
+        9,
+        "re-pinned to the new backend after one miss"
+    );
+    // The established flow stays where it was.
+    let h = lab.flow_hash(&first, false);
+    assert_steered(&mut lab, &v4_tcp(CLIENT4, 1000, VIP4, 443, ACK, 0), b, h);
 }
 
 #[test]

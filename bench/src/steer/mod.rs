@@ -33,7 +33,7 @@ use sluice_tests::{
 
 use self::{
     plot::{Point, Sample},
-    scenario::{list, Policy, Scenario, POLICIES, SCENARIOS},
+    scenario::{list, Policy, Scenario, DEFAULT_SCENARIOS, POLICIES},
     stats::Record,
 };
 use crate::sys;
@@ -47,13 +47,18 @@ const VIP: &str = "chat";
 /// batch multiplexes too little for a fleet to have headroom.
 const DEFAULT_ACCEL_ARGS: &str = "--max-num-seqs 16 --kv-capacity-tokens 8192";
 
+/// The VIP's affinity window, seconds: well over the workload's 3 s mean think time.
+const AFFINITY_SECS: u32 = 60;
+
 fn words(s: &str) -> Vec<String> {
     s.split_whitespace().map(str::to_owned).collect()
 }
 
 const USAGE: &str = "usage: sluice-bench steer [--scenarios a,b] [--policies a,b] [--duration SECS] \
 [--backends N] [--seed N] [--capacity-rps X] [--max-sessions N] [--sources N] [--accel-args ARGS] [--out FILE] [--plots DIR]
-  scenarios: healthy, heterogeneous, throttled, congested, dying, overload, gray (default: all)
+  scenarios: healthy, heterogeneous, throttled, congested, dying, overload, gray (the default);
+             near-saturation, idle, steady (issue 15's policy scenarios; steady runs 10
+             minutes whatever --duration says)
   policies:  maglev, adaptive, adaptive+admission, inband (default: all)
   --duration      seconds of load per cell (default 50)
   --backends      simulated accelerators, 4..=8 (default 4)
@@ -87,7 +92,7 @@ pub struct Args {
 impl Args {
     pub fn parse(args: &[String]) -> Result<Args> {
         let mut a = Args {
-            scenarios: SCENARIOS.to_vec(),
+            scenarios: DEFAULT_SCENARIOS.to_vec(),
             policies: POLICIES.to_vec(),
             duration: Duration::from_secs(50),
             backends: 4,
@@ -278,8 +283,12 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
     vip.telemetry = policy.telemetry();
     vip.inband = policy == Policy::Inband;
     vip.max_sessions = policy.max_sessions(args.max_sessions);
-    // Each client address keeps its conversations on one accelerator (affinity by source).
+    // Each client address keeps its conversations on one accelerator (affinity by source),
+    // through weight changes too: an affinity window longer than a conversation's think
+    // time, as a chat deployment would set (a weight change would otherwise remap whole
+    // source addresses, and a conversation's next turn would lose its prefix cache).
     vip.hash = "source";
+    vip.affinity_secs = AFFINITY_SECS;
     // The lowest admission class: shed first (class 0 is never shed).
     vip.priority = 7;
     let mut opts = DaemonLabOptions::new(&tools.server, n, vec![vip]);
@@ -329,7 +338,8 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         scratch.0.join("summary.json"),
         scratch.0.join("records.jsonl"),
     );
-    let secs = args.duration.as_secs_f64();
+    let duration = scenario.duration(args.duration);
+    let secs = duration.as_secs_f64();
     let rate = scenario.load() * n as f64 * args.capacity_rps;
     let gen_args: Vec<String> = [
         "tokens",
@@ -338,7 +348,7 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         "--rate",
         &format!("{rate:.3}"),
         "--duration",
-        &args.duration.as_secs().to_string(),
+        &duration.as_secs().to_string(),
         "--max-requests",
         &((rate * secs * 2.0).ceil() as u64 + 10).to_string(),
         "--seed",
@@ -363,7 +373,7 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
     let mut fired: Vec<(f64, String)> = Vec::new();
     let mut timeline: Vec<Sample> = Vec::new();
     let mut kv_samples: Vec<Vec<f64>> = Vec::new();
-    let limit = args.duration + Duration::from_secs(90);
+    let limit = duration + Duration::from_secs(90);
     let mut next_sample = Duration::ZERO;
     let status = loop {
         let t = t0.elapsed();
@@ -652,6 +662,34 @@ pub fn aims(cells: &BTreeMap<(String, String), &Value>) -> Vec<Value> {
             "overload: with admission, goodput > maglev's".into(),
             g.map(|(o, m)| o > m),
             json!({"admission": g.map(|g| g.0), "maglev": g.map(|g| g.1)}),
+        );
+    }
+    for s in ["near-saturation"] {
+        if let (Some(m), Some(a)) = (get(s, "maglev"), get(s, "adaptive")) {
+            let t = f(a, "/ttft_ms/p99")
+                .zip(f(m, "/ttft_ms/p99"))
+                .map(|(a, m)| a / m.max(1e-9));
+            aim(
+                format!("{s}: adaptive p99 TTFT < maglev's"),
+                t.map(|t| t < 1.0),
+                json!({"ratio": t}),
+            );
+        }
+    }
+    if let Some(a) = get("idle", "adaptive") {
+        let w = f(a, "/weight_changes");
+        aim(
+            "idle: adaptive changes no weight (no temperature floor)".into(),
+            w.map(|w| w == 0.0),
+            json!({"weight_changes": w}),
+        );
+    }
+    if let Some(a) = get("steady", "adaptive") {
+        let w = f(a, "/weight_changes_per_backend_per_10min");
+        aim(
+            "steady: <= 12 weight changes per backend in 10 min".into(),
+            w.map(|w| w <= 12.0),
+            json!({"per_backend_per_10min": w}),
         );
     }
     let worst = cells

@@ -1,6 +1,8 @@
 //! The steer benchmark's scenarios and policies: what each cell offers, which fault it puts
 //! into which accelerator when, and how the daemon is configured.
 
+use std::time::Duration;
+
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
@@ -24,9 +26,34 @@ pub enum Scenario {
     /// A gray failure: one accelerator's exporter frozen at 0.4 of the run, and the
     /// accelerator slowed 2.5x right after (its pages keep the values from before).
     Gray,
+    /// Issue 15, flaw 1: a fleet near saturation (90%) while one accelerator is throttled
+    /// to 0.4x over the middle third: the others have no headroom for its share.
+    NearSaturation,
+    /// Issue 15, flaw 3: a healthy fleet at idle temperature and light load (25%): every
+    /// weight stays full.
+    Idle,
+    /// Issue 15, flaw 4: a healthy fleet at 65% for 10 minutes whatever `--duration` says:
+    /// weight changes per backend per 10 minutes, counted rather than extrapolated.
+    Steady,
 }
 
-pub const SCENARIOS: [Scenario; 7] = [
+/// Every scenario `--scenarios` knows.
+pub const SCENARIOS: [Scenario; 10] = [
+    Scenario::Healthy,
+    Scenario::Heterogeneous,
+    Scenario::Throttled,
+    Scenario::Congested,
+    Scenario::Dying,
+    Scenario::Overload,
+    Scenario::Gray,
+    Scenario::NearSaturation,
+    Scenario::Idle,
+    Scenario::Steady,
+];
+
+/// The scenarios run when `--scenarios` is not given: the token-stream lab's (issue 7) and the gray failure (issue 14).
+/// The policy scenarios of issue 15 run on request (`steady` alone takes 10 minutes a cell).
+pub const DEFAULT_SCENARIOS: [Scenario; 7] = [
     Scenario::Healthy,
     Scenario::Heterogeneous,
     Scenario::Throttled,
@@ -58,6 +85,9 @@ impl Scenario {
             Scenario::Dying => "dying",
             Scenario::Overload => "overload",
             Scenario::Gray => "gray",
+            Scenario::NearSaturation => "near-saturation",
+            Scenario::Idle => "idle",
+            Scenario::Steady => "steady",
         }
     }
 
@@ -75,7 +105,18 @@ impl Scenario {
     pub fn load(self) -> f64 {
         match self {
             Scenario::Overload => 1.3,
+            Scenario::NearSaturation => 0.9,
+            Scenario::Idle => 0.25,
+            Scenario::Steady => 0.65,
             _ => 0.7,
+        }
+    }
+
+    /// Seconds of load: `steady`'s own 10 minutes, else what `--duration` asked.
+    pub fn duration(self, asked: Duration) -> Duration {
+        match self {
+            Scenario::Steady => Duration::from_secs(600),
+            _ => asked,
         }
     }
 
@@ -94,7 +135,7 @@ impl Scenario {
         };
         let clear = json!({"kind": "clear"});
         match self {
-            Scenario::Throttled => vec![
+            Scenario::Throttled | Scenario::NearSaturation => vec![
                 f(
                     1.0 / 3.0,
                     json!({"kind": "throttle", "factor": 0.4}),
@@ -219,6 +260,10 @@ mod tests {
             assert_eq!(Policy::parse(p.name()).unwrap(), p);
         }
         assert!(Scenario::parse("calm").is_err());
+        assert!(DEFAULT_SCENARIOS.iter().all(|s| SCENARIOS.contains(s)));
+        let asked = Duration::from_secs(50);
+        assert_eq!(Scenario::Steady.duration(asked), Duration::from_secs(600));
+        assert_eq!(Scenario::Idle.duration(asked), asked);
         assert_eq!(
             list("maglev,adaptive", Policy::parse).unwrap(),
             [Policy::Maglev, Policy::Adaptive]

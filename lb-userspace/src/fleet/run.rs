@@ -21,8 +21,8 @@ use crate::{
     clock::now_ms,
     controller::{Controller, Event, Peer, Plane},
     policy::Policy,
-    state::Op,
     scheduler,
+    state::Op,
     telemetry::Hub,
 };
 

@@ -130,6 +130,14 @@ impl MoveAway {
         (1 + steps as u32).min(target)
     }
 
+    /// Ends a ramp at once (the VIP has no headroom to wait for it): `target`.
+    pub fn skip_ramp(&mut self, target: u32) -> u32 {
+        if let Phase::InRotation { ramp_from } = &mut self.phase {
+            *ramp_from = None;
+        }
+        target
+    }
+
     pub fn ramping(&self) -> bool {
         matches!(self.phase, Phase::InRotation { ramp_from: Some(_) })
     }

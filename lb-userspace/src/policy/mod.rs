@@ -187,6 +187,22 @@ fn opt_secs<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error
 /// Consecutive steps a saturation condition must hold to move a backend away.
 pub const SATURATION_STEPS: u32 = 2;
 
+/// The most mean pressure a VIP's backends in rotation may carry and still have headroom
+/// for another's share. Without headroom a move away only saturates the rest in turn (the
+/// steer benchmark's throttled fleet moved three of four away within 15 s and left one
+/// ramping backend with every new session), so then:
+/// - saturation moves nobody (the data plane probes past a full backend);
+/// - a throttled or congested backend keeps [`REDUCED_LEVEL_DIV`] of its weight instead of
+///   none, and counts as full while anything waits in its queue;
+/// - a backend returning from a move skips slow start.
+pub const HEADROOM: f64 = 0.5;
+
+/// A throttled or congested backend of a VIP without headroom keeps
+/// `weight_levels / REDUCED_LEVEL_DIV` levels (at least one): a quarter of its weight, under
+/// the share a 0.4x accelerator can serve, instead of its whole share moved onto backends
+/// that have no room for it.
+pub const REDUCED_LEVEL_DIV: u32 = 4;
+
 /// What the policy remembers of a backend between steps.
 struct Memory {
     score: Score,
@@ -219,6 +235,8 @@ struct Work<'a> {
     trigger: Option<Trigger>,
     eligible: bool,
     wants_out: bool,
+    /// Its VIP's backends in rotation have no headroom ([`HEADROOM`]).
+    crowded: bool,
 }
 
 impl Policy {
@@ -247,9 +265,18 @@ impl Policy {
         self.shedders.retain(|p, _| pools.values().any(|q| q == p));
 
         let mut work: Vec<Work> = inputs.iter().map(|i| self.observe(now, i)).collect();
+        let crowded: BTreeSet<&str> = self
+            .vip_means(&work, |_, w| w.pressure.unwrap_or(0.0))
+            .into_iter()
+            .filter(|(_, (sum, n))| sum / f64::from(*n) > HEADROOM)
+            .map(|(vip, _)| vip)
+            .collect();
+        for w in work.iter_mut() {
+            w.crowded = crowded.contains(w.input.vip);
+        }
         let mut events = Vec::new();
         inband::slow(now, &mut work, &mut self.mismatched, &mut events);
-        self.relevel(&work);
+        self.relevel(now, &work);
         self.trigger(now, &mut work);
         let kept = self.guard(&work);
 
@@ -304,27 +331,48 @@ impl Policy {
             trigger: None,
             eligible: input.healthy && input.weight > 0,
             wants_out: false,
+            crowded: false,
         }
     }
 
     /// Picks the condition each backend acts on: the most severe. Saturation counts only
     /// when the backend is more loaded than its VIP's others (pressure over
     /// `1 + LOAD_BAND` times the mean pressure in rotation) for [`SATURATION_STEPS`] steps
-    /// in a row: when the whole VIP is saturated, moving one away only saturates the rest
-    /// harder (the steer benchmark's healthy fleet cascaded so), and admission control is
-    /// what deals with a full fleet.
+    /// in a row, the others have room ([`HEADROOM`]) and no other backend of the VIP is
+    /// moved away: when the whole VIP is saturated, moving one away only
+    /// saturates the rest harder (the steer benchmark's healthy fleet cascaded so), and
+    /// admission control is what deals with a full fleet.
     fn trigger(&mut self, now: Duration, work: &mut [Work]) {
-        let means: BTreeMap<String, f64> = self
+        let sums: BTreeMap<String, (f64, u32)> = self
             .vip_means(work, |_, w| w.pressure.unwrap_or(0.0))
             .into_iter()
-            .map(|(vip, (sum, n))| (vip.to_owned(), sum / f64::from(n)))
+            .map(|(vip, sum)| (vip.to_owned(), sum))
+            .collect();
+        // Backends moved away already: their share is on the others.
+        let out: BTreeSet<(String, u32)> = work
+            .iter()
+            .filter(|w| {
+                matches!(
+                    self.backends[&w.input.id].move_away.phase,
+                    Phase::MovedAway { .. }
+                )
+            })
+            .map(|w| (w.input.vip.to_owned(), w.input.id))
             .collect();
         for w in work.iter_mut() {
             let m = self.backends.get_mut(&w.input.id).expect("observed");
-            let mean = means.get(w.input.vip).copied();
+            let own = w.pressure.unwrap_or(0.0);
+            let sum = sums.get(w.input.vip).copied();
             let hotter =
-                mean.is_none_or(|mean| w.pressure.unwrap_or(0.0) > (1.0 + score::LOAD_BAND) * mean);
-            let saturated = hotter && w.conditions.iter().any(|t| t.reason == Reason::Saturation);
+                sum.is_none_or(|(sum, n)| own > (1.0 + score::LOAD_BAND) * sum / f64::from(n));
+            // The others (in rotation) must have room for its share.
+            let room = sum
+                .is_none_or(|(sum, n)| n <= 1 || (sum - own) / f64::from(n - 1) <= HEADROOM)
+                && !out
+                    .iter()
+                    .any(|(vip, id)| vip == w.input.vip && *id != w.input.id);
+            let saturated =
+                hotter && room && w.conditions.iter().any(|t| t.reason == Reason::Saturation);
             m.saturated = if saturated { m.saturated + 1 } else { 0 };
             let act = m.saturated >= SATURATION_STEPS;
             w.trigger = w
@@ -341,7 +389,7 @@ impl Policy {
     /// Sets each scored backend's level from its score against its VIP's mean score over
     /// the backends in rotation with fresh telemetry (one moved away is empty because it was
     /// emptied, and counting it would make the others look loaded).
-    fn relevel(&mut self, work: &[Work]) {
+    fn relevel(&mut self, now: Duration, work: &[Work]) {
         let scored = |w: &&Work| w.eligible && w.input.telemetry.is_some_and(|t| !t.stale);
         let sums = self.vip_means(work, |m, _| m.score.value());
         for w in work.iter().filter(scored) {
@@ -351,7 +399,7 @@ impl Policy {
             let m = self.backends.get_mut(&w.input.id).expect("observed");
             let target =
                 score::relative_level(m.score.value(), sum / f64::from(n), self.cfg.weight_levels);
-            m.score.relevel(target, &self.cfg);
+            m.score.relevel(now, target, &self.cfg);
         }
     }
 
@@ -451,9 +499,22 @@ impl Policy {
             }
         }
         let moved = matches!(m.move_away.phase, Phase::MovedAway { .. });
+        // Slow for its hardware, not for its load: with no room elsewhere it keeps a part.
+        let reduced = moved
+            && w.crowded
+            && matches!(
+                m.move_away.phase,
+                Phase::MovedAway {
+                    reason: Reason::Throttling | Reason::Congestion,
+                    ..
+                }
+            );
         let level = match (input.healthy, moved, kept) {
-            (false, ..) | (true, true, false) => 0,
+            (false, ..) => 0,
+            (true, true, false) if reduced => (cfg.weight_levels / REDUCED_LEVEL_DIV).max(1),
+            (true, true, false) => 0,
             (true, true, true) => m.score.level,
+            (true, false, _) if w.crowded => m.move_away.skip_ramp(m.score.level),
             (true, false, _) => m.move_away.ramp_level(now, m.score.level, cfg),
         };
         let state = if !input.healthy {
@@ -490,7 +551,11 @@ impl Policy {
             moved_away: state == SteerState::MovedAway,
             reason,
             cooldown_left: m.move_away.cooldown_left(now),
-            full: admission::full(input.sessions, input.max_sessions, input.telemetry, cfg),
+            // A reduced backend takes its ring share only while nothing waits there: the
+            // data plane probes past full backends, and a slow backend the others' probes
+            // reach would otherwise take every new session they refuse.
+            full: admission::full(input.sessions, input.max_sessions, input.telemetry, cfg)
+                || (reduced && queued(input.telemetry)),
             score: m.score.value(),
             sessions: input.sessions,
             max_sessions: input.max_sessions,
@@ -550,6 +615,13 @@ impl Policy {
             );
         }
     }
+}
+
+/// Fresh telemetry says requests wait in the engine's queue.
+fn queued(t: Option<&BackendTelemetry>) -> bool {
+    t.filter(|t| !t.stale)
+        .and_then(|t| t.sample.queue_depth)
+        .is_some_and(|q| q >= 1.0)
 }
 
 /// Joins the names of a pool's VIPs (VIP names cannot contain it).

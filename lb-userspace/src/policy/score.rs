@@ -10,7 +10,14 @@
 //! The weight level compares the score with the VIP's mean ([`relative_level`]): a backend
 //! within [`LOAD_BAND`] of the mean, or all backends equally loaded, keeps full weight; a
 //! more loaded one gets weight in proportion to how much more. The level only moves when the
-//! target is more than `0.5 + hysteresis * weight_levels` levels from the current level.
+//! target is more than `0.5 + hysteresis * weight_levels` levels from the current level, and
+//! at most once per [`LEVEL_DWELL`]: every level change remaps ring slots, and on a healthy
+//! fleet behind a source-hashed VIP the load of each backend wanders with which clients are
+//! talking (the steer benchmark's healthy fleet changed levels 45 times per backend per 10
+//! minutes with no dwell and a 25% band). Moves away (throttling, congestion, saturation)
+//! are triggers, not levels, and keep their one-scrape reaction.
+
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -129,8 +136,17 @@ pub fn triggers(t: &BackendTelemetry, cfg: &PolicyConfig) -> Vec<Trigger> {
 /// The pressure of a busy GPU whose engine reports no load: its depth is unknown.
 pub const BUSY: f64 = 0.5;
 
-/// Score above the VIP's mean (as a fraction of it) that still counts as evenly loaded.
+/// Pressure above the VIP's mean (as a fraction of it) that still counts as evenly loaded
+/// for saturation moves.
 pub const LOAD_BAND: f64 = 0.25;
+
+/// Score above the VIP's mean (as a fraction of it) that still gets full weight: wider than
+/// [`LOAD_BAND`], since a level change remaps clients while a saturation move needs a
+/// backend to be at its threshold as well.
+pub const LEVEL_BAND: f64 = 0.5;
+
+/// The least time between two level changes of a backend.
+pub const LEVEL_DWELL: Duration = Duration::from_secs(60);
 
 /// Added to scores before comparing them, so that light-load noise (0.17 against a mean of
 /// 0.06, seen in the demo's first seconds) is not read as three times the load.
@@ -160,7 +176,7 @@ pub fn pressure(s: &Sample, cfg: &PolicyConfig) -> Option<f64> {
 /// The level (unrounded, `0..=levels`) a backend of score `score` deserves beside others
 /// whose mean score is `mean`: full within the band, then in inverse proportion to the load.
 pub fn relative_level(score: f64, mean: f64, levels: u32) -> f64 {
-    let share = (1.0 + LOAD_BAND) * (mean + LOAD_FLOOR) / (score + LOAD_FLOOR);
+    let share = (1.0 + LEVEL_BAND) * (mean + LOAD_FLOOR) / (score + LOAD_FLOOR);
     share.min(1.0) * f64::from(levels)
 }
 
@@ -170,6 +186,8 @@ pub struct Score {
     /// `None` until the first reading, which seeds the EWMA.
     ewma: Option<f64>,
     pub level: u32,
+    /// When the level last changed; `None` before any change.
+    changed_at: Option<Duration>,
 }
 
 impl Score {
@@ -178,6 +196,7 @@ impl Score {
         Score {
             ewma: None,
             level: cfg.weight_levels,
+            changed_at: None,
         }
     }
 
@@ -194,11 +213,20 @@ impl Score {
         self.ewma = Some(ewma);
     }
 
-    /// Moves the level toward `target` (unrounded) if it is outside the hysteresis band.
-    pub fn relevel(&mut self, target: f64, cfg: &PolicyConfig) {
+    /// Moves the level to `target` (unrounded) if it is outside the hysteresis band and the
+    /// last change is at least [`LEVEL_DWELL`] old.
+    pub fn relevel(&mut self, now: Duration, target: f64, cfg: &PolicyConfig) {
         let levels = f64::from(cfg.weight_levels);
-        if (target - f64::from(self.level)).abs() > 0.5 + cfg.hysteresis * levels {
-            self.level = (target.round() as u32).clamp(1, cfg.weight_levels);
+        let dwelt = self
+            .changed_at
+            .is_none_or(|at| now.saturating_sub(at) >= LEVEL_DWELL);
+        let level = (target.round() as u32).clamp(1, cfg.weight_levels);
+        if dwelt
+            && level != self.level
+            && (target - f64::from(self.level)).abs() > 0.5 + cfg.hysteresis * levels
+        {
+            self.level = level;
+            self.changed_at = Some(now);
         }
     }
 }
@@ -262,14 +290,24 @@ mod tests {
     fn first_level_is_quantised_and_floored_at_one() {
         let cfg = PolicyConfig::default();
         let mut s = Score::new(&cfg);
-        s.relevel(relative_level(0.5, 0.5, 8), &cfg);
+        let mut now = Duration::ZERO;
+        s.relevel(now, relative_level(0.5, 0.5, 8), &cfg);
         assert_eq!(s.level, 8, "as loaded as the rest: full weight");
-        // Over twice the others' load: 1.25 * (0.4 + 0.2) / (0.9 + 0.2) * 8 = 5.45.
-        s.relevel(relative_level(0.9, 0.4, 8), &cfg);
+        // Within the band: 1.5 * (0.4 + 0.2) / (0.6 + 0.2) * 8 = 9 levels, capped at 8.
+        s.relevel(now, relative_level(0.6, 0.4, 8), &cfg);
+        assert_eq!(s.level, 8);
+        // Over twice the others' load: 1.5 * (0.3 + 0.2) / (0.9 + 0.2) * 8 = 5.45.
+        s.relevel(now, relative_level(0.9, 0.3, 8), &cfg);
         assert_eq!(s.level, 5);
-        s.relevel(relative_level(1.0, 0.0, 8), &cfg);
+        // No second change within the dwell, one as soon as it has passed.
+        now += LEVEL_DWELL - Duration::from_secs(1);
+        s.relevel(now, relative_level(1.0, 0.0, 8), &cfg);
+        assert_eq!(s.level, 5);
+        now += Duration::from_secs(1);
+        s.relevel(now, relative_level(1.0, 0.0, 8), &cfg);
         assert_eq!(s.level, 2);
-        s.relevel(0.0, &cfg);
+        now += LEVEL_DWELL;
+        s.relevel(now, 0.0, &cfg);
         assert_eq!(s.level, 1);
         assert_eq!(scaled(100, 1, &cfg), 12);
         assert_eq!(scaled(3, 1, &cfg), 1);
