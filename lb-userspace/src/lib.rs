@@ -13,12 +13,14 @@
 //!   any moment);
 //! - policy: [`policy`] (pure adaptive steering: weights, move-aways, admission) and
 //!   [`scheduler`] (the shell that runs health checks and policy steps);
-//! - telemetry: [`telemetry`] (accelerator and engine signals per backend), [`flowwalk`]
+//! - telemetry: [`telemetry`] (accelerator, engine and in-band signals per backend), [`flowwalk`]
 //!   (connection-table counts), [`metrics`] (Prometheus), [`trace`] (decision traces);
 //! - configuration: [`config`], [`check`]; the daemon shell: [`daemon`], [`clock`],
 //!   [`notify`], [`private_file`];
 //! - the API: [`admin`] over [`http_server`] (shared with [`metrics`]), [`client`],
 //!   [`cli`] and its [`manpages`], [`limits`]; the backend side: [`backend_host`].
+//! - the fleet: [`announce`] (VIP routes through BIRD, `sluice lb drain`) and [`fleet`] (one
+//!   versioned table set in etcd, the steering leader, static stability).
 
 pub mod addr;
 pub mod admin;

@@ -140,39 +140,31 @@ pub fn build_ebpf() -> Result<PathBuf> {
     let out = object_path();
     let out_dir = out.parent().expect("object path has a parent");
     fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let tmp = out.with_extension("o.tmp");
-    cmd::run(
-        Command::new(&linker)
-            .args(BPF_LINKER_FLAGS)
-            // Every program and map must be exported: bpf-linker internalizes the rest, which
-            // drops programs and leaves maps LOCAL (aya: `error parsing map`).
-            .args(exports.iter().flat_map(|e| ["--export", e.name.as_str()]))
-            .arg("-o")
-            .arg(&tmp)
-            .arg(&staticlib),
-    )?;
-    verify::verify_object(&tmp, &exports)?;
-    replace_if_changed(&tmp, &out)?;
+    // Every program and map must be exported: bpf-linker internalizes the rest, which drops
+    // programs and leaves maps LOCAL (aya: `error parsing map`).
+    let link = |flags: &[&str], dest: &Path| -> Result<()> {
+        let tmp = dest.with_extension("o.tmp");
+        cmd::run(
+            Command::new(&linker)
+                .args(flags)
+                .args(exports.iter().flat_map(|e| ["--export", e.name.as_str()]))
+                .arg("-o")
+                .arg(&tmp)
+                .arg(&staticlib),
+        )?;
+        verify::verify_object(&tmp, &exports)?;
+        replace_if_changed(&tmp, dest)
+    };
+    link(BPF_LINKER_FLAGS, &out)?;
 
     // The upgrade test needs a newer build whose program differs from this one: the same
     // bitcode linked for BPF CPU v2 (no 32-bit jumps) gives other instructions and another
     // program tag, with the same maps, and no test code in the data plane.
-    let variant = upgrade_variant_path();
-    let tmp = variant.with_extension("o.tmp");
     let flags: Vec<&str> = BPF_LINKER_FLAGS
         .iter()
         .map(|f| if *f == "v3" { "v2" } else { *f })
         .collect();
-    cmd::run(
-        Command::new(&linker)
-            .args(&flags)
-            .args(exports.iter().flat_map(|e| ["--export", e.name.as_str()]))
-            .arg("-o")
-            .arg(&tmp)
-            .arg(&staticlib),
-    )?;
-    verify::verify_object(&tmp, &exports)?;
-    replace_if_changed(&tmp, &variant)?;
+    link(&flags, &upgrade_variant_path())?;
     Ok(out)
 }
 
