@@ -56,6 +56,8 @@ use crate::{
     maglev::{is_prime, DEFAULT_RING_SIZE},
 };
 
+pub mod bgp;
+pub mod fleet;
 pub mod rules;
 
 mod errors;

@@ -10,7 +10,8 @@
 //! failed), and withdraws everything when the daemon stops, before the data plane goes.
 
 pub mod bird;
-pub mod config;
+/// `[bgp]`: its types and validation live with the rest of the configuration.
+pub use crate::config::bgp as config;
 pub mod decide;
 
 use std::{collections::BTreeSet, net::IpAddr, sync::Arc, time::Duration};

@@ -300,7 +300,7 @@ pub(super) fn validate(raw: RawConfig) -> (Option<Config>, Found, Found) {
         })
     });
     let fleet = raw.fleet.map(|r| {
-        crate::fleet::config::validate(r).map_err(|errs| {
+        super::fleet::validate(r).map_err(|errs| {
             for (key, msg) in errs {
                 c.err(&root.key("fleet").key(key), msg);
             }

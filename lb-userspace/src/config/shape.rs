@@ -123,8 +123,8 @@ pub(super) struct RawConfig {
     pub(super) health: Option<RawHealth>,
     pub(super) telemetry: Option<RawTelemetry>,
     pub(super) policy: Option<RawPolicy>,
-    pub(super) bgp: Option<crate::announce::config::RawBgp>,
-    pub(super) fleet: Option<crate::fleet::config::RawFleet>,
+    pub(super) bgp: Option<super::bgp::RawBgp>,
+    pub(super) fleet: Option<super::fleet::RawFleet>,
 }
 
 pub(super) const SECTIONS: &str =

@@ -21,9 +21,9 @@ pub struct Config {
     pub telemetry: TelemetryConfig,
     pub policy: PolicyConfig,
     /// `[bgp]`: announce the VIPs through BIRD (absent: nothing is announced).
-    pub bgp: Option<crate::announce::config::BgpConfig>,
+    pub bgp: Option<super::bgp::BgpConfig>,
     /// `[fleet]`: shared state in etcd (`crate::fleet`); none: a single host.
-    pub fleet: Option<crate::fleet::FleetConfig>,
+    pub fleet: Option<super::fleet::FleetConfig>,
 }
 
 /// `[daemon]`

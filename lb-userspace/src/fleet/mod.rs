@@ -13,7 +13,8 @@
 //! refused with a clear error, and when etcd answers again the host reads the latest version
 //! and carries on.
 
-pub mod config;
+/// `[fleet]`: its types and validation live with the rest of the configuration.
+pub use crate::config::fleet as config;
 pub mod doc;
 pub mod gateway;
 pub mod run;

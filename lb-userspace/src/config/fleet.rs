@@ -14,10 +14,10 @@ pub struct FleetConfig {
     /// This host's name in the fleet: unique, it names its report and its leadership.
     pub host: String,
     /// The steering leader's lease: a dead leader is replaced within this time.
-    #[serde(with = "crate::config::duration_str")]
+    #[serde(with = "super::types::duration_str")]
     pub lease_ttl: Duration,
     /// One etcd request's limit; past it etcd counts as unreachable.
-    #[serde(with = "crate::config::duration_str")]
+    #[serde(with = "super::types::duration_str")]
     pub request_timeout: Duration,
 }
 

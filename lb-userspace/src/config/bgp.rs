@@ -5,7 +5,7 @@ use std::{path::PathBuf, time::Duration};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::rules;
+use super::rules;
 
 /// `[bgp]`, validated.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
