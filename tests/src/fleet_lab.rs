@@ -26,6 +26,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs::{self, File},
+    io::Write,
     net::{IpAddr, Ipv4Addr, SocketAddr},
     path::{Path, PathBuf},
     process::{Child, Command},
@@ -291,8 +292,18 @@ impl FleetLab {
     pub fn start_bird(&mut self, k: usize) -> Result<()> {
         let h = &self.hosts[k];
         let routes = h.dir.join("routes.conf");
-        if !routes.exists() {
-            write_atomic(&routes, &bird::render(&BTreeSet::new()))?;
+        // Only if the daemon has not written it yet, and never through the temporary name
+        // the daemon's own writes use (a rename of ours could race one of its).
+        match fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&routes)
+        {
+            Ok(mut f) => f
+                .write_all(bird::render(&BTreeSet::new()).as_bytes())
+                .with_context(|| format!("writing {}", routes.display()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e).with_context(|| format!("creating {}", routes.display())),
         }
         let conf = h.dir.join("bird.conf");
         write_atomic(&conf, &bird_lb_conf(&h.host, &routes))?;

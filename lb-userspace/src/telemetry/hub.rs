@@ -4,7 +4,9 @@
 //!
 //! Staleness is about the *configured* sources of a backend (those its configuration
 //! scrapes, plus [`Source::Push`] where the caller configures it): a backend is stale when
-//! any of them is older than `stale_after` or has never reported. Stale means "unknown":
+//! any of them is older than `stale_after`, or has never reported (one that has only failed
+//! so far gets `stale_after` from its first failure, as a reported part does: a slow first
+//! scrape of a starting daemon is not evidence of anything). Stale means "unknown":
 //! the policy treats the backend as saturated for new sessions, never as dead. A part older
 //! than `stale_after` is left out of the merged sample, configured or not, so a dead exporter
 //! cannot pin a backend's weight with old numbers.
@@ -45,6 +47,8 @@ struct Backend {
     configured: BTreeSet<Source>,
     parts: BTreeMap<Source, (Sample, Instant)>,
     errors: BTreeMap<Source, (String, Instant)>,
+    /// When each source that has never reported first failed.
+    failing_since: BTreeMap<Source, Instant>,
 }
 
 impl Hub {
@@ -67,6 +71,7 @@ impl Hub {
         let keep = |s: &Source| sources.contains(s) || *s == Source::Push;
         b.parts.retain(|s, _| keep(s));
         b.errors.retain(|s, _| keep(s));
+        b.failing_since.retain(|s, _| keep(s));
         if b.configured.contains(&Source::Push) {
             sources.insert(Source::Push);
         }
@@ -90,6 +95,7 @@ impl Hub {
         let b = self.backend(key);
         b.parts.insert(source, (part, at));
         b.errors.remove(&source);
+        b.failing_since.remove(&source);
     }
 
     /// Records a failure of `source` for `key` at `at`. Its last good part stays in use
@@ -101,7 +107,11 @@ impl Hub {
         msg: impl Into<String>,
         at: Instant,
     ) {
-        self.backend(key).errors.insert(source, (msg.into(), at));
+        let b = self.backend(key);
+        b.errors.insert(source, (msg.into(), at));
+        if !b.parts.contains_key(&source) {
+            b.failing_since.entry(source).or_insert(at);
+        }
     }
 
     pub fn view(&self, key: &BackendKey, now: Instant) -> BackendTelemetry {
@@ -121,10 +131,13 @@ impl Hub {
         }
         let ages: Option<Vec<Duration>> = b.configured.iter().map(age_of).collect();
         let age = ages.and_then(|a| a.into_iter().max());
-        let stale = b
-            .configured
-            .iter()
-            .any(|s| age_of(s).is_none_or(|a| a > self.stale_after));
+        let stale = b.configured.iter().any(|s| match age_of(s) {
+            Some(a) => a > self.stale_after,
+            None => b
+                .failing_since
+                .get(s)
+                .is_none_or(|t| now.saturating_duration_since(*t) > self.stale_after),
+        });
         BackendTelemetry {
             sample,
             age,
@@ -171,6 +184,26 @@ mod tests {
     use super::*;
 
     const STALE: Duration = Duration::from_secs(3);
+
+    #[test]
+    fn a_failed_first_scrape_is_not_stale_until_stale_after_from_the_failure() {
+        let t0 = Instant::now();
+        let mut hub = Hub::new(STALE);
+        let k = key("10.0.0.1");
+        hub.configure(k.clone(), BTreeSet::from([Source::Dcgm]));
+        assert!(hub.view(&k, t0).stale, "not yet scraped: unknown");
+        hub.record_error(&k, Source::Dcgm, "no complete response within 200ms", t0);
+        hub.record_error(
+            &k,
+            Source::Dcgm,
+            "no complete response within 200ms",
+            secs(t0, 2.0),
+        );
+        assert!(!hub.view(&k, secs(t0, 2.5)).stale, "failing for 2.5 s of 3");
+        assert!(hub.view(&k, secs(t0, 3.5)).stale, "failing for 3.5 s of 3");
+        hub.update(&k, Source::Dcgm, gpu(50.0), secs(t0, 4.0));
+        assert!(!hub.view(&k, secs(t0, 4.0)).stale);
+    }
 
     fn key(addr: &str) -> BackendKey {
         ("chat".to_owned(), addr.parse::<IpAddr>().unwrap())

@@ -476,9 +476,9 @@ mod tests {
             "{}",
             err(5)
         );
-        for (i, v) in views.iter().enumerate() {
-            assert_eq!(v.stale, i != 4, "{i}: {v:?}");
-        }
+        // Failures alone make a backend stale only `stale_after` after the first one (the
+        // hub's tests pin that down on a simulated clock); the healthy one is fresh.
+        assert!(!views[4].stale, "{:?}", views[4]);
         assert_eq!(views[4].sample.queue_depth, Some(7.0));
     }
 
