@@ -49,6 +49,7 @@ use crate::{
         next_lab_id, tail, write_atomic, DaemonLab, DaemonLabOptions, Running, VipDef, CLI_TIMEOUT,
         START_TIMEOUT,
     },
+    etcd::EtcdCluster,
     netns::{
         attach_native, run_output, tool, CmdOutput, Host, ProcId, DEV, GATEWAY_V4, TCP_PORT, VIP4,
         VIP_NET_V4,
@@ -66,6 +67,24 @@ pub const LB_AS: u32 = 65001;
 pub const CLIENT_SOURCES: u8 = 16;
 /// Bound on BGP sessions coming up and routes converging at start.
 pub const CONVERGE_TIMEOUT: Duration = Duration::from_secs(30);
+/// `[fleet]` of a lab on etcd: its key prefix and timers (a dead leader is replaced in 2 s).
+pub const FLEET_PREFIX: &str = "/sluice-fleet-lab";
+pub const FLEET_LEASE_TTL: &str = "2s";
+pub const FLEET_REQUEST_TIMEOUT: &str = "500ms";
+
+/// Host `k`'s name in the fleet (`[fleet] host`).
+pub fn fleet_host(k: usize) -> String {
+    format!("fleet-lb{k}")
+}
+
+fn fleet_host_line(k: usize) -> String {
+    format!("host = {:?}", fleet_host(k))
+}
+
+fn endpoints_value(urls: &[String]) -> String {
+    let q: Vec<String> = urls.iter().map(|u| format!("{u:?}")).collect();
+    format!("[{}]", q.join(", "))
+}
 
 /// The BFD detection time the lab configures.
 pub fn bfd_detect() -> Duration {
@@ -152,6 +171,26 @@ impl FleetLab {
     /// BIRD; the others can be started later with [`FleetLab::start_host`]). Waits until the
     /// router has a route to the VIP through every running host.
     pub fn start(server: &Path, hosts: usize, running: usize) -> Result<FleetLab> {
+        Self::start_in(server, hosts, running, None)
+    }
+
+    /// [`FleetLab::start`] with every LB host in one fleet (`[fleet]`, host `k` named
+    /// [`fleet_host`]`(k)`) on `etcd`, which each host's namespace is linked to.
+    pub fn start_with_etcd(
+        server: &Path,
+        hosts: usize,
+        running: usize,
+        etcd: &mut EtcdCluster,
+    ) -> Result<FleetLab> {
+        Self::start_in(server, hosts, running, Some(etcd))
+    }
+
+    fn start_in(
+        server: &Path,
+        hosts: usize,
+        running: usize,
+        etcd: Option<&mut EtcdCluster>,
+    ) -> Result<FleetLab> {
         if !(1..=3).contains(&hosts) || running > hosts || running == 0 {
             bail!("a fleet lab has 1 to 3 LB hosts and runs 1 to all of them");
         }
@@ -167,10 +206,24 @@ impl FleetLab {
         opts.set("bgp", "control_socket", &q(lb0.join("bird.ctl")));
         opts.set("bgp", "routes_file", &q(lb0.join("routes.conf")));
         opts.set("bgp", "interval", "\"200ms\"");
+        // Host 0's daemon starts before its namespace is linked to etcd: it configures the
+        // URLs the link will give and catches up once linked.
+        let urls0 = etcd.as_ref().map(|e| e.next_link_urls());
+        if let Some(urls) = &urls0 {
+            opts.set("fleet", "endpoints", &endpoints_value(urls))
+                .set("fleet", "host", &format!("{:?}", fleet_host(0)))
+                .set("fleet", "prefix", &format!("{FLEET_PREFIX:?}"))
+                .set("fleet", "lease_ttl", &format!("{FLEET_LEASE_TTL:?}"))
+                .set(
+                    "fleet",
+                    "request_timeout",
+                    &format!("{FLEET_REQUEST_TIMEOUT:?}"),
+                );
+        }
         let mut lab = DaemonLab::start(opts).inspect_err(|_| {
             let _ = fs::remove_dir_all(&dir);
         })?;
-        let r = Self::build(&mut lab, &dir, &bird, hosts);
+        let r = Self::build(&mut lab, &dir, &bird, hosts, etcd);
         let (hosts_v, router_bird, edge) = match r {
             Ok(v) => v,
             Err(e) => {
@@ -208,9 +261,18 @@ impl FleetLab {
         dir: &Path,
         bird: &Path,
         hosts: usize,
+        mut etcd: Option<&mut EtcdCluster>,
     ) -> Result<(Vec<LbHost>, ProcId, Dataplane)> {
         let base = lab.config_text();
         let topo = &mut lab.topo;
+        let mut urls0 = vec![];
+        if let Some(e) = etcd.as_deref_mut() {
+            let want = e.next_link_urls();
+            urls0 = e.link(&topo.lb.ns).context("linking host 0 to etcd")?;
+            if urls0 != want {
+                bail!("host 0 was configured with etcd at {want:?} but linked to {urls0:?}");
+            }
+        }
         // The router: ECMP over the LB hosts with an L4 hash; the client routes the VIPs
         // through it.
         topo.switch
@@ -249,7 +311,7 @@ impl FleetLab {
             let bpffs = PathBuf::from(format!("{}-{name}", lab.bpffs.display()));
             // The first host's configuration with this host's paths: the same VIPs,
             // backends and seed, so the same Maglev tables.
-            let text = base
+            let mut text = base
                 .replace(
                     &format!("{}/", dir.join("lb").display()),
                     &format!("{}/", hdir.display()),
@@ -262,6 +324,18 @@ impl FleetLab {
                     &format!("\"{}\"", lab.bpffs.display()),
                     &format!("\"{}\"", bpffs.display()),
                 );
+            // In a fleet: this host's name and its own link's etcd URLs.
+            if let Some(e) = etcd.as_deref_mut() {
+                let urls = e
+                    .link(&h.ns)
+                    .with_context(|| format!("linking {name} to etcd"))?;
+                text = text
+                    .replace(&fleet_host_line(0), &fleet_host_line(k))
+                    .replace(&endpoints_value(&urls0), &endpoints_value(&urls));
+                if !text.contains(&fleet_host_line(k)) || !text.contains(&endpoints_value(&urls)) {
+                    bail!("{name}'s configuration did not get its [fleet] host and endpoints");
+                }
+            }
             let config = hdir.join("sluice.toml");
             write_atomic(&config, &text)?;
             list.push(LbHost {
