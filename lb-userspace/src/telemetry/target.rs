@@ -70,8 +70,9 @@ impl HttpUrl {
     pub fn parse(url: &str) -> Result<HttpUrl, String> {
         if url.starts_with("https://") {
             return Err(format!(
-                "{url:?}: https is not supported by the telemetry scraper; use an http:// \
-                 endpoint (a sidecar or a local exporter port)"
+                "{url:?}: https is not supported: Sluice speaks plain HTTP to exporters and to \
+                 etcd's gateway; use an http:// endpoint (the plain-HTTP port, or a local proxy \
+                 in front of a TLS one)"
             ));
         }
         let rest = url
