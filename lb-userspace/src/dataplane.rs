@@ -195,7 +195,7 @@ struct RingShadow {
 /// slot a table can give, so it is always rewritten.
 const UNKNOWN_SLOT: RingSlot = RingSlot {
     backend: u16::MAX,
-    previous: u16::MAX,
+    previous: [u16::MAX; lb_common::RING_HISTORY],
     changed: u32::MAX,
 };
 
