@@ -1,9 +1,15 @@
-//! Second-chance forwarding with real TCP token streams: the namespace lab's IPv4 TCP VIP
-//! starts on two of the three backends, streams run, then the third backend is added and the
-//! LB's connection table is emptied (what replacing the LB daemon without pinned maps does).
-//! In second-chance mode no stream breaks: packets of streams whose ring slot moved reach the
-//! new owner, which has no socket and passes them to the previous one. In table mode the same
-//! streams break. Needs root, `ip` and `ethtool`; fails, never skips.
+//! Second-chance forwarding with real TCP token streams in the namespace lab (IPv4 TCP VIP,
+//! three backends that run the backend program and reach each other):
+//! - a backend joins, drains, or 20 weight changes come 100 ms apart, and then the LB's
+//!   connection table is emptied (what replacing the LB daemon without pinned maps does): no
+//!   stream breaks in second-chance mode; in table mode the streams whose slot moved do;
+//! - a backend is drained, its streams end and it is removed while streams run in waves:
+//!   none breaks in either mode (table mode keeps its table here);
+//! - the real `sluice run` is replaced by a fresh daemon with fresh maps after a weight
+//!   change: none breaks in second-chance mode (the rings' history is carried over), some
+//!   do in table mode.
+//!
+//! Needs root, `ip` and `ethtool`; fails, never skips.
 
 use std::{
     net::SocketAddr,
@@ -236,17 +242,18 @@ fn no_stream_breaks_in_second_chance_mode_when_a_backend_drains() {
     );
 }
 
-/// One previous owner per slot is not always enough here: a slot that changes twice while
-/// a stream lives loses it (seen: 0 or 1 of 24 in second-chance mode, 2 to 9 in table mode).
-/// What must hold is that the backends count every such loss, so the operator sees it.
+/// With three backends a slot's history (three distinct previous owners) names every other
+/// backend that ever held it, so however often the weights move its slot, a stream is found
+/// within two hops: none may break, and no backend may count a history too short. (The
+/// too-short path needs more backends than this lab has: the packet tests drive it.)
 #[test]
-fn twenty_weight_changes_lose_a_stream_only_where_the_backends_count_a_short_history() {
+fn twenty_weight_changes_break_no_stream_in_second_chance_mode() {
     let o = scenario(true, &[0, 1, 2], reweigh);
     assert!(o.passed_on > 0, "no packet took the second hop");
-    assert!(
-        o.broken == 0 || o.missed > 0,
-        "{} streams broke but no backend counted a short history:\n{}",
-        o.broken,
+    assert_eq!(
+        (o.broken, o.missed),
+        (0, 0),
+        "streams broke or found no socket where their history ended:\n{}",
         o.errors.join("\n")
     );
     let t = scenario(false, &[0, 1, 2], reweigh);
