@@ -525,12 +525,12 @@ impl Dataplane {
     /// Rings saved by a previous daemon (`ring_store`), for this one's first tables: a VIP
     /// whose ring is not in these maps yet continues the saved ring's history when its slot
     /// count matches.
-    pub fn seed_rings(&mut self, rings: Vec<(VipKey, Vec<RingSlot>)>) {
+    pub fn seed_rings(&mut self, rings: crate::ring_store::Rings) {
         self.saved_rings.extend(rings);
     }
 
     /// Every VIP's live ring, as [`Dataplane::live_ring`] reads it.
-    pub fn live_rings(&mut self) -> Result<Vec<(VipKey, Vec<RingSlot>)>> {
+    pub fn live_rings(&mut self) -> Result<crate::ring_store::Rings> {
         let keys: Vec<VipKey> = {
             let m: HashMap<&mut MapData, VipKey, VipMeta> =
                 HashMap::try_from(self.map(maps::VIPS)?)?;

@@ -19,13 +19,16 @@ use lb_common::{RingSlot, VipKey, LAYOUT_VERSION, RING_HISTORY, RING_SIZE_MAX};
 
 const MAGIC: &[u8; 8] = b"SLRINGS\n";
 
+/// Each VIP's key and live ring.
+pub type Rings = Vec<(VipKey, Vec<RingSlot>)>;
+
 /// Where the rings of a daemon whose state file is `state_file` are kept.
 pub fn path_for(state_file: &Path) -> PathBuf {
     state_file.with_extension("rings")
 }
 
 /// Writes `rings` to `path` (through a temporary file, so a reader never sees half of it).
-pub fn save(path: &Path, rings: &[(VipKey, Vec<RingSlot>)]) -> Result<()> {
+pub fn save(path: &Path, rings: &Rings) -> Result<()> {
     let mut out = MAGIC.to_vec();
     out.extend_from_slice(&LAYOUT_VERSION.to_le_bytes());
     out.extend_from_slice(&(rings.len() as u32).to_le_bytes());
@@ -50,7 +53,7 @@ pub fn save(path: &Path, rings: &[(VipKey, Vec<RingSlot>)]) -> Result<()> {
 }
 
 /// Reads what [`save`] wrote; `Ok(None)` when there is no such file.
-pub fn load(path: &Path) -> Result<Option<Vec<(VipKey, Vec<RingSlot>)>>> {
+pub fn load(path: &Path) -> Result<Option<Rings>> {
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -61,7 +64,7 @@ pub fn load(path: &Path) -> Result<Option<Vec<(VipKey, Vec<RingSlot>)>>> {
         .with_context(|| format!("{} is not a ring file of this build", path.display()))
 }
 
-fn parse(bytes: &[u8]) -> Result<Vec<(VipKey, Vec<RingSlot>)>> {
+fn parse(bytes: &[u8]) -> Result<Rings> {
     let mut r = Reader(bytes);
     if r.take(MAGIC.len())? != MAGIC {
         bail!("no ring file header");
@@ -130,7 +133,7 @@ impl Reader<'_> {
 mod tests {
     use super::*;
 
-    fn rings() -> Vec<(VipKey, Vec<RingSlot>)> {
+    fn rings() -> Rings {
         let key = VipKey {
             addr: [0x0a00_0001, 0, 0, 0],
             port: 443u16.to_be(),
