@@ -14,6 +14,7 @@
 use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context, Result};
+use lb_common::RING_HISTORY;
 use serde_json::{json, Value};
 use sluice::{
     maglev::{self, MaglevBackend},
@@ -24,7 +25,7 @@ use sluice_tests::{RING, SEED};
 const HELP: &str = "\
 sluice-bench history [--steer PATH] [--out PATH]: owner changes per ring slot when the steer
 benchmark's weight sequences are published, and the share of streams of 10/20/30 s that a
-history of 1, 2 or 3 previous owners per slot would lose.
+history of 1, 2 or 3 previous owners per slot would lose, and what the shipped ring (3) loses.
   --steer PATH   steer results to replay (default bench/results/steer.json)
   --out PATH     JSON results (default bench/results/ring-history.json)
 ";
@@ -57,7 +58,7 @@ pub fn main(args: &[String]) -> Result<()> {
         .ok_or_else(|| anyhow!("{}: no cells", steer.display()))?;
     let mut rows = Vec::new();
     println!(
-        "{:<14} {:<20} {:>6} {:>7} {:>14}  lost streams (share) by length and depth 1/2/3",
+        "{:<14} {:<20} {:>6} {:>7} {:>14}  lost streams (share) by length and depth 1/2/3; shipped",
         "scenario", "policy", "span s", "tables", "slot chg/h"
     );
     for c in cells {
@@ -76,7 +77,11 @@ pub fn main(args: &[String]) -> Result<()> {
                     .map(|(k, v)| format!("{k}: {v}"))
                     .collect::<Vec<_>>()
                     .join("  "))
-                .unwrap_or_default()
+                .unwrap_or_default(),
+        );
+        println!(
+            "{:<66}shipped depth {RING_HISTORY}: {}",
+            "", row["lost_share_shipped"]
         );
         rows.push(row);
     }
@@ -86,7 +91,8 @@ pub fn main(args: &[String]) -> Result<()> {
         "source": steer.display().to_string(),
         "source_git_head": doc["git_head"],
         "ring_size": RING,
-        "method": "every ~1 s sample of the steer run's weights (a backend not active counts as weight 0) is published as a Maglev table through ring_history::next when it differs from the last; per slot, its owners over time. lost_share[L s] = [depth 1, 2, 3]: share of (slot, start second t) whose owner x at t is, at some second of (t, t+L], neither the slot's owner nor among the owners its last d changes replaced, i.e. of streams of L seconds that a history of d previous owners per slot cannot find (the ring keeps d = 1)",
+        "method": "every ~1 s sample of the steer run's weights (a backend not active counts as weight 0) is published as a Maglev table through ring_history::next when it differs from the last; per slot, its owners over time. lost_share[L s] = [depth 1, 2, 3]: share of (slot, start second t) whose owner x at t is, at some second of (t, t+L], neither the slot's owner nor among the owners its last d changes replaced, i.e. of streams of L seconds that a history of d previous owners per slot cannot find (d = 1 and 2 are what shallower rings would lose). lost_share_shipped[L s]: the same share measured on the ring's own slot history as ring_history::next builds it (the shipped depth, distinct owners, most recent first)",
+        "shipped_depth": RING_HISTORY,
         "cells": rows,
     });
     if let Some(dir) = out.parent() {
@@ -111,7 +117,9 @@ fn replay(cell: &Value) -> Result<Value> {
     let mut live: Option<Vec<lb_common::RingSlot>> = None;
     let mut last: Option<Vec<u32>> = None;
     // Per slot, (sample index, owner) from the first table on, one entry per owner change.
-    let mut owners: Vec<Vec<(usize, u16)>> = vec![Vec::new(); RING as usize];
+    // Per slot, (sample index, owner, the ring's previous owners) from the first table on,
+    // one entry per owner change.
+    let mut owners: Vec<Vec<(usize, u16, [u16; RING_HISTORY])>> = vec![Vec::new(); RING as usize];
     let mut first = 0;
     let mut tables = 0;
     for (i, s) in timeline.iter().enumerate() {
@@ -146,7 +154,7 @@ fn replay(cell: &Value) -> Result<Value> {
                 first = i;
                 let n = ring_history::first(&table);
                 for (o, s) in owners.iter_mut().zip(&n) {
-                    o.push((i, s.backend));
+                    o.push((i, s.backend, s.previous));
                 }
                 n
             }
@@ -155,7 +163,7 @@ fn replay(cell: &Value) -> Result<Value> {
                 let n = ring_history::next(l, &table);
                 for (o, s) in owners.iter_mut().zip(&n) {
                     if o.last().map(|x| x.1) != Some(s.backend) {
-                        o.push((i, s.backend));
+                        o.push((i, s.backend, s.previous));
                     }
                 }
                 n
@@ -167,16 +175,18 @@ fn replay(cell: &Value) -> Result<Value> {
         .last()
         .and_then(|s| s["t_s"].as_f64())
         .unwrap_or(0.0);
-    let changes = |o: &Vec<(usize, u16)>| o.len().saturating_sub(1);
+    let changes = |o: &Vec<(usize, u16, [u16; RING_HISTORY])>| o.len().saturating_sub(1);
     let total: usize = owners.iter().map(changes).sum();
     let samples = timeline.len();
     let mut lost = serde_json::Map::new();
+    let mut lost_shipped = serde_json::Map::new();
     for l in LENGTHS {
         if first + l >= samples {
             continue;
         }
         let starts = first..samples - l;
         let mut over = [0u64; DEPTHS.len()];
+        let mut over_shipped = 0u64;
         for o in &owners {
             // The entries in force at second u: those with index <= u.
             let upto = |u: usize| o.partition_point(|e| e.0 <= u);
@@ -193,12 +203,24 @@ fn replay(cell: &Value) -> Result<Value> {
                         over[k] += 1;
                     }
                 }
+                // The ring as shipped: the owner or one of the slot's previous owners.
+                let found = (t + 1..=t + l).all(|u| {
+                    let e = &o[upto(u) - 1];
+                    e.1 == x || e.2.contains(&x)
+                });
+                if !found {
+                    over_shipped += 1;
+                }
             }
         }
         let pairs = (starts.len() * RING as usize) as f64;
         lost.insert(
             format!("{l}s"),
             json!(over.map(|o| (o as f64 / pairs * 1e4).round() / 1e4)),
+        );
+        lost_shipped.insert(
+            format!("{l}s"),
+            json!((over_shipped as f64 / pairs * 1e4).round() / 1e4),
         );
     }
     let max_per_slot = owners.iter().map(changes).max().unwrap_or(0);
@@ -213,5 +235,6 @@ fn replay(cell: &Value) -> Result<Value> {
         "max_changes_of_one_slot": max_per_slot,
         "slots_changed_twice_or_more": owners.iter().filter(|o| changes(o) >= 2).count(),
         "lost_share": lost,
+        "lost_share_shipped": lost_shipped,
     }))
 }

@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     stat::{self, Counter},
-    GUE_PORT, GUE_PRIV_HDR_LEN, GUE_PRIV_KIND, PROTO_IPIP, PROTO_IPV6, PROTO_UDP,
+    GUE_PORT, GUE_PRIV_HDR_LEN, GUE_PRIV_KIND, PROTO_IPIP, PROTO_IPV6, PROTO_UDP, RING_HISTORY,
 };
 
 use crate::{
@@ -116,7 +116,8 @@ fn try_decap(ctx: &XdpContext) -> Result<u32, Counter> {
 }
 
 /// The UDP datagram at `off` (`len` bytes by the outer header): if it is Sluice's GUE
-/// (port, version 0, data message, no flags, our private data with a `WORDS`-word address),
+/// (port, version 0, data message, no flags, our private data with `RING_HISTORY` addresses
+/// of `WORDS` words),
 /// the length of the UDP and GUE headers, the inner protocol and what the private data says.
 /// Other UDP is not ours.
 #[inline(always)]
@@ -126,12 +127,12 @@ fn gue<const WORDS: usize>(
     len: usize,
 ) -> Result<(usize, u8, Option<Tunnel>), Counter> {
     const UDP_GUE: usize = 8 + 4;
-    let tunnel = UDP_GUE + GUE_PRIV_HDR_LEN + 4 * WORDS;
+    let tunnel = UDP_GUE + GUE_PRIV_HDR_LEN + 4 * WORDS * RING_HISTORY;
     let u = at(ctx, off, tunnel).ok_or(stat::DECAP_PASS_NOT_ENCAP)?;
     if unsafe { be16_at(u + 2) } != GUE_PORT {
         return Err(stat::DECAP_PASS_NOT_ENCAP);
     }
-    let hlen = ((GUE_PRIV_HDR_LEN + 4 * WORDS) / 4) as u8;
+    let hlen = ((GUE_PRIV_HDR_LEN + 4 * WORDS * RING_HISTORY) / 4) as u8;
     let ours = unsafe {
         u8_at(u + 8) == hlen && be16_at(u + 10) == 0 && u8_at(u + UDP_GUE) == GUE_PRIV_KIND
     };
@@ -143,7 +144,7 @@ fn gue<const WORDS: usize>(
     }
     let t = Tunnel {
         priv_off: off + UDP_GUE,
-        hop_flags: unsafe { u8_at(u + UDP_GUE + 1) },
+        hops: unsafe { u8_at(u + UDP_GUE + 1) },
     };
     Ok((tunnel, unsafe { u8_at(u + 9) }, Some(t)))
 }

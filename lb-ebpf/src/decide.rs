@@ -7,8 +7,8 @@ use lb_common::{
     stat::{self, Counter},
     AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FlowKey, InbandFlow, LbConfig, VipKey,
     VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE,
-    BACKEND_F_NO_AFFINITY, LB_F_WILDCARD_VIPS, MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_SIZE_MAX,
-    VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SRC_HASH,
+    BACKEND_F_NO_AFFINITY, LB_F_WILDCARD_VIPS, MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_HISTORY,
+    RING_SIZE_MAX, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SRC_HASH,
 };
 
 use crate::{
@@ -38,9 +38,9 @@ pub struct Decision {
     pub hash: u32,
     /// The coarse clock read once per packet (connection ages, next-hop cache).
     pub now: u64,
-    /// Address of the backend that held the flow's ring slot before its last change, for a
-    /// GUE backend to pass on a packet it has no socket for; `None` when there is none.
-    pub previous: Option<[u32; 4]>,
+    /// The backends that held the flow's ring slot before, for a GUE backend to pass on a
+    /// packet it has no socket for (see [`second_hops`]); all `None` when there are none.
+    pub previous: SecondHops,
     /// The flow's connection entry when it was found on its backend (for in-band signals).
     pub conn: Option<*mut ConnEntry>,
 }
@@ -129,7 +129,7 @@ pub fn decide(
                     new_flow: false,
                     hash: h,
                     now,
-                    previous: None,
+                    previous: NO_SECOND_HOPS,
                     conn: Some(e),
                 });
             }
@@ -211,7 +211,7 @@ fn takes(b: &BackendEntry, new_session: bool) -> bool {
 /// A backend for a flow without one: the client's affinity entry while it is fresh and its
 /// backend is not flagged `BACKEND_F_NO_AFFINITY` (one moved away or at weight 0 keeps its
 /// sessions, not its clients: a conversation's next turn goes where the ring says), otherwise the first of the flow's probe positions in the live ring whose backend takes
-/// it, with the slot's previous backend for a GUE backend (see [`second_hop`]). A new
+/// it, with the slot's previous backends for a GUE backend (see [`second_hops`]). A new
 /// session finding only full backends is shed.
 #[inline(always)]
 fn choose(
@@ -220,7 +220,7 @@ fn choose(
     h: u32,
     now: u64,
     new_session: bool,
-) -> Result<(u32, BackendEntry, Option<[u32; 4]>), Refusal> {
+) -> Result<(u32, BackendEntry, SecondHops), Refusal> {
     let akey = AffinityKey {
         addr: key.src,
         vip: vip.id,
@@ -233,7 +233,7 @@ fn choose(
                         count(stat::AFFINITY_HIT);
                         let id = a.backend;
                         remember(&akey, id, now);
-                        return Ok((id, b, None));
+                        return Ok((id, b, NO_SECOND_HOPS));
                     }
                 }
             }
@@ -248,7 +248,7 @@ fn choose(
     for i in 0..MAX_PROBES {
         let slot = hash::probe_slot(h, i, ring_size);
         let (id, previous) = match MAGLEV_RINGS.get(base + slot) {
-            Some(s) if s.backend != 0 => (s.backend as u32, s.previous as u32),
+            Some(s) if s.backend != 0 => (s.backend as u32, s.previous),
             _ => return Err(stat::DROP_NO_BACKEND.into()),
         };
         match backend(id, vip) {
@@ -256,7 +256,7 @@ fn choose(
                 if vip.affinity_secs != 0 {
                     remember(&akey, id, now);
                 }
-                return Ok((id, b, second_hop(&b, previous, vip)));
+                return Ok((id, b, second_hops(&b, previous, vip)));
             }
             Some(b) => {
                 saw_full |= b.state == BACKEND_ACTIVE;
@@ -271,17 +271,43 @@ fn choose(
     Err(stat::DROP_NO_BACKEND.into())
 }
 
-/// The address a GUE backend `b` may pass the flow on to: the slot's previous backend,
-/// when it still serves this VIP (active or draining), also runs the backend program and
-/// has the same address family (it is reached with the same outer header).
+/// Previous owners of a flow's slot that a GUE backend may pass it on to, most recent first,
+/// the named ones before any `None`.
+pub type SecondHops = [Option<&'static BackendEntry>; RING_HISTORY];
+pub const NO_SECOND_HOPS: SecondHops = [None; RING_HISTORY];
+
+/// The slot's previous backends (`previous`, most recent first) that a GUE backend `b` may
+/// pass the flow on to: those that still serve this VIP (active or draining), also run the
+/// backend program and have `b`'s address family (they are reached with the same outer
+/// header). The others are left out, so the tunnel names only hops worth taking.
 #[inline(always)]
-fn second_hop(b: &BackendEntry, previous: u32, vip: &VipMeta) -> Option<[u32; 4]> {
-    if b.flags & BACKEND_F_GUE == 0 || previous == 0 {
-        return None;
+fn second_hops(b: &BackendEntry, previous: [u16; RING_HISTORY], vip: &VipMeta) -> SecondHops {
+    let mut out = NO_SECOND_HOPS;
+    if b.flags & BACKEND_F_GUE == 0 {
+        return out;
     }
-    let p = backend(previous, vip)?;
-    let serves = p.state == BACKEND_ACTIVE || p.state == BACKEND_DRAINING;
-    (serves && p.flags & BACKEND_F_GUE != 0 && p.family == b.family).then_some(p.addr)
+    for id in previous {
+        if id == 0 {
+            // The history lists its owners first: nothing follows an unset one.
+            break;
+        }
+        let Some(p) = BACKENDS.get(id as u32) else {
+            continue;
+        };
+        let serves = p.state == BACKEND_ACTIVE || p.state == BACKEND_DRAINING;
+        if p.vip != vip.id || !serves || p.flags & BACKEND_F_GUE == 0 || p.family != b.family {
+            continue;
+        }
+        // Constant indexes: the verifier sees three stack slots, not a computed one.
+        if out[0].is_none() {
+            out[0] = Some(p);
+        } else if out[1].is_none() {
+            out[1] = Some(p);
+        } else {
+            out[2] = Some(p);
+        }
+    }
+    out
 }
 
 #[inline(always)]

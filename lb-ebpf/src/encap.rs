@@ -13,11 +13,12 @@ use lb_common::{
     stat::{self, Counter},
     LbConfig, NextHop, BACKEND_F_GUE, FAMILY_V4, GUE_PORT, GUE_PRIV_HDR_LEN, GUE_PRIV_KIND,
     GUE_SPORT_BASE, GUE_SPORT_MASK, NEXTHOP_TTL_NS, PROTO_IPIP, PROTO_IPV6, PROTO_UDP,
+    RING_HISTORY,
 };
 
 use crate::{
     csum::{add_all, fold},
-    decide::Decision,
+    decide::{Decision, SecondHops},
     hdr::{
         EthHdr, Ipv4Hdr, Ipv6Hdr, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, GUE_HLEN, IPV4_HLEN, IPV6_HLEN,
         TTL, UDP_HLEN,
@@ -30,10 +31,10 @@ use crate::{
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
-/// UDP, GUE and Sluice's private data (which ends with a `WORDS`-word address) after the
-/// outer IP header.
+/// UDP, GUE and Sluice's private data (which ends with `RING_HISTORY` addresses of `WORDS`
+/// words) after the outer IP header.
 const fn gue_len(words: usize) -> usize {
-    UDP_HLEN + GUE_HLEN + GUE_PRIV_HDR_LEN + 4 * words
+    UDP_HLEN + GUE_HLEN + GUE_PRIV_HDR_LEN + 4 * words * RING_HISTORY
 }
 
 /// Encapsulates the packet for the decided backend and returns the XDP action, or
@@ -138,7 +139,6 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
     }
     if gue {
         let udp_len = (tunnel_len + p.l3_len) as u16;
-        let previous = d.previous.unwrap_or_default();
         let written = if outer_v4 {
             write_gue::<1>(
                 ctx,
@@ -146,7 +146,7 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
                 h,
                 udp_len,
                 inner_proto,
-                &previous,
+                &d.previous,
             )
         } else {
             write_gue::<4>(
@@ -155,7 +155,7 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
                 h,
                 udp_len,
                 inner_proto,
-                &previous,
+                &d.previous,
             )
         };
         if written.is_none() {
@@ -178,8 +178,8 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
 
 /// Writes the UDP header, the GUE base header and Sluice's private data at `off`: the
 /// source port from the flow hash, a zero UDP checksum (the inner packet carries its own;
-/// RFC 6935 allows it for tunnels over IPv6), and the previous backend's address (`WORDS`
-/// words, the outer family's size; all zero for none).
+/// RFC 6935 allows it for tunnels over IPv6), hop count 0, and the previous backends'
+/// addresses (`WORDS` words each, the outer family's size; all zero where none is named).
 #[inline(always)]
 fn write_gue<const WORDS: usize>(
     ctx: &XdpContext,
@@ -187,12 +187,12 @@ fn write_gue<const WORDS: usize>(
     h: u32,
     udp_len: u16,
     inner_proto: u8,
-    previous: &[u32; 4],
+    previous: &SecondHops,
 ) -> Option<()> {
     let t = at(ctx, off, gue_len(WORDS))?;
     let sport = GUE_SPORT_BASE | (h as u16 & GUE_SPORT_MASK);
     // Hlen counts the 32-bit words after the base header: here, only the private data.
-    let hlen = ((GUE_PRIV_HDR_LEN + 4 * WORDS) / 4) as u8;
+    let hlen = ((GUE_PRIV_HDR_LEN + 4 * WORDS * RING_HISTORY) / 4) as u8;
     let head: [u16; 6] = [
         sport.to_be(),
         GUE_PORT.to_be(),
@@ -207,11 +207,12 @@ fn write_gue<const WORDS: usize>(
             (t + UDP_HLEN + GUE_HLEN) as *mut [u8; 4],
             [GUE_PRIV_KIND, 0, 0, 0],
         );
-        for (i, w) in previous.iter().take(WORDS).enumerate() {
-            core::ptr::write_unaligned(
-                (t + UDP_HLEN + GUE_HLEN + GUE_PRIV_HDR_LEN + 4 * i) as *mut u32,
-                *w,
-            );
+        let addrs = t + UDP_HLEN + GUE_HLEN + GUE_PRIV_HDR_LEN;
+        for (k, p) in previous.iter().enumerate() {
+            let addr = p.map_or([0; 4], |b| b.addr);
+            for (i, w) in addr.iter().take(WORDS).enumerate() {
+                core::ptr::write_unaligned((addrs + 4 * (WORDS * k + i)) as *mut u32, *w);
+            }
         }
     }
     Some(())

@@ -1,6 +1,13 @@
 //! Second-chance forwarding on the backend: a mid-connection TCP packet that arrives in
-//! Sluice's GUE but has no socket on this host is passed on, once, to the previous backend
-//! the LB named (the owner of the flow's ring slot before its last change).
+//! Sluice's GUE but has no socket on this host is passed on to the first previous backend
+//! the tunnel still names (the owners of the flow's ring slot before its changes, most
+//! recent first).
+//!
+//! Each pass-on takes the first name off the list (the rest move up, the last becomes zero)
+//! and adds one to the hop count, so a packet is passed on at most `RING_HISTORY` times in
+//! all and at most once by each host it reaches: with no name left it is delivered to the
+//! stack, which resets it. The hop count tells a packet that ran out of names
+//! (`decap_history_short`) from one the LB sent without any (`decap_no_second_hop`).
 
 use aya_ebpf::{
     bindings::{bpf_fib_lookup, bpf_sock, bpf_sock_tuple, xdp_action, BPF_FIB_LKUP_RET_SUCCESS},
@@ -11,7 +18,7 @@ use aya_ebpf::{
     programs::XdpContext,
     EbpfContext,
 };
-use lb_common::{stat, GUE_HOP_FORWARDED, PROTO_TCP};
+use lb_common::{stat, PROTO_TCP, RING_HISTORY};
 
 use crate::{
     csum::{add_all, fold},
@@ -26,15 +33,16 @@ const AF_INET6: u8 = 10;
 const CURRENT_NETNS: u64 = u64::MAX;
 const TCP_LISTEN: u32 = 10;
 
-/// What the tunnel told us: where its private data sits and the hop flags in it.
+/// What the tunnel told us: where its private data sits and how often the packet was
+/// passed on already.
 pub struct Tunnel {
-    /// Offset of Sluice's private data (kind, hop flags, reserved, previous address).
+    /// Offset of Sluice's private data (kind, hop count, reserved, previous addresses).
     pub priv_off: usize,
-    pub hop_flags: u8,
+    pub hops: u8,
 }
 
 /// For a GUE packet with an outer header of `WORDS`-word addresses right after an untagged
-/// Ethernet header: `Some(action)` when it was passed on to the previous backend, `None`
+/// Ethernet header: `Some(action)` when it was passed on to a previous backend, `None`
 /// when it is for this host (a socket is here, it opens a connection, it is not TCP, or there
 /// is nowhere to pass it). Every `None` for a missing socket is counted.
 #[inline(always)]
@@ -48,25 +56,27 @@ pub fn forward<const WORDS: usize>(
     if has_socket(ctx, inner_off, inner_eth)? {
         return None;
     }
-    if t.hop_flags & GUE_HOP_FORWARDED != 0 {
-        // The previous backend has no socket either: the flow's slot changed more often
-        // than the ring remembers (or the connection is gone). The stack answers it.
-        count(stat::DECAP_HISTORY_SHORT);
-        return None;
-    }
     let outer_ip = if WORDS == 1 { IPV4_HLEN } else { IPV6_HLEN };
     // Only the LB's own layout is rewritten in place: no VLAN tag, no IPv4 options.
     if l3 != ETH_HLEN || t.priv_off != ETH_HLEN + outer_ip + 12 {
         count(stat::DECAP_NO_SECOND_HOP);
         return None;
     }
-    let a = at(ctx, ETH_HLEN + outer_ip + 16, 4 * WORDS)?;
-    let mut previous = [0u32; 4];
-    for (i, w) in previous.iter_mut().take(WORDS).enumerate() {
+    let names = ETH_HLEN + outer_ip + 16;
+    let a = at(ctx, names, 4 * WORDS)?;
+    let mut next = [0u32; 4];
+    for (i, w) in next.iter_mut().take(WORDS).enumerate() {
         *w = unsafe { core::ptr::read_unaligned((a + 4 * i) as *const u32) };
     }
-    if previous == [0; 4] {
-        count(stat::DECAP_NO_SECOND_HOP);
+    // (A count at the limit with a name left is no packet of ours: not passed on either.)
+    if next == [0; 4] || t.hops as usize >= RING_HISTORY {
+        if t.hops == 0 {
+            count(stat::DECAP_NO_SECOND_HOP);
+        } else {
+            // The previous backends named have no socket either: the flow's slot changed
+            // more often than the ring remembers (or the connection is gone).
+            count(stat::DECAP_HISTORY_SHORT);
+        }
         return None;
     }
     let ip = at(ctx, ETH_HLEN, outer_ip)?;
@@ -79,13 +89,13 @@ pub fn forward<const WORDS: usize>(
             f.__bindgen_anon_1.tot_len =
                 u16::from_be(core::ptr::read_unaligned((ip + 2) as *const u16));
             f.__bindgen_anon_3.ipv4_src = core::ptr::read_unaligned((ip + 12) as *const u32);
-            f.__bindgen_anon_4.ipv4_dst = previous[0];
+            f.__bindgen_anon_4.ipv4_dst = next[0];
         } else {
             f.family = AF_INET6;
             f.__bindgen_anon_1.tot_len =
                 u16::from_be(core::ptr::read_unaligned((ip + 4) as *const u16)) + IPV6_HLEN as u16;
             f.__bindgen_anon_3.ipv6_src = core::ptr::read_unaligned((ip + 8) as *const [u32; 4]);
-            f.__bindgen_anon_4.ipv6_dst = previous;
+            f.__bindgen_anon_4.ipv6_dst = next;
         }
     }
     let rc = unsafe {
@@ -100,28 +110,34 @@ pub fn forward<const WORDS: usize>(
         count(stat::DECAP_SECOND_HOP_NO_ROUTE);
         return None;
     }
-    // Readdress the tunnel to the previous backend and mark it passed on: the next host
-    // never passes it again, and no address is left to pass it to.
-    let hdr = at(ctx, 0, ETH_HLEN + outer_ip + 16 + 4 * WORDS)?;
+    // Readdress the tunnel to that backend, take its name off the list and count the hop.
+    let hdr = at(ctx, 0, names + 4 * WORDS * RING_HISTORY)?;
     unsafe {
         core::ptr::write_unaligned(hdr as *mut [u8; 6], f.dmac);
         core::ptr::write_unaligned((hdr + 6) as *mut [u8; 6], f.smac);
         let ip = hdr + ETH_HLEN;
         if WORDS == 1 {
-            core::ptr::write_unaligned((ip + 16) as *mut u32, previous[0]);
+            core::ptr::write_unaligned((ip + 16) as *mut u32, next[0]);
             core::ptr::write_unaligned((ip + 10) as *mut u16, 0);
             let words = core::ptr::read_unaligned(ip as *const [u32; 5]);
             core::ptr::write_unaligned((ip + 10) as *mut u16, fold(add_all(0, &words)));
         } else {
-            core::ptr::write_unaligned((ip + 24) as *mut [u32; 4], previous);
+            core::ptr::write_unaligned((ip + 24) as *mut [u32; 4], next);
         }
-        let p = ip + outer_ip + 12;
-        core::ptr::write_unaligned((p + 1) as *mut u8, GUE_HOP_FORWARDED);
-        for i in 0..WORDS {
-            core::ptr::write_unaligned((p + 4 + 4 * i) as *mut u32, 0);
+        core::ptr::write_unaligned((hdr + names - 3) as *mut u8, t.hops + 1);
+        let list = hdr + names;
+        for i in 0..WORDS * (RING_HISTORY - 1) {
+            let w = core::ptr::read_unaligned((list + 4 * (WORDS + i)) as *const u32);
+            core::ptr::write_unaligned((list + 4 * i) as *mut u32, w);
+        }
+        for i in WORDS * (RING_HISTORY - 1)..WORDS * RING_HISTORY {
+            core::ptr::write_unaligned((list + 4 * i) as *mut u32, 0);
         }
     }
     count(stat::DECAP_SECOND_HOP);
+    if t.hops > 0 {
+        count(stat::DECAP_HOP_FURTHER);
+    }
     if f.ifindex == ingress {
         return Some(xdp_action::XDP_TX);
     }

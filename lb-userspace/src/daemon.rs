@@ -30,7 +30,7 @@ use crate::{
     fleet, limits, metrics, notify,
     object::BPF_OBJECT,
     policy::Policy,
-    scheduler,
+    ring_store, scheduler,
     state::{BackendSpec, Limits, State, VipSpec},
     telemetry::{self, Hub},
 };
@@ -430,6 +430,21 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let mut dp = Dataplane::load(BPF_OBJECT, &opts)?;
     rollback.created = !dp.reused();
     rollback.armed = true;
+    // Fresh maps: continue the rings a daemon that unpinned its maps saved, so second-chance
+    // VIPs still find the streams whose slots moved before it. Used once either way: a later
+    // start must not continue rings older than its maps.
+    let ring_file = ring_store::path_for(&cfg.daemon.state_file);
+    if !dp.reused() {
+        match ring_store::load(&ring_file) {
+            Ok(Some(rings)) => {
+                tracing::info!(vips = rings.len(), path = %ring_file.display(), "continuing the saved rings' history");
+                dp.seed_rings(rings);
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(error = %format!("{e:#}"), "ignoring the saved rings"),
+        }
+    }
+    let _ = std::fs::remove_file(&ring_file);
     let persisted = read_persisted(&cfg.daemon.state_file);
     // What the maps hold now: the persisted state if we re-adopt pinned maps.
     let in_plane = match (&persisted, dp.reused()) {
@@ -582,6 +597,16 @@ pub async fn run(config_path: &Path) -> Result<()> {
     live.health.stop().await;
     live.scraper.stop().await;
     let _ = tracer.await;
+    if !cfg.daemon.keep_dataplane_on_exit {
+        // The rings go with the pins: their history is kept for the next daemon.
+        let rings = ctl.lock().await.plane().dp.live_rings();
+        match rings.and_then(|r| ring_store::save(&ring_file, &r)) {
+            Ok(()) => {
+                tracing::info!(path = %ring_file.display(), "rings saved for the next daemon")
+            }
+            Err(e) => tracing::warn!(error = %format!("{e:#}"), "the rings' history is not saved"),
+        }
+    }
     // Drop the maps and programs before unpinning, so nothing of ours holds them.
     drop(ctl);
     if cfg.daemon.keep_dataplane_on_exit {

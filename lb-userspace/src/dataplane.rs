@@ -195,7 +195,7 @@ struct RingShadow {
 /// slot a table can give, so it is always rewritten.
 const UNKNOWN_SLOT: RingSlot = RingSlot {
     backend: u16::MAX,
-    previous: u16::MAX,
+    previous: [u16::MAX; lb_common::RING_HISTORY],
     changed: u32::MAX,
 };
 
@@ -205,6 +205,9 @@ pub struct Dataplane {
     /// The maps were pinned by an earlier run and reused.
     reused: bool,
     shadows: StdHashMap<u32, RingShadow>,
+    /// Rings a previous daemon saved (`ring_store`): a VIP's first table in fresh maps
+    /// continues its history instead of starting without one.
+    saved_rings: StdHashMap<VipKey, Vec<RingSlot>>,
 }
 
 /// Sum of a per-CPU value over all CPUs.
@@ -258,6 +261,7 @@ impl Dataplane {
             max_vips: opts.max_vips,
             reused,
             shadows: StdHashMap::new(),
+            saved_rings: StdHashMap::new(),
         };
         if !reused {
             let mut meta: Array<&mut MapData, u32> = Array::try_from(dp.map(maps::META)?)?;
@@ -491,7 +495,10 @@ impl Dataplane {
                 }
                 slots
             }
-            _ => ring_history::first(table),
+            _ => match self.saved_rings.remove(key) {
+                Some(saved) if saved.len() == len => ring_history::next(&saved, table),
+                _ => ring_history::first(table),
+            },
         };
         let next = active.map_or(0, |a| a ^ 1);
         let base = (meta.id * RINGS_PER_VIP + next) * RING_SIZE_MAX;
@@ -513,6 +520,29 @@ impl Dataplane {
         meta.active_ring = next;
         self.set_vip(key, &meta)?;
         Ok(changes.len())
+    }
+
+    /// Rings saved by a previous daemon (`ring_store`), for this one's first tables: a VIP
+    /// whose ring is not in these maps yet continues the saved ring's history when its slot
+    /// count matches.
+    pub fn seed_rings(&mut self, rings: crate::ring_store::Rings) {
+        self.saved_rings.extend(rings);
+    }
+
+    /// Every VIP's live ring, as [`Dataplane::live_ring`] reads it.
+    pub fn live_rings(&mut self) -> Result<crate::ring_store::Rings> {
+        let keys: Vec<VipKey> = {
+            let m: HashMap<&mut MapData, VipKey, VipMeta> =
+                HashMap::try_from(self.map(maps::VIPS)?)?;
+            m.keys().collect::<Result<_, _>>().context("reading VIPS")?
+        };
+        let mut rings = Vec::new();
+        for key in keys {
+            if let Some(ring) = self.live_ring(&key)? {
+                rings.push((key, ring));
+            }
+        }
+        Ok(rings)
     }
 
     /// The live ring of the VIP at `key` as the kernel holds it (`ring_size` slots), or

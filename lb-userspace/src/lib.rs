@@ -4,7 +4,8 @@
 //! both crates):
 //!
 //! - decision per packet: `lb-ebpf/src/decide.rs`; the tables it reads are built here by
-//!   [`maglev`] and [`ring_history`];
+//!   [`maglev`] and [`ring_history`] (kept across a daemon replaced without pins by
+//!   [`ring_store`]);
 //! - maps: names and layouts in `lb_common` (`lb_common::maps`), loading and typed access in
 //!   [`dataplane`], the compiled object in [`object`], address words in [`addr`];
 //! - desired state and its changes: [`state`] (pure), [`controller`] (owns it, audits, and
@@ -47,6 +48,7 @@ pub mod object;
 pub mod policy;
 pub mod private_file;
 pub mod ring_history;
+pub mod ring_store;
 pub mod scheduler;
 pub mod state;
 pub mod telemetry;

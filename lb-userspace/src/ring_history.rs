@@ -1,13 +1,14 @@
 //! Ring slots that remember: how a VIP's published ring carries each slot's previous
-//! backend into the next table.
+//! backends into the next table.
 //!
-//! When a slot changes owner, its old owner becomes `previous` and the slot is stamped with
-//! the VIP's next table generation. The result depends only on the sequence of tables, never
-//! on clocks or ids of the host, so LB hosts that publish the same tables hold the same
-//! history. One previous owner per slot is kept: a flow survives one change of its slot,
-//! and a second change of the same slot loses the flows that began two owners ago.
+//! When a slot changes owner, its old owner goes to the front of `previous` (the new owner
+//! and duplicates leave it, the oldest falls off beyond `RING_HISTORY`) and the slot is
+//! stamped with the VIP's next table generation. The result depends only on the sequence of
+//! tables, never on clocks or ids of the host, so LB hosts that publish the same tables hold
+//! the same history. A flow survives `RING_HISTORY` changes of its slot while it lives
+//! (more, when the slot comes back to an owner it remembers).
 
-use lb_common::RingSlot;
+use lb_common::{RingSlot, RING_HISTORY};
 
 /// The generation of a ring: that of its most recent change (0 for a VIP's first table).
 pub fn generation(ring: &[RingSlot]) -> u32 {
@@ -21,15 +22,14 @@ pub fn first(table: &[u32]) -> Vec<RingSlot> {
         .iter()
         .map(|&id| RingSlot {
             backend: slot_id(id),
-            previous: 0,
-            changed: 0,
+            ..RingSlot::default()
         })
         .collect()
 }
 
 /// The ring that follows `live` when `table` is published: unchanged slots keep their
-/// history; a slot with a new owner names its old one as `previous`, stamped with the next
-/// generation. A table equal to the live one gives back the live ring unchanged.
+/// history; a slot with a new owner puts its old one first in `previous`, stamped with the
+/// next generation. A table equal to the live one gives back the live ring unchanged.
 pub fn next(live: &[RingSlot], table: &[u32]) -> Vec<RingSlot> {
     debug_assert_eq!(live.len(), table.len());
     let gen = generation(live).wrapping_add(1);
@@ -41,12 +41,26 @@ pub fn next(live: &[RingSlot], table: &[u32]) -> Vec<RingSlot> {
             } else {
                 RingSlot {
                     backend: slot_id(id),
-                    previous: s.backend,
+                    previous: remembered(s, slot_id(id)),
                     changed: gen,
                 }
             }
         })
         .collect()
+}
+
+/// The previous owners of slot `s` once `new` takes it: its owner, then its own previous
+/// ones, without `new`, unset ids or repeats (a backend named twice would waste a hop).
+fn remembered(s: &RingSlot, new: u16) -> [u16; RING_HISTORY] {
+    let mut out = [0; RING_HISTORY];
+    let mut n = 0;
+    for id in core::iter::once(s.backend).chain(s.previous) {
+        if n < RING_HISTORY && id != 0 && id != new && !out[..n].contains(&id) {
+            out[n] = id;
+            n += 1;
+        }
+    }
+    out
 }
 
 /// Backend ids are below `MAX_BACKENDS` (checked when the Maglev table is built), which
@@ -61,7 +75,7 @@ mod tests {
     use super::*;
     use crate::maglev::{build, MaglevBackend};
 
-    fn slot(backend: u16, previous: u16, changed: u32) -> RingSlot {
+    fn slot(backend: u16, previous: [u16; 3], changed: u32) -> RingSlot {
         RingSlot {
             backend,
             previous,
@@ -73,7 +87,7 @@ mod tests {
     fn a_first_table_has_no_history() {
         assert_eq!(
             first(&[1, 2, 0]),
-            vec![slot(1, 0, 0), slot(2, 0, 0), slot(0, 0, 0)]
+            vec![slot(1, [0; 3], 0), slot(2, [0; 3], 0), slot(0, [0; 3], 0)]
         );
         assert_eq!(generation(&first(&[1, 2])), 0);
     }
@@ -82,14 +96,37 @@ mod tests {
     fn a_changed_slot_names_its_old_owner_and_the_new_generation() {
         let g0 = first(&[1, 2, 3]);
         let g1 = next(&g0, &[1, 4, 3]);
-        assert_eq!(g1, vec![slot(1, 0, 0), slot(4, 2, 1), slot(3, 0, 0)]);
+        assert_eq!(
+            g1,
+            vec![
+                slot(1, [0; 3], 0),
+                slot(4, [2, 0, 0], 1),
+                slot(3, [0; 3], 0)
+            ]
+        );
         assert_eq!(generation(&g1), 1);
         // The next change of another slot keeps this one's history.
         let g2 = next(&g1, &[5, 4, 3]);
-        assert_eq!(g2, vec![slot(5, 1, 2), slot(4, 2, 1), slot(3, 0, 0)]);
-        // A slot that changes again forgets the owner before last (one level of history).
+        assert_eq!(
+            g2,
+            vec![
+                slot(5, [1, 0, 0], 2),
+                slot(4, [2, 0, 0], 1),
+                slot(3, [0; 3], 0)
+            ]
+        );
+        // Each further change of a slot puts its old owner first; beyond three the oldest
+        // is forgotten.
         let g3 = next(&g2, &[5, 6, 3]);
-        assert_eq!(g3[1], slot(6, 4, 3));
+        assert_eq!(g3[1], slot(6, [4, 2, 0], 3));
+        let g4 = next(&g3, &[5, 7, 3]);
+        assert_eq!(g4[1], slot(7, [6, 4, 2], 4));
+        let g5 = next(&g4, &[5, 8, 3]);
+        assert_eq!(
+            g5[1],
+            slot(8, [7, 6, 4], 5),
+            "2, four owners ago, is forgotten"
+        );
     }
 
     #[test]
@@ -104,7 +141,21 @@ mod tests {
         // Flows that began under 2 are on 2; those from before are on 1 and were already
         // reached through 2's previous until now, so 2 is the owner worth naming.
         let g1 = next(&first(&[1]), &[2]);
-        assert_eq!(next(&g1, &[1]), vec![slot(1, 2, 2)]);
+        assert_eq!(next(&g1, &[1]), vec![slot(1, [2, 0, 0], 2)]);
+    }
+
+    #[test]
+    fn a_slot_names_each_backend_once_and_never_its_owner() {
+        // 1 -> 2 -> 3 -> 1 -> 2: the owner leaves the list, a returning one moves to the
+        // front, so three distinct owners fit where five changes happened.
+        let mut ring = first(&[1]);
+        for id in [2, 3, 1, 2] {
+            ring = next(&ring, &[id]);
+        }
+        assert_eq!(ring, vec![slot(2, [1, 3, 0], 4)]);
+        // A slot emptied (0) and refilled names no unset backend.
+        let r = next(&next(&first(&[1]), &[0]), &[2]);
+        assert_eq!(r, vec![slot(2, [1, 0, 0], 2)]);
     }
 
     #[test]
@@ -142,14 +193,14 @@ mod tests {
             "the history is a function of the tables alone"
         );
         assert_eq!(generation(&a), 5);
-        // Every slot's owner is the last table's, and every changed slot names an owner it
-        // had, in the table before its change.
+        // Every slot's owner is the last table's, and every changed slot names first the
+        // owner it had in the table before its change, and never its own owner.
         for (i, s) in a.iter().enumerate() {
             assert_eq!(u32::from(s.backend), tables[5][i]);
             if s.changed > 0 {
                 let before = &tables[s.changed as usize - 1];
-                assert_eq!(u32::from(s.previous), before[i], "slot {i}");
-                assert_ne!(s.previous, s.backend);
+                assert_eq!(u32::from(s.previous[0]), before[i], "slot {i}");
+                assert!(!s.previous.contains(&s.backend), "slot {i}");
             }
         }
         // A host that starts later has history only from its own first table.

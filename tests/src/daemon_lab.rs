@@ -90,6 +90,8 @@ pub struct VipDef {
     pub hash: &'static str,
     /// In-band signals (`inband = true`).
     pub inband: bool,
+    /// `flow_state`: "table" (the default) or "second-chance".
+    pub flow_state: &'static str,
     /// `affinity_window` in seconds (0: the daemon's default, none).
     pub affinity_secs: u32,
 }
@@ -108,6 +110,7 @@ impl VipDef {
             telemetry: false,
             hash: "five-tuple",
             inband: false,
+            flow_state: "table",
             affinity_secs: 0,
         }
     }
@@ -711,6 +714,9 @@ impl DaemonLab {
             );
             if v.inband {
                 text += "inband = true\n";
+            }
+            if v.flow_state != "table" {
+                text += &format!("flow_state = \"{}\"\n", v.flow_state);
             }
             if v.affinity_secs > 0 {
                 text += &format!("affinity_window = \"{}s\"\n", v.affinity_secs);

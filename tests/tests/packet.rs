@@ -82,13 +82,13 @@ fn encapsulated(lab: &Lab, inner: &[u8], backend: IpAddr, h: u32) -> Vec<u8> {
 }
 
 /// The frame the data plane must emit for `inner` sent to a GUE `backend` through the
-/// fallback next hop, naming `previous` (or no previous backend).
+/// fallback next hop, naming the `previous` backends (up to three, most recent first).
 fn gue_encapsulated(
     lab: &Lab,
     inner: &[u8],
     backend: IpAddr,
     h: u32,
-    previous: Option<IpAddr>,
+    previous: &[IpAddr],
 ) -> Vec<u8> {
     let src = lab.outer_src(h, backend.is_ipv6());
     let sport = 0xc000 | (h as u16 & 0x3fff);
@@ -105,8 +105,8 @@ fn gue_encapsulated(
 }
 
 /// A GUE frame as Sluice writes it: UDP to 6080 with checksum 0, GUE version 0 (Hlen in
-/// words of private data, inner protocol, no flags), private data 0x53, `hop` flags, two
-/// zero bytes and the previous backend's address (zero for none).
+/// words of private data, inner protocol, no flags), private data 0x53, the `hop` count, two
+/// zero bytes and three address fields: the `previous` backends, then zeros.
 #[allow(clippy::too_many_arguments)]
 fn gue_frame(
     (dmac, smac): (Mac, Mac),
@@ -115,7 +115,7 @@ fn gue_frame(
     sport: u16,
     flow_label: u32,
     inner: &[u8],
-    previous: Option<IpAddr>,
+    previous: &[IpAddr],
     hop: u8,
 ) -> Vec<u8> {
     let inner_v4 = inner[0] >> 4 == 4;
@@ -124,13 +124,17 @@ fn gue_frame(
     } else {
         (u16::from_be_bytes([inner[0], inner[1]]) >> 4) as u8
     };
-    let addr: Vec<u8> = match (dst, previous) {
-        (IpAddr::V4(_), Some(IpAddr::V4(p))) => p.octets().to_vec(),
-        (IpAddr::V6(_), Some(IpAddr::V6(p))) => p.octets().to_vec(),
-        (IpAddr::V4(_), None) => vec![0; 4],
-        (IpAddr::V6(_), None) => vec![0; 16],
-        _ => panic!("previous backend of another family"),
-    };
+    assert!(previous.len() <= 3, "three previous backends at most");
+    let mut addr: Vec<u8> = Vec::new();
+    for p in previous {
+        match (dst, p) {
+            (IpAddr::V4(_), IpAddr::V4(p)) => addr.extend_from_slice(&p.octets()),
+            (IpAddr::V6(_), IpAddr::V6(p)) => addr.extend_from_slice(&p.octets()),
+            _ => panic!("previous backend of another family"),
+        }
+    }
+    let width = if dst.is_ipv4() { 4 } else { 16 };
+    addr.resize(3 * width, 0);
     let mut tunnel = Vec::new();
     tunnel.extend_from_slice(&sport.to_be_bytes());
     tunnel.extend_from_slice(&6080u16.to_be_bytes());
@@ -1362,7 +1366,11 @@ fn moved_flow(lab: &mut Lab, vip: &lb_common::VipKey, before: &[u32]) -> (u16, u
             let s = ring[slot as usize];
             let old = before[slot as usize];
             (u32::from(s.backend) != old).then(|| {
-                assert_eq!(u32::from(s.previous), old, "the slot names its old owner");
+                assert_eq!(
+                    u32::from(s.previous[0]),
+                    old,
+                    "the slot names its old owner"
+                );
                 (p, old, u32::from(s.backend))
             })
         })
@@ -1394,16 +1402,18 @@ fn gue_backend_is_sent_udp_gue_naming_the_previous_owner_of_the_flows_slot() {
     assert_eq!(action, XDP_TX);
     let prev = lab.backend_addr(old);
     let to = lab.backend_addr(4);
-    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, Some(prev)));
+    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, &[prev]));
     // The tunnel header, spelled out: UDP to 6080 from the hashed port, checksum 0, then
-    // GUE (Hlen 2 words, IPIP, no flags) and the private data naming 10.1.0.<old>.
+    // GUE (Hlen 4 words, IPIP, no flags) and the private data: hop count 0, 10.1.0.<old>,
+    // and two empty address fields.
     let sport = (0xc000 | (h & 0x3fff)) as u16;
-    let udp_len = (8 + 4 + 8 + ack.len()) as u16;
+    let udp_len = (8 + 4 + 16 + ack.len()) as u16;
     let mut want = sport.to_be_bytes().to_vec();
     want.extend_from_slice(&[0x17, 0xc0]);
     want.extend_from_slice(&udp_len.to_be_bytes());
-    want.extend_from_slice(&[0, 0, 2, 4, 0, 0, 0x53, 0, 0, 0, 10, 1, 0, old as u8]);
-    assert_eq!(out[34..54], want[..]);
+    want.extend_from_slice(&[0, 0, 4, 4, 0, 0, 0x53, 0, 0, 0, 10, 1, 0, old as u8]);
+    want.extend_from_slice(&[0; 8]);
+    assert_eq!(out[34..62], want[..]);
     assert_eq!(out[23], PROTO_UDP, "outer protocol");
     assert_eq!(lab.stat(stat::TX), 1);
 }
@@ -1431,20 +1441,65 @@ fn gue_names_no_previous_backend_that_lacks_the_program_or_is_down() {
     let to = lab.backend_addr(4);
     let (action, out) = lab.run(&on_wire(&ack));
     assert_eq!(action, XDP_TX);
-    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, None));
+    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, &[]));
     // It runs the program but is down: still not named. (Each case starts without the
     // connection entry the last packet made: a table hit names no previous backend.)
     gue(&mut lab, &[old, 4]);
     lab.set_state(old, BACKEND_DOWN);
     lab.dp.clear_conns().unwrap();
     let (_, out) = lab.run(&on_wire(&ack));
-    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, None));
+    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, &[]));
     // Draining, it still holds its flows: named.
     lab.set_state(old, BACKEND_DRAINING);
     lab.dp.clear_conns().unwrap();
     let (_, out) = lab.run(&on_wire(&ack));
     let prev = lab.backend_addr(old);
-    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, Some(prev)));
+    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, &[prev]));
+}
+
+/// A slot that changed three times (owners 1, 2, 3, then 4): the tunnel to 4 names 3, 2 and
+/// 1, most recent first. A previous backend that is down is left out and the others move up.
+#[test]
+fn gue_names_up_to_three_previous_owners_most_recent_first() {
+    let (mut lab, vip) = lab_v4();
+    let mut four = BACKENDS4.to_vec();
+    four.push((4, "10.1.0.4", 1));
+    lab.backends(&vip, &four);
+    gue(&mut lab, &[1, 2, 3, 4]);
+    for id in 1..=4 {
+        let meta = lab.dp.vip(&vip).unwrap().unwrap();
+        let table = vec![id; meta.ring_size as usize];
+        lab.dp.publish(&vip, meta, &table).unwrap();
+    }
+    let slot = lab.dp.live_ring(&vip).unwrap().unwrap()[0];
+    assert_eq!((slot.backend, slot.previous), (4, [3, 2, 1]));
+    let key = flow(CLIENT4, 40000, VIP4, 443, PROTO_TCP);
+    let h = lab.flow_hash(&key, false);
+    let ack = v4_tcp(CLIENT4, 40000, VIP4, 443, ACK, 0);
+    let addr = |lab: &mut Lab, id| lab.backend_addr(id);
+    let (to, p3, p2, p1) = (
+        addr(&mut lab, 4),
+        addr(&mut lab, 3),
+        addr(&mut lab, 2),
+        addr(&mut lab, 1),
+    );
+    let (action, out) = lab.run(&on_wire(&ack));
+    assert_eq!(action, XDP_TX);
+    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, &[p3, p2, p1]));
+    // GUE (Hlen 4 words, IPIP) and the private data: kind, hop count 0, reserved, then
+    // 10.1.0.3, 10.1.0.2, 10.1.0.1.
+    assert_eq!(
+        out[42..62],
+        [4, 4, 0, 0, 0x53, 0, 0, 0, 10, 1, 0, 3, 10, 1, 0, 2, 10, 1, 0, 1]
+    );
+    lab.set_state(2, BACKEND_DOWN);
+    lab.dp.clear_conns().unwrap();
+    let (_, out) = lab.run(&on_wire(&ack));
+    assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, &[p3, p1]));
+    assert_eq!(
+        out[42..62],
+        [4, 4, 0, 0, 0x53, 0, 0, 0, 10, 1, 0, 3, 10, 1, 0, 1, 0, 0, 0, 0]
+    );
 }
 
 #[test]
@@ -1465,7 +1520,7 @@ fn v6_gue_backend_gets_a_16_byte_previous_field_and_ipip_backends_stay_ipip() {
         let want = if id == 13 {
             encapsulated(&lab, &syn, to, h)
         } else {
-            gue_encapsulated(&lab, &syn, to, h, None)
+            gue_encapsulated(&lab, &syn, to, h, &[])
         };
         assert_eq!(out, want, "port {port} to backend {id}");
     }
@@ -1523,11 +1578,11 @@ fn decap_strips_gue_from_the_lbs_own_output_and_leaves_other_udp_alone() {
 }
 
 /// A backend host for second-chance tests: loopback up, a route and neighbour for the
-/// previous backend 10.1.0.2 (`fib_segment`), and a listener with one established
+/// previous backends 10.1.0.2, 10.1.0.3 and 10.1.0.4 (`fib_segment`), and a listener with one established
 /// connection on 127.0.0.1. Returns (lab, listener, client stream, client port, server port).
 fn backend_host() -> (Lab, std::net::TcpListener, std::net::TcpStream, u16, u16) {
     let lab = Lab::new();
-    sluice_tests::fib_segment(1500, &[ip("10.1.0.2")]);
+    sluice_tests::fib_segment(1500, &[ip("10.1.0.2"), ip("10.1.0.3"), ip("10.1.0.4")]);
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
     let cport = client.local_addr().unwrap().port();
@@ -1536,7 +1591,7 @@ fn backend_host() -> (Lab, std::net::TcpListener, std::net::TcpStream, u16, u16)
 }
 
 /// A GUE frame from the LB (outer 172.16.0.9 -> 10.1.0.1) carrying `inner`.
-fn from_lb(inner: &[u8], previous: Option<&str>, hop: u8) -> Vec<u8> {
+fn from_lb(inner: &[u8], previous: &[&str], hop: u8) -> Vec<u8> {
     gue_frame(
         ([0x02, 0, 0, 0, 0x0b, 0x01], LB_MAC),
         ip("172.16.0.9"),
@@ -1544,7 +1599,7 @@ fn from_lb(inner: &[u8], previous: Option<&str>, hop: u8) -> Vec<u8> {
         0xc123,
         0,
         inner,
-        previous.map(ip),
+        &previous.iter().map(|a| ip(a)).collect::<Vec<_>>(),
         hop,
     )
 }
@@ -1557,7 +1612,7 @@ fn decap_run(lab: &mut Lab, frame: &[u8]) -> (u32, Vec<u8>) {
 fn backend_delivers_a_packet_whose_socket_it_holds() {
     let (mut lab, _l, _c, cport, sport) = backend_host();
     let ack = v4_tcp("127.0.0.1", cport, "127.0.0.1", sport, ACK, 0);
-    let (a, out) = decap_run(&mut lab, &from_lb(&ack, Some("10.1.0.2"), 0));
+    let (a, out) = decap_run(&mut lab, &from_lb(&ack, &["10.1.0.2"], 0));
     assert_eq!(a, XDP_PASS);
     assert_eq!(out, eth([0x02, 0, 0, 0, 0x0b, 0x01], LB_MAC, ETH_IP, &ack));
     assert_eq!(lab.stat(stat::DECAP_OK), 1);
@@ -1570,7 +1625,7 @@ fn backend_passes_a_packet_without_socket_once_to_the_previous_backend() {
     // Another client port: only the listener matches, and a bare ACK carries no cookie of
     // this host's, so the connection is elsewhere.
     let ack = v4_tcp("127.0.0.1", 1, "127.0.0.1", sport, ACK, 0);
-    let (a, out) = decap_run(&mut lab, &from_lb(&ack, Some("10.1.0.2"), 0));
+    let (a, out) = decap_run(&mut lab, &from_lb(&ack, &["10.1.0.2"], 0));
     assert_eq!(a, XDP_REDIRECT);
     let want = gue_frame(
         (
@@ -1582,10 +1637,10 @@ fn backend_passes_a_packet_without_socket_once_to_the_previous_backend() {
         0xc123,
         0,
         &ack,
-        None,
+        &[],
         1,
     );
-    assert_eq!(out, want, "readdressed, marked passed on, no address left");
+    assert_eq!(out, want, "readdressed, hop count 1, no address left");
     assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 1);
     assert_eq!(lab.stat(stat::DECAP_OK), 0);
     // Arriving at the previous backend (here: the same host, which has no socket either),
@@ -1606,15 +1661,96 @@ fn backend_passes_a_packet_without_socket_once_to_the_previous_backend() {
     assert_eq!(lab.stat(stat::DECAP_OK), 1);
 }
 
+/// The frame a backend without the socket sends on: the tunnel readdressed to `to` (MACs
+/// from the FIB segment), the remaining `names` and hop count `hop`.
+fn passed_on(ack: &[u8], to: &str, names: &[&str], hop: u8) -> Vec<u8> {
+    gue_frame(
+        (
+            sluice_tests::fib_neighbour_mac(ip(to)),
+            sluice_tests::FIB_LOCAL_MAC,
+        ),
+        ip("172.16.0.9"),
+        ip(to),
+        0xc123,
+        0,
+        ack,
+        &names.iter().map(|a| ip(a)).collect::<Vec<_>>(),
+        hop,
+    )
+}
+
+/// A slot that changed three times: the LB names three previous backends. Each host without
+/// the socket (here the same host, three times) passes the packet to the first name left and
+/// takes that name off, so it goes to #1, #2, #3 in turn and then, with no name left, to the
+/// stack: passed on three times in all, each time by one host, never back.
+#[test]
+fn backend_passes_a_packet_on_through_three_previous_backends_in_order_then_stops() {
+    let (mut lab, _l, _c, _cport, sport) = backend_host();
+    let ack = v4_tcp("127.0.0.1", 1, "127.0.0.1", sport, ACK, 0);
+    let names = ["10.1.0.2", "10.1.0.3", "10.1.0.4"];
+    let sent = from_lb(&ack, &names, 0);
+    // GUE (Hlen 4 words, IPIP) and the private data, spelled out: kind, hop count 0,
+    // reserved, three addresses.
+    assert_eq!(
+        sent[42..62],
+        [4, 4, 0, 0, 0x53, 0, 0, 0, 10, 1, 0, 2, 10, 1, 0, 3, 10, 1, 0, 4]
+    );
+    let hops = [
+        passed_on(&ack, "10.1.0.2", &names[1..], 1),
+        passed_on(&ack, "10.1.0.3", &names[2..], 2),
+        passed_on(&ack, "10.1.0.4", &[], 3),
+    ];
+    let mut frame = sent;
+    for (n, want) in hops.iter().enumerate() {
+        let (a, out) = decap_run(&mut lab, &frame);
+        assert_eq!(a, XDP_REDIRECT, "hop {}", n + 1);
+        assert_eq!(&out, want, "hop {}: readdressed to #{}", n + 1, n + 1);
+        assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), n as u64 + 1);
+        assert_eq!(lab.stat(stat::DECAP_HOP_FURTHER), n as u64);
+        frame = out;
+    }
+    // The third previous backend's private data: hop count 3, no address left.
+    assert_eq!(
+        frame[46..62],
+        [0x53, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    );
+    let (a, out) = decap_run(&mut lab, &frame);
+    assert_eq!(a, XDP_PASS, "no name left: to the stack, which resets it");
+    assert_eq!(
+        out,
+        eth(
+            sluice_tests::fib_neighbour_mac(ip("10.1.0.4")),
+            sluice_tests::FIB_LOCAL_MAC,
+            ETH_IP,
+            &ack
+        )
+    );
+    assert_eq!(
+        lab.stat(stat::DECAP_HISTORY_SHORT),
+        1,
+        "history too short, counted"
+    );
+    assert_eq!(
+        (lab.stat(stat::DECAP_SECOND_HOP), lab.stat(stat::DECAP_OK)),
+        (3, 1)
+    );
+    // A hop count at the limit is never passed on, whatever names the tunnel still carries.
+    let forged = from_lb(&ack, &names, 3);
+    let (a, _) = decap_run(&mut lab, &forged);
+    assert_eq!(a, XDP_PASS);
+    assert_eq!(lab.stat(stat::DECAP_HISTORY_SHORT), 2);
+    assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 3);
+}
+
 #[test]
 fn backend_never_passes_on_a_syn_and_counts_a_missing_socket_with_no_previous_backend() {
     let (mut lab, _l, _c, _cport, sport) = backend_host();
     let syn = v4_tcp("127.0.0.1", 2, "127.0.0.1", sport, SYN, 0);
-    let (a, out) = decap_run(&mut lab, &from_lb(&syn, Some("10.1.0.2"), 0));
+    let (a, out) = decap_run(&mut lab, &from_lb(&syn, &["10.1.0.2"], 0));
     assert_eq!(a, XDP_PASS);
     assert_eq!(out, eth([0x02, 0, 0, 0, 0x0b, 0x01], LB_MAC, ETH_IP, &syn));
     let ack = v4_tcp("127.0.0.1", 3, "127.0.0.1", 9, ACK, 0);
-    let (a, _) = decap_run(&mut lab, &from_lb(&ack, None, 0));
+    let (a, _) = decap_run(&mut lab, &from_lb(&ack, &[], 0));
     assert_eq!(a, XDP_PASS);
     assert_eq!(lab.stat(stat::DECAP_NO_SECOND_HOP), 1);
     assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 0);
@@ -1768,14 +1904,14 @@ fn backend_delivers_the_last_ack_of_a_syn_cookie_handshake_and_passes_on_a_wrong
     let cookie = u32::from_be_bytes(synack[4..8].try_into().unwrap());
     let inner = |ack: u32| tcp_packet(client, server, isn + 1, ack, ACK);
     let good = inner(cookie.wrapping_add(1));
-    let (a, out) = decap_run(&mut lab, &from_lb(&good, Some("10.1.0.2"), 0));
+    let (a, out) = decap_run(&mut lab, &from_lb(&good, &["10.1.0.2"], 0));
     assert_eq!(a, XDP_PASS, "the cookie is this host's: delivered");
     assert_eq!(out, eth([0x02, 0, 0, 0, 0x0b, 0x01], LB_MAC, ETH_IP, &good));
     assert_eq!(lab.stat(stat::DECAP_OK), 1);
     assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 0);
     // (Its low bits encode the MSS: only a change above them makes a cookie invalid.)
     let bad = inner(cookie.wrapping_add(1) ^ 0x00ff_0000);
-    let (a, _) = decap_run(&mut lab, &from_lb(&bad, Some("10.1.0.2"), 0));
+    let (a, _) = decap_run(&mut lab, &from_lb(&bad, &["10.1.0.2"], 0));
     assert_eq!(a, XDP_REDIRECT, "a cookie not of this host: passed on");
     assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 1);
     assert_eq!(lab.stat(stat::DECAP_OK), 1);
@@ -1817,12 +1953,12 @@ fn backend_delivers_the_last_ack_to_a_request_socket() {
         "no request socket {want} within 2 s:\n{table}"
     );
     let ack = tcp_packet(("10.5.5.5", 40124), server, 9001, 1, ACK);
-    let (a, _) = decap_run(&mut lab, &from_lb(&ack, Some("10.1.0.2"), 0));
+    let (a, _) = decap_run(&mut lab, &from_lb(&ack, &["10.1.0.2"], 0));
     assert_eq!(a, XDP_PASS, "the request socket is here: delivered");
     assert_eq!(lab.stat(stat::DECAP_OK), 1);
     assert_eq!(lab.stat(stat::DECAP_SECOND_HOP), 0);
     let other = tcp_packet(("10.5.5.5", 40125), server, 9001, 1, ACK);
-    let (a, _) = decap_run(&mut lab, &from_lb(&other, Some("10.1.0.2"), 0));
+    let (a, _) = decap_run(&mut lab, &from_lb(&other, &["10.1.0.2"], 0));
     assert_eq!(
         a, XDP_REDIRECT,
         "another client's ACK meets only the listener: passed on"
@@ -1864,7 +2000,7 @@ fn second_chance_vip_steers_tcp_by_the_ring_alone_and_udp_keeps_the_table() {
     for _ in 0..2 {
         let (a, out) = lab.run(&on_wire(&ack));
         assert_eq!(a, XDP_TX);
-        assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, Some(prev)));
+        assert_eq!(out, gue_encapsulated(&lab, &ack, to, h, &[prev]));
     }
     assert_eq!(lab.dp.conn(&key).unwrap(), None);
     assert_eq!(lab.stat(stat::CONN_MISS), 0);

@@ -128,10 +128,10 @@ fn a_second_load_reuses_pinned_maps_and_keeps_flows() {
     let ring = dp.live_ring(&vip_key).unwrap().unwrap();
     assert_eq!(
         (ring[7].backend, ring[7].previous, ring[7].changed),
-        (2, 1, 1),
+        (2, [1, 0, 0], 1),
         "slot 7 names the owner it had before the restart"
     );
-    assert_eq!((ring[8].backend, ring[8].previous), (1, 0));
+    assert_eq!((ring[8].backend, ring[8].previous), (1, [0; 3]));
     let meta = dp.vip(&vip_key).unwrap().unwrap();
     assert_eq!(
         dp.publish(&vip_key, meta, &vec![1; 65537]).unwrap(),
@@ -141,7 +141,7 @@ fn a_second_load_reuses_pinned_maps_and_keeps_flows() {
     let ring = dp.live_ring(&vip_key).unwrap().unwrap();
     assert_eq!(
         (ring[7].backend, ring[7].previous, ring[7].changed),
-        (1, 2, 2)
+        (1, [2, 0, 0], 2)
     );
     table[7] = 3;
     let meta = dp.vip(&vip_key).unwrap().unwrap();
