@@ -582,6 +582,8 @@ pub mod fake {
         pub entries: Vec<FlowEntry>,
         pub trace: bool,
         pub fail_next: bool,
+        /// Cumulative in-band aggregates per backend id.
+        pub inband: BTreeMap<u32, lb_common::InbandStats>,
     }
 
     impl Plane for FakePlane {
@@ -609,6 +611,12 @@ pub mod fake {
                 }
             }
             Ok(())
+        }
+        fn inband(&mut self, ids: &[u32]) -> Result<BTreeMap<u32, lb_common::InbandStats>> {
+            Ok(ids
+                .iter()
+                .filter_map(|id| self.inband.get(id).map(|s| (*id, *s)))
+                .collect())
         }
     }
 }

@@ -556,6 +556,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
                 ctl: ctl.clone(),
                 hub: hub.clone(),
                 policy: Policy::new(cfg.policy.clone()),
+                inband: telemetry::inband::Tracker::default(),
                 shed_rst: cfg.policy.shed == config::ShedMode::Rst,
                 scrape_interval: cfg.telemetry.scrape_interval,
                 epoch,

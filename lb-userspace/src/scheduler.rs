@@ -131,7 +131,7 @@ pub async fn run_health<P: Plane + 'static>(
 
 /// Reads the in-band aggregates of the in-band VIPs' backends into the tracker, and each
 /// backend's part, when its window has one, into the hub as the `inband` source.
-fn ingest_inband<P: Plane + 'static>(
+pub fn ingest_inband<P: Plane>(
     c: &mut Controller<P>,
     state: &crate::state::State,
     hub: &std::sync::Mutex<Hub>,

@@ -23,7 +23,7 @@ use crate::{
     policy::Policy,
     scheduler,
     state::Op,
-    telemetry::Hub,
+    telemetry::{inband::Tracker, Hub},
 };
 
 /// Wait between two attempts to reach etcd after a failure.
@@ -194,6 +194,8 @@ pub struct Steering<P: Plane> {
     pub ctl: Arc<Mutex<Controller<P>>>,
     pub hub: Arc<std::sync::Mutex<Hub>>,
     pub policy: Policy,
+    /// This host's in-band windows (see the round).
+    pub inband: Tracker,
     pub shed_rst: bool,
     pub scrape_interval: Duration,
     pub epoch: Instant,
@@ -240,7 +242,7 @@ pub async fn steer<S: Store, P: Plane>(
     }
 }
 
-async fn round<S: Store, P: Plane>(
+pub(super) async fn round<S: Store, P: Plane>(
     fleet: &Fleet<S>,
     s: &mut Steering<P>,
     campaign: &mut Campaign,
@@ -302,6 +304,12 @@ async fn round<S: Store, P: Plane>(
     }
     let overlay = {
         let mut c = s.ctl.lock().await;
+        // In-band signals come from this host's data plane alone: the flows ECMP gives the
+        // leader, a sample of the fleet's (see docs/design.md, "In-band signals").
+        let state = c.state().clone();
+        if let Err(e) = scheduler::ingest_inband(&mut c, &state, &s.hub, &mut s.inband) {
+            tracing::warn!(error = %e, "reading in-band aggregates");
+        }
         let (overlay, d) = scheduler::decide(
             &c,
             &s.hub,

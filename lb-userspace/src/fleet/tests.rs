@@ -13,8 +13,11 @@ use tokio::sync::{watch, Mutex};
 use super::{run::Campaign, store::fake::FakeStore, *};
 use crate::{
     admin::testing::controller,
+    config::PolicyConfig,
     controller::{fake::FakePlane, Peer},
+    policy::{Policy, Reason},
     state::{BackendSpec, HashMode, Protocol, VipSpec},
+    telemetry::{inband::Tracker, Hub},
 };
 
 struct Host {
@@ -428,4 +431,70 @@ fn table_set_size_for_thousands_of_backends() {
         bytes < 1536 * 1024,
         "{bytes} bytes: over etcd's request limit"
     );
+}
+
+#[tokio::test]
+async fn the_leaders_policy_step_sees_in_band_signals() {
+    let etcd = FakeStore::default();
+    let a = host(&etcd, "a");
+    converged(&[&a], 1).await;
+    let mut op = add_vip();
+    if let Op::AddVip { vip, .. } = &mut op {
+        vip.inband = true;
+    }
+    a.fleet.submit(&op, 1_000, &mut vec![]).await.unwrap();
+    converged(&[&a], 2).await;
+    let ids: Vec<u32> = {
+        let c = a.ctl.lock().await;
+        ["10.1.0.1", "10.1.0.2", "10.1.0.3"]
+            .iter()
+            .map(|b| c.state().backend("api", ip(b)).unwrap().id)
+            .collect()
+    };
+    let mut s = run::Steering {
+        ctl: a.ctl.clone(),
+        hub: Arc::new(std::sync::Mutex::new(Hub::new(Duration::from_secs(3)))),
+        policy: Policy::new(PolicyConfig::default()),
+        inband: Tracker::default(),
+        shed_rst: false,
+        scrape_interval: Duration::ZERO,
+        epoch: Instant::now(),
+    };
+    let (mut campaign, mut last_step) = (Campaign::default(), None);
+    // Cumulative aggregates: a baseline, then a second of streaming per backend, the third
+    // delivering a quarter of what the others do.
+    for (round, bytes) in [(0, [0, 0, 0]), (1, [4000, 4000, 1000])] {
+        {
+            let mut c = a.ctl.lock().await;
+            for (id, b) in ids.iter().zip(bytes) {
+                let units = if round == 0 { 0 } else { 1024 };
+                c.plane().inband.insert(
+                    *id,
+                    lb_common::InbandStats {
+                        acked_bytes: b,
+                        stream_units: units,
+                        ..Default::default()
+                    },
+                );
+            }
+        }
+        run::round(
+            &a.fleet,
+            &mut s,
+            &mut campaign,
+            &mut last_step,
+            2_000 + round,
+            &mut vec![],
+        )
+        .await
+        .unwrap();
+    }
+    assert!(a.fleet.status().is_leader);
+    let c = a.ctl.lock().await;
+    let reasons: Vec<_> = ids
+        .iter()
+        .map(|id| c.decision(*id).and_then(|d| d.reason))
+        .collect();
+    assert_eq!(reasons, [None, None, Some(Reason::Slow)]);
+    assert_eq!(c.decision(ids[2]).unwrap().weight, 0);
 }

@@ -4,6 +4,13 @@
 //! reason. Peers, not thresholds: what a "slow" first byte is depends on the model and the
 //! load, but a backend answering much later than the others under the same steering is slow.
 //!
+//! Slowness its load explains is not `slow`: a backend whose fresh load pressure is at a
+//! threshold (a full KV cache preempts streams, a queue delays first bytes) is as slow as its
+//! load makes it, and moving it away for that is saturation's business, with saturation's
+//! rules about headroom (in the steer benchmark's gray run, the backends that took a slow
+//! one's share filled up, streamed slower and were moved away as `slow` one after another).
+//! A gray failure is slowness the exporters do not explain.
+//!
 //! Cross-check: a slow backend whose exporters explain nothing (no exporter trigger, and no
 //! load signal at its threshold) is flagged once per episode with a
 //! `telemetry-mismatch` event: its exporter says "fine" while its clients say "slow" (a
@@ -79,16 +86,17 @@ pub(super) fn slow(
     mismatched: &mut BTreeSet<u32>,
     events: &mut Vec<PolicyEvent>,
 ) {
+    // Pressure is capped at 1: at 1 some load signal is at its threshold.
+    let loaded = |w: &Work| w.pressure.is_some_and(|p| p >= 1.0);
     let found: Vec<(usize, String)> = (0..work.len())
+        .filter(|&i| !loaded(&work[i]))
         .filter_map(|i| departs(work, i).map(|d| (i, d)))
         .collect();
     let slow_ids: BTreeSet<u32> = found.iter().map(|(i, _)| work[*i].input.id).collect();
     mismatched.retain(|id| slow_ids.contains(id));
     for (i, detail) in found {
         let w = &mut work[i];
-        // Pressure is capped at 1: at 1 some load signal is at its threshold.
-        let explained = !w.conditions.is_empty() || w.pressure.is_some_and(|p| p >= 1.0);
-        if !explained && mismatched.insert(w.input.id) {
+        if w.conditions.is_empty() && mismatched.insert(w.input.id) {
             events.push(PolicyEvent {
                 at: now,
                 kind: EventKind::TelemetryMismatch,
@@ -205,10 +213,15 @@ mod tests {
         // Still slow next step: no second mismatch event in the same episode.
         let d = step(&mut p, 6 * S, &gray);
         assert!(!kinds(&d).contains(&EventKind::TelemetryMismatch));
-        // Moved away, it serves no new answers: its in-band part ages out (no reading), and
-        // after the cooldown it comes back.
+        // Moved away, its streams in flight still stream slowly: it stays out past its
+        // cooldown (10 s) while they say so.
+        for t in 7..25 {
+            let d = step(&mut p, t * S, &gray);
+            assert_eq!(d.backends[3].state, SteerState::MovedAway, "at {t} s");
+        }
+        // They end: its in-band part ages out (no reading), and it comes back.
         let quiet = [fast.clone(), fast.clone(), fast.clone(), view(None, None)];
-        let back = (7..60)
+        let back = (25..60)
             .map(|t| step(&mut p, t * S, &quiet))
             .find(|d| kinds(d).contains(&EventKind::Recover));
         assert!(back.is_some(), "recovered after the cooldown");
@@ -233,6 +246,31 @@ mod tests {
         let mut p = Policy::new(PolicyConfig::default());
         let d = step(&mut p, S, &[ok.clone(), view(Some(5.0), Some(10.0))]);
         assert_eq!(d.backends[1].reason, None);
+    }
+
+    #[test]
+    fn slowness_its_load_explains_is_not_slow() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let ok = view(Some(0.5), Some(2000.0));
+        // Its KV cache at the threshold (0.8): its streams are preempted and slow.
+        let mut full = view(Some(0.5), Some(700.0));
+        full.sample.kv_cache = Some(0.85);
+        let d = step(&mut p, S, &[ok.clone(), ok.clone(), ok.clone(), full]);
+        assert_eq!(d.backends[3].reason, None, "{:?}", d.events);
+        assert!(d.events.is_empty(), "{:?}", d.events);
+        // The same delivery with an exporter reading under every threshold is slow.
+        let d = step(
+            &mut p,
+            2 * S,
+            &[
+                ok.clone(),
+                ok.clone(),
+                ok.clone(),
+                view(Some(0.5), Some(700.0)),
+            ],
+        );
+        assert_eq!(d.backends[3].reason, Some(Reason::Slow));
+        assert_eq!(d.backends[3].state, SteerState::MovedAway);
     }
 
     #[test]
