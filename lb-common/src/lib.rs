@@ -12,7 +12,7 @@ pub mod trace;
 /// Bumped whenever a map's key or value layout changes, or the counter list does (`STATS`
 /// is read by index); pinned maps carry it so a newer program refuses to reuse maps it
 /// cannot read.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 
 pub const MAX_VIPS: u32 = 128;
 /// Backend ids index the backend array; id 0 is the "unset" sentinel (a ring slot or
@@ -480,8 +480,6 @@ pub mod stat {
         /// A tunnel packet whose outer length disagrees with the frame or with the inner
         /// packet's own length: not stripped.
         DECAP_PASS_BAD_LEN = "decap_pass_bad_len", Pass;
-        /// Cutting the padding off a frame failed.
-        DROP_ADJUST_TAIL = "drop_adjust_tail", Drop;
         /// A shed session dropped (not answered with a RST): with `SHED_RST_SENT`, every
         /// shed frame ends in exactly one outcome.
         DROP_SHED = "drop_shed", Drop;
