@@ -483,8 +483,6 @@ pub mod stat {
         /// A tunnel packet whose outer length disagrees with the frame or with the inner
         /// packet's own length: not stripped.
         DECAP_PASS_BAD_LEN = "decap_pass_bad_len", Pass;
-        /// Cutting the padding off a frame failed.
-        DROP_ADJUST_TAIL = "drop_adjust_tail", Drop;
         /// A shed session dropped (not answered with a RST): with `SHED_RST_SENT`, every
         /// shed frame ends in exactly one outcome.
         DROP_SHED = "drop_shed", Drop;

@@ -297,19 +297,58 @@ fn check_sluice_binary() -> Result<PathBuf> {
     if dir.ends_with("deps") {
         dir.pop();
     }
-    let bin = dir.join("sluice");
+    check_fresh(
+        dir.join("sluice"),
+        "`cargo build -p lb-userspace --bin sluice` (`cargo test --workspace` builds it too)",
+    )
+}
+
+/// The directory, under the workspace's `target/`, where `cargo xtask build` builds the
+/// second `sluice` binary of the upgrade test (the same as xtask's `UPGRADE_TARGET_DIR`).
+pub const UPGRADE_TARGET_DIR: &str = "upgrade";
+
+/// The newer `sluice` of the upgrade test: the same sources built with the eBPF object linked
+/// for BPF CPU v2 embedded (`SLUICE_BPF_OBJECT` at build time), so its program differs from
+/// [`sluice_binary`]'s while its maps are the same. `cargo xtask build` (and `cargo xtask
+/// test`) build it into `target/upgrade/debug/sluice`. Fails with what to do when it is
+/// missing or older than the daemon's sources or that object.
+pub fn upgrade_binary() -> Result<PathBuf> {
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
+    let rebuild = "`cargo xtask build` (or `cargo xtask build --debug`)";
+    let bin = check_fresh(
+        target.join(UPGRADE_TARGET_DIR).join("debug/sluice"),
+        rebuild,
+    )?;
+    let object = target.join("bpf/sluice-cpu-v2.bpf.o");
+    if mtime(&object)? > mtime(&bin)? {
+        bail!(
+            "{} is older than the object it embeds, {}: rebuild it with {rebuild}",
+            bin.display(),
+            object.display()
+        );
+    }
+    Ok(bin)
+}
+
+fn mtime(p: &Path) -> Result<SystemTime> {
+    fs::metadata(p)
+        .and_then(|m| m.modified())
+        .with_context(|| format!("reading {}", p.display()))
+}
+
+/// `bin` if it exists and is not older than the daemon's sources; otherwise what to do
+/// (`rebuild`).
+fn check_fresh(bin: PathBuf, rebuild: &str) -> Result<PathBuf> {
     let built = fs::metadata(&bin).and_then(|m| m.modified()).map_err(|_| {
         anyhow!(
-            "the sluice binary {} does not exist: build it with \
-             `cargo build -p lb-userspace --bin sluice` (`cargo test --workspace` builds it too)",
+            "the sluice binary {} does not exist: build it with {rebuild}",
             bin.display()
         )
     })?;
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../lb-userspace/src");
     if let Some((newer, _)) = newest_file(&src).filter(|(_, t)| *t > built) {
         bail!(
-            "the sluice binary {} is older than {}: rebuild it with \
-             `cargo build -p lb-userspace --bin sluice` (`cargo test --workspace` does)",
+            "the sluice binary {} is older than {}: rebuild it with {rebuild}",
             bin.display(),
             newer.display()
         );

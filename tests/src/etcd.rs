@@ -160,14 +160,7 @@ impl EtcdCluster {
             bail!("too many links");
         }
         self.links = k;
-        let n = self
-            .ns
-            .name()
-            .rsplit("etcd")
-            .next()
-            .unwrap_or("0")
-            .to_string();
-        let (a, b) = (format!("fe{n}x{k}a"), format!("fe{n}x{k}b"));
+        let (a, b) = (self.link_dev(k, 'a'), self.link_dev(k, 'b'));
         ip(&["link", "add", &a, "type", "veth", "peer", "name", &b])?;
         ip(&["link", "set", &a, "netns", self.ns.name()])?;
         ip(&["link", "set", &b, "netns", other.name()])?;
@@ -179,17 +172,18 @@ impl EtcdCluster {
         Ok(Self::urls(k, self.members))
     }
 
+    /// The veth end `end` ('a': in the etcd namespace, 'b': in the linked one) of link `k`:
+    /// `fe<n>x<k><end>`, where `<n>` ends the etcd namespace's name (interface names are
+    /// short, and unique per lab).
+    fn link_dev(&self, k: usize, end: char) -> String {
+        let n = self.ns.name().rsplit("etcd").next().unwrap_or("0");
+        format!("fe{n}x{k}{end}")
+    }
+
     /// Cuts (or restores) link `k` (1-based, in the order linked) by setting its etcd-side
     /// end down (or up): the other namespace loses (or regains) every member at once.
     pub fn cut(&self, k: usize, cut: bool) -> Result<()> {
-        let n = self
-            .ns
-            .name()
-            .rsplit("etcd")
-            .next()
-            .unwrap_or("0")
-            .to_string();
-        let dev = format!("fe{n}x{k}a");
+        let dev = self.link_dev(k, 'a');
         self.ns
             .ip(&["link", "set", &dev, if cut { "down" } else { "up" }])
             .map(drop)

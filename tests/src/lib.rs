@@ -9,6 +9,7 @@ pub mod frames;
 pub mod fuzz;
 pub mod netns;
 pub mod openai;
+pub mod pinned;
 pub mod stream;
 
 use std::net::IpAddr;

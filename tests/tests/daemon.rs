@@ -1,7 +1,8 @@
 //! The control plane end to end: `sluice run` in the namespace lab's LB namespace, operated
 //! with the `sluice` CLI and the admin API while token streams run through the XDP data
 //! plane (see `sluice_tests::daemon_lab`). Needs root, `ip`, `ethtool`, `nsenter`, a bpffs
-//! and the `sluice` binary (`cargo build -p lb-userspace --bin sluice`); fails, never skips.
+//! and the `sluice` binary (`cargo build -p lb-userspace --bin sluice`), and for the upgrade
+//! test the second one `cargo xtask build` makes; fails, never skips.
 //!
 //! Streams are real: every token of a stream is checked to come in order from the backend
 //! that greeted, and the stream must end with `[DONE]` and the server's close.
@@ -18,7 +19,7 @@ use std::{
 
 use serde_json::json;
 use sluice_tests::{
-    daemon_lab::{tally, wait_for, DaemonLab, DaemonLabOptions, Running, VipDef},
+    daemon_lab::{tally, upgrade_binary, wait_for, DaemonLab, DaemonLabOptions, Running, VipDef},
     netns::{lab_namespaces, TCP_PORT, VIP4, VIP6},
     stream::io_kind,
 };
@@ -644,4 +645,195 @@ fn a_daemon_lab_dropped_by_a_panicking_test_leaves_nothing_behind() {
         !Path::new(&format!("/proc/{pid}")).exists(),
         "the daemon (pid {pid}) still runs"
     );
+}
+
+/// An upgrade to a newer `sluice` binary, as `systemctl restart` after installing a new
+/// package does it (`keep_dataplane_on_exit = true`). Build A runs with streams open and
+/// frames arriving; it stops, and build B (`cargo xtask build`'s second binary: the same
+/// sources with the eBPF object linked for BPF CPU v2, so another program on the same maps)
+/// starts, re-adopts the pinned maps and moves the pinned link to its program
+/// (`BPF_LINK_UPDATE`). No frame goes uncounted across the swap, the program's tag changed,
+/// every stream completes. Then B restarts with a configuration whose maps the pinned ones
+/// cannot hold (twice the VIP rings): refused with a message naming the map, while the
+/// running program keeps forwarding.
+#[test]
+fn upgrade_to_a_newer_binary_swaps_the_program_with_no_frame_lost_and_refuses_another_layout() {
+    use lb_common::stat;
+    use sluice_tests::{
+        frames::{eth, V4},
+        pinned::{counter, ifindex, linked_program, Injector},
+    };
+    use std::sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    };
+    let newer = upgrade_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let mut opts = options();
+    opts.set("daemon", "keep_dataplane_on_exit", "true");
+    let mut lab = start(opts);
+    let pins = lab.bpffs.clone();
+    let link = pins.join("link_eth0");
+    let old = linked_program(&link);
+    // 30 s streams: they outlive the upgrade.
+    let streams = open_spread(&lab, 2, 300, 100);
+
+    // Probe frames from the switch straight into the LB's eth0: an IPv4 header whose length
+    // claims more than the frame holds, counted `pass_bad_ip_len` and dropped by the kernel.
+    // Nothing else in the lab sends one.
+    let mut packet = V4::new("10.111.0.10", "10.111.0.2", 17).build(&[0u8; 26]);
+    packet[2..4].copy_from_slice(&1500u16.to_be_bytes());
+    let probe = eth([0xff; 6], [2, 0, 0, 0, 0, 0x0c], 0x0800, &packet);
+    let port = lab.topo.lb.port.clone();
+    let injector = lab
+        .topo
+        .switch
+        .run(move || Injector::new(ifindex(&port)))
+        .unwrap();
+    let start_count = counter(&pins, stat::PASS_BAD_IP_LEN);
+    assert_eq!(start_count, 0, "pass_bad_ip_len before any probe");
+    let stop = Arc::new(AtomicBool::new(false));
+    // Paced (bursts of 20, then 1 ms) so the streams and the daemons keep their share of the
+    // two cores; bounded in frames and time.
+    let sender = {
+        let (stop, probe) = (stop.clone(), probe.clone());
+        thread::spawn(move || {
+            let (t, mut sent) = (Instant::now(), 0u64);
+            while !stop.load(Ordering::Relaxed)
+                && sent < 2_000_000
+                && t.elapsed() < Duration::from_secs(120)
+            {
+                for _ in 0..20 {
+                    if injector.send(&probe) {
+                        sent += 1;
+                    }
+                }
+                thread::sleep(Duration::from_millis(1));
+            }
+            (sent, injector)
+        })
+    };
+    let reach = |n: u64, what: &str| {
+        wait_for(what, Duration::from_secs(30), || {
+            let c = counter(&pins, stat::PASS_BAD_IP_LEN);
+            if c >= n {
+                Ok(Some(c))
+            } else if sender.is_finished() {
+                Err(format!("{c} probes counted, and the sender stopped"))
+            } else {
+                Err(format!("{c} probes counted"))
+            }
+        })
+        .unwrap()
+    };
+    let under_a = reach(1_000, "probes counted by build A's program");
+
+    assert!(lab.stop().unwrap().success(), "build A's exit status");
+    assert_eq!(
+        linked_program(&link),
+        old,
+        "keep_dataplane_on_exit: build A's program stays linked"
+    );
+    let no_daemon = reach(under_a + 1_000, "probes counted with no daemon running");
+
+    lab.sluice = newer.clone();
+    lab.start_daemon()
+        .unwrap_or_else(|e| panic!("starting build B ({}): {e:#}", newer.display()));
+    let log = lab.log();
+    assert!(
+        log.contains("data plane ready reused=true"),
+        "build B did not re-adopt the pinned data plane:\n{log}"
+    );
+    let open = streams.iter().filter(|s| !s.is_finished()).count();
+    assert_eq!(
+        open,
+        streams.len(),
+        "streams ended before build B took over: the upgrade was not tested under them"
+    );
+    let new = linked_program(&link);
+    let swapped = counter(&pins, stat::PASS_BAD_IP_LEN);
+    let under_b = reach(swapped + 1_000, "probes counted by build B's program");
+    stop.store(true, Ordering::Relaxed);
+    let (mut sent, injector) = sender.join().unwrap();
+    eprintln!(
+        "{sent} probes sent; counted: {under_a} under A, {no_daemon} with no daemon, \
+         {swapped} once B was ready, {under_b} under B; program (id, tag) {old:x?} -> {new:x?}"
+    );
+    let settled = |sent: u64, what: &str| {
+        let c = wait_for(what, Duration::from_secs(15), || {
+            let c = counter(&pins, stat::PASS_BAD_IP_LEN);
+            if c == sent {
+                Ok(Some(c))
+            } else {
+                Err(format!("{c} of {sent} probes counted"))
+            }
+        })
+        .unwrap();
+        thread::sleep(Duration::from_millis(200));
+        assert_eq!(
+            counter(&pins, stat::PASS_BAD_IP_LEN),
+            c,
+            "{what}: more probes counted than sent"
+        );
+    };
+    settled(sent, "every probe counted by one program or the other");
+    assert_ne!(new.0, old.0, "the link runs another program");
+    assert_ne!(new.1, old.1, "build B's program differs from A's (its tag)");
+    assert_eq!(
+        linked_program(&link),
+        new,
+        "build B's program is the one linked"
+    );
+    let after = sessions(&lab, 12);
+    eprintln!("12 sessions under build B: {after:?}");
+    finish_all(streams, "streams across the upgrade");
+
+    // A configuration that needs larger maps than the pinned ones: refused, nothing touched.
+    assert!(lab.stop().unwrap().success(), "build B's exit status");
+    lab.reconfigure(|o| {
+        o.set("dataplane", "max_vips", "16");
+    })
+    .unwrap();
+    let err = lab
+        .start_daemon()
+        .expect_err("a daemon whose maps the pinned ones cannot hold must refuse to start");
+    let log = lab.log();
+    let (rings, need) = (
+        8 * lb_common::RINGS_PER_VIP * lb_common::RING_SIZE_MAX,
+        16 * lb_common::RINGS_PER_VIP * lb_common::RING_SIZE_MAX,
+    );
+    assert!(
+        log.contains(&format!(
+            "map MAGLEV_RINGS has {rings} entries, this configuration needs {need}"
+        )) && log.contains("sluice cleanup"),
+        "the refusal does not name the map and the way out: {err:#}\n{log}"
+    );
+    assert_eq!(
+        linked_program(&link),
+        new,
+        "the refused start replaced the running program"
+    );
+    for _ in 0..1_000 {
+        let mut tries = 0;
+        while !injector.send(&probe) {
+            tries += 1;
+            assert!(tries < 1_000, "the switch port refuses probes");
+            thread::sleep(Duration::from_millis(1));
+        }
+        sent += 1;
+    }
+    settled(sent, "probes after the refused start");
+    let dead = sessions(&lab, 6);
+    eprintln!("6 sessions after the refused start: {dead:?}");
+
+    lab.reconfigure(|o| {
+        o.set("dataplane", "max_vips", "8");
+    })
+    .unwrap();
+    lab.start_daemon().unwrap();
+    assert!(
+        lab.log().contains("data plane ready reused=true"),
+        "build B did not re-adopt the plane after the refusal:\n{}",
+        lab.log()
+    );
+    assert!(lab.stop().unwrap().success());
 }

@@ -11,7 +11,12 @@ use sluice::{
     dataplane::{remove_pinned, Dataplane, LoadOptions, PROG_XDP},
     object::BPF_OBJECT,
 };
-use sluice_tests::{flow, frames::*, require_root, run_prog};
+use sluice_tests::{
+    flow,
+    frames::*,
+    pinned::{counter, ifindex, linked_program, Injector},
+    require_root, run_prog,
+};
 
 struct PinDir(PathBuf);
 
@@ -213,61 +218,12 @@ fn sh(c: &str) {
     );
 }
 
-fn ifindex(name: &str) -> u32 {
-    let c = std::ffi::CString::new(name).unwrap();
-    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    assert_ne!(i, 0, "no interface {name}");
-    i
-}
-
 /// In a namespace of the calling thread's own: veth `upa` (where the data plane is attached)
 /// and its peer `upb` (where frames are sent from). Returns (upa, upb) ifindexes.
 fn veth_pair() -> (u32, u32) {
     assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
     sh("ip link add upa type veth peer name upb && ip link set upa up && ip link set upb up");
     (ifindex("upa"), ifindex("upb"))
-}
-
-/// Sends frames out of one interface through a raw packet socket.
-struct Injector {
-    fd: std::os::fd::OwnedFd,
-    to: libc::sockaddr_ll,
-}
-
-impl Injector {
-    fn new(ifindex: u32) -> Self {
-        use std::os::fd::FromRawFd;
-        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0) };
-        assert!(
-            fd >= 0,
-            "packet socket: {}",
-            std::io::Error::last_os_error()
-        );
-        let mut to: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        to.sll_family = libc::AF_PACKET as u16;
-        to.sll_ifindex = ifindex as i32;
-        to.sll_halen = 6;
-        Injector {
-            fd: unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) },
-            to,
-        }
-    }
-
-    /// Whether the frame was handed to the peer (a full queue refuses it: ENOBUFS).
-    fn send(&self, frame: &[u8]) -> bool {
-        use std::os::fd::AsRawFd;
-        let n = unsafe {
-            libc::sendto(
-                self.fd.as_raw_fd(),
-                frame.as_ptr().cast(),
-                frame.len(),
-                0,
-                (&self.to as *const libc::sockaddr_ll).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
-            )
-        };
-        n == frame.len() as isize
-    }
 }
 
 /// A frame no IP stack takes (local experimental ethertype): the data plane passes it as
@@ -279,13 +235,7 @@ fn probe_frame() -> Vec<u8> {
 /// `pass_not_ip` summed over CPUs, from the pinned counters (shared by every program that
 /// has used these maps).
 fn not_ip(dir: &PinDir) -> u64 {
-    let m = aya::maps::MapData::from_pin(dir.0.join("STATS")).unwrap();
-    let a: aya::maps::PerCpuArray<aya::maps::MapData, u64> =
-        aya::maps::PerCpuArray::try_from(aya::maps::Map::PerCpuArray(m)).unwrap();
-    a.get(&(lb_common::stat::PASS_NOT_IP.index() as u32), 0)
-        .unwrap()
-        .iter()
-        .sum()
+    counter(&dir.0, lb_common::stat::PASS_NOT_IP)
 }
 
 /// Waits (at most 10 s) until `not_ip` reaches `want`, and checks it goes no further.
@@ -300,21 +250,6 @@ fn settled_at(dir: &PinDir, want: u64) {
         want,
         "every frame handed to the attached interface is counted by one program or the other"
     );
-}
-
-/// The program attached through the pinned link: (program id, tag).
-fn linked_program(pin: &std::path::Path) -> (u32, u64) {
-    let link = aya::programs::links::PinnedLink::from_pin(pin).unwrap();
-    let id = aya::programs::links::FdLink::from(link)
-        .info()
-        .unwrap()
-        .program_id();
-    let tag = aya::programs::loaded_programs()
-        .filter_map(Result::ok)
-        .find(|p| p.id() == id)
-        .unwrap_or_else(|| panic!("program {id} of the link is not loaded"))
-        .tag();
-    (id, tag)
 }
 
 /// Upgrading to a build whose program differs replaces the program through the pinned

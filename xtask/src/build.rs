@@ -1,4 +1,5 @@
-//! `cargo xtask build [--debug]`: the eBPF object, then the workspace.
+//! `cargo xtask build [--debug]`: the eBPF object, then the workspace ([`run`]), then the
+//! upgrade test's second `sluice` ([`build_upgrade_binary`]).
 //!
 //! # The stable-toolchain eBPF recipe
 //!
@@ -171,6 +172,32 @@ pub fn build_ebpf() -> Result<PathBuf> {
 /// The object the upgrade test swaps in: [`build_ebpf`] links it for BPF CPU v2.
 pub fn upgrade_variant_path() -> PathBuf {
     cmd::workspace_root().join("target/bpf/sluice-cpu-v2.bpf.o")
+}
+
+/// Where, under `target/`, [`build_upgrade_binary`] builds (tests/src/daemon_lab.rs reads it
+/// from there).
+const UPGRADE_TARGET_DIR: &str = "upgrade";
+
+/// The newer `sluice` of the daemon upgrade test (`target/upgrade/debug/sluice`, a debug build
+/// whatever the profile of the rest: only the tests run it): the same sources with
+/// [`upgrade_variant_path`] embedded instead of the default object (lb-userspace/build.rs
+/// reads `SLUICE_BPF_OBJECT` at build time only), so it runs another program on the same
+/// maps. Its own target directory keeps the two builds from replacing each other's `sluice`.
+/// `cargo xtask build` and `cargo xtask test` build it; the commands that only need the
+/// release binaries (package, bench, demo) do not.
+pub fn build_upgrade_binary() -> Result<()> {
+    step("build the upgrade test's second sluice (CPU v2 object embedded)");
+    let root = cmd::workspace_root();
+    let mut cargo = cmd::cargo();
+    cargo
+        .current_dir(&root)
+        .env("SLUICE_BPF_OBJECT", upgrade_variant_path())
+        .env(
+            "CARGO_TARGET_DIR",
+            root.join("target").join(UPGRADE_TARGET_DIR),
+        )
+        .args(["build", "-p", "lb-userspace", "--bin", "sluice"]);
+    cmd::run(&mut cargo)
 }
 
 /// Moves `tmp` over `out`, unless `out` has the same bytes and is still newer than every

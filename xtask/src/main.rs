@@ -35,7 +35,8 @@ enum Cmd {
     /// Install or check bpf-linker (against rustc's LLVM), bpffs and the Debian packages
     /// the tests use. Idempotent.
     Setup,
-    /// Build the eBPF object (target/bpf/sluice.bpf.o), then the workspace (release).
+    /// Build the eBPF object (target/bpf/sluice.bpf.o), then the workspace (release), then
+    /// the upgrade test's second sluice (target/upgrade/debug/sluice).
     Build {
         /// Build the workspace in the dev profile instead of release.
         #[arg(long)]
@@ -88,7 +89,8 @@ fn main() -> ExitCode {
             build::Profile::Debug
         } else {
             build::Profile::Release
-        }),
+        })
+        .and_then(|()| build::build_upgrade_binary()),
         Cmd::Test => test::run(),
         Cmd::Lint => lint::run(),
         Cmd::Package => package::run().map(drop),

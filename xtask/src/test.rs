@@ -51,6 +51,7 @@ pub fn run() -> Result<()> {
     setup::run()?;
     // Debug: the test profile reuses the dev profile's dependencies.
     build::run(Profile::Debug)?;
+    build::build_upgrade_binary()?;
 
     let root = cmd::workspace_root();
     check_layers(&test_files(&root.join("tests/tests"))?)?;
