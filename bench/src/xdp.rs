@@ -1253,6 +1253,11 @@ pub fn main(args: &[String]) -> Result<()> {
             if v == Variant::Fallback && fib_only(*id) {
                 continue;
             }
+            // The in-band case is a paired difference from `established`, taken in the
+            // fallback netns only: the fib netns has no route to the in-band VIP's backends.
+            if v == Variant::Fib && *id == CaseId::EstablishedInband {
+                continue;
+            }
             results.push(CaseResult {
                 variant: v,
                 id: *id,
