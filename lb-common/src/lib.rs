@@ -61,6 +61,10 @@ pub const VIP_F_SECOND_CHANCE: u32 = 1 << 3;
 /// of this VIP's TCP flows and folds time to first byte and delivery into `InbandStats`
 /// (see `lb-ebpf/src/inband.rs`). Needs the connection table (not with second chance).
 pub const VIP_F_INBAND: u32 = 1 << 4;
+/// Admission control is configured: a new session whose probes find only full backends is
+/// shed (`SHED_FULL`). Without it a full backend is only less preferred: such a session
+/// goes to the first active backend of its probes (`FULL_FALLBACK`).
+pub const VIP_F_ADMISSION: u32 = 1 << 5;
 
 /// Key of the VIP hash map. `port` 0 matches every port of the address and protocol.
 #[repr(C)]
@@ -470,6 +474,9 @@ pub mod stat {
         /// A new session shed because every backend it may use is full; followed by
         /// `SHED_RST_SENT` or `DROP_SHED`.
         SHED_FULL = "shed_full", Event;
+        /// A new session of a VIP without admission control whose probes found only full
+        /// backends, sent to the first active one of them.
+        FULL_FALLBACK = "full_fallback", Event;
         SHED_RST_SENT = "shed_rst_sent", Sent;
         DROP_FRAG_NEEDED = "drop_frag_needed", Drop;
         ICMP_TOO_BIG_SENT = "icmp_too_big_sent", Sent;

@@ -8,7 +8,7 @@ use lb_common::{
     AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FlowKey, InbandFlow, LbConfig, VipKey,
     VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE,
     BACKEND_F_NO_AFFINITY, LB_F_WILDCARD_VIPS, MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_HISTORY,
-    RING_SIZE_MAX, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SRC_HASH,
+    RING_SIZE_MAX, VIP_F_ADMISSION, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SRC_HASH,
 };
 
 use crate::{
@@ -212,7 +212,8 @@ fn takes(b: &BackendEntry, new_session: bool) -> bool {
 /// backend is not flagged `BACKEND_F_NO_AFFINITY` (one moved away or at weight 0 keeps its
 /// sessions, not its clients: a conversation's next turn goes where the ring says), otherwise the first of the flow's probe positions in the live ring whose backend takes
 /// it, with the slot's previous backends for a GUE backend (see [`second_hops`]). A new
-/// session finding only full backends is shed.
+/// session finding only full backends is shed where the VIP has admission control, and
+/// otherwise goes to the first active one (full is a preference, not a refusal, there).
 #[inline(always)]
 fn choose(
     key: &FlowKey,
@@ -243,7 +244,8 @@ fn choose(
     if !(2..=RING_SIZE_MAX).contains(&ring_size) {
         return Err(stat::DROP_NO_BACKEND.into());
     }
-    let mut saw_full = false;
+    // The first active (so full) backend probed past, and its slot's previous backends.
+    let mut first_full: Option<(u32, [u16; RING_HISTORY])> = None;
     let base = (vip.id * RINGS_PER_VIP + (vip.active_ring & 1)) * RING_SIZE_MAX;
     for i in 0..MAX_PROBES {
         let slot = hash::probe_slot(h, i, ring_size);
@@ -259,16 +261,26 @@ fn choose(
                 return Ok((id, b, second_hops(&b, previous, vip)));
             }
             Some(b) => {
-                saw_full |= b.state == BACKEND_ACTIVE;
+                if b.state == BACKEND_ACTIVE && first_full.is_none() {
+                    first_full = Some((id, previous));
+                }
                 count(stat::PROBE_SKIP);
             }
             None => count(stat::PROBE_SKIP),
         }
     }
-    if saw_full {
+    let Some((id, previous)) = first_full else {
+        return Err(stat::DROP_NO_BACKEND.into());
+    };
+    if vip.flags & VIP_F_ADMISSION != 0 {
         return Err(Refusal::Shed(stat::SHED_FULL));
     }
-    Err(stat::DROP_NO_BACKEND.into())
+    let b = backend(id, vip).ok_or(stat::DROP_NO_BACKEND)?;
+    count(stat::FULL_FALLBACK);
+    if vip.affinity_secs != 0 {
+        remember(&akey, id, now);
+    }
+    Ok((id, b, second_hops(&b, previous, vip)))
 }
 
 /// Previous owners of a flow's slot that a GUE backend may pass it on to, most recent first,

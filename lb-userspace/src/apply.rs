@@ -5,7 +5,8 @@
 use anyhow::{Context, Result};
 use lb_common::{
     maps, BackendEntry, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
-    BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, VIP_F_INBAND, VIP_F_SHED, VIP_F_SHED_RST,
+    BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, VIP_F_ADMISSION, VIP_F_INBAND,
+    VIP_F_SHED, VIP_F_SHED_RST,
 };
 
 use crate::{
@@ -60,6 +61,9 @@ fn vip_flags(vip: &Vip, overlay: &Overlay) -> u32 {
     }
     if overlay.shed.contains(&vip.spec.name) {
         f |= VIP_F_SHED;
+    }
+    if overlay.admission.contains(&vip.spec.name) {
+        f |= VIP_F_ADMISSION;
     }
     if overlay.rst {
         f |= VIP_F_SHED_RST;
@@ -268,6 +272,8 @@ mod tests {
         assert_eq!(vip_flags(&vip, &o), VIP_F_SHED | VIP_F_SHED_RST);
         o.rst = false;
         assert_eq!(vip_flags(&vip, &o), VIP_F_SHED);
+        o.admission.insert("chat".into());
+        assert_eq!(vip_flags(&vip, &o), VIP_F_SHED | VIP_F_ADMISSION);
     }
 
     #[test]

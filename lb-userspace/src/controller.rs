@@ -37,6 +37,10 @@ pub struct Overlay {
     /// VIPs whose new sessions are shed (their priority class is below what the
     /// overloaded pool admits).
     pub shed: std::collections::BTreeSet<String>,
+    /// VIPs with admission control configured: a new session that finds only full backends
+    /// is refused. Elsewhere full backends are only probed past.
+    #[serde(default)]
+    pub admission: std::collections::BTreeSet<String>,
     /// `policy.shed = "rst"`: every VIP answers the TCP sessions it refuses with a RST, also
     /// those refused because all of its backends are full (not only shed VIPs).
     pub rst: bool,

@@ -319,7 +319,7 @@ fn start_ticker(
         let cfg = settings.borrow_and_update().clone();
         let mut policy = Policy::new(cfg.policy.clone());
         let mut inband = telemetry::inband::Tracker::default();
-        let mut rst = cfg.policy.shed == config::ShedMode::Rst;
+        let mut rst = cfg.policy.shed == Some(config::ShedMode::Rst);
         // The first step comes one interval after the start, not at once: by then the
         // scrapers' first round (bounded by scrape_timeout < scrape_interval) has reported.
         // Stepping at once would see every scraped backend as stale ("never scraped") and
@@ -336,7 +336,7 @@ fn start_ticker(
             if settings.has_changed().unwrap_or(false) {
                 let cfg = settings.borrow_and_update().clone();
                 policy.set_config(cfg.policy.clone());
-                rst = cfg.policy.shed == config::ShedMode::Rst;
+                rst = cfg.policy.shed == Some(config::ShedMode::Rst);
                 if cfg.telemetry.scrape_interval != period {
                     period = cfg.telemetry.scrape_interval;
                     every = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
@@ -557,7 +557,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
                 hub: hub.clone(),
                 policy: Policy::new(cfg.policy.clone()),
                 inband: telemetry::inband::Tracker::default(),
-                shed_rst: cfg.policy.shed == config::ShedMode::Rst,
+                shed_rst: cfg.policy.shed == Some(config::ShedMode::Rst),
                 scrape_interval: cfg.telemetry.scrape_interval,
                 epoch,
             };

@@ -252,6 +252,12 @@ pub fn decide<P: Plane>(
             })
             .map(|v| v.spec.name.clone())
             .collect(),
+        admission: d
+            .shed
+            .iter()
+            .filter(|(_, s)| s.admission)
+            .map(|(v, _)| v.clone())
+            .collect(),
         rst: shed_rst,
     };
     (overlay, d)

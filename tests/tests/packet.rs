@@ -6,8 +6,8 @@ use std::net::IpAddr;
 
 use lb_common::{
     stat, BACKEND_DOWN, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY,
-    PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_SECOND_CHANCE,
-    VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
+    PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_ADMISSION,
+    VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
 };
 use sluice::dataplane::PROG_DECAP;
 use sluice_tests::{flow, frames::*, run_prog, Lab, FALLBACK_MAC};
@@ -1016,7 +1016,9 @@ fn full_backend_is_probed_past_by_new_sessions_but_keeps_its_streams() {
 
 #[test]
 fn syn_is_shed_by_drop_when_every_backend_is_full_while_established_flows_continue() {
-    let (mut lab, _vip) = lab_v4();
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_ADMISSION, 0);
+    lab.backends(&vip, &BACKENDS4);
     lab.run(&on_wire(&v4_tcp(CLIENT4, 3000, VIP4, 443, SYN, 0)));
     for id in 1..=3 {
         lab.set_flags(id, BACKEND_F_FULL);
@@ -1037,6 +1039,36 @@ fn syn_is_shed_by_drop_when_every_backend_is_full_while_established_flows_contin
         XDP_TX
     );
     assert_eq!(lab.stat(stat::SHED_FULL), 1);
+}
+
+#[test]
+fn without_admission_a_syn_finding_only_full_backends_goes_to_the_first_active_one() {
+    // Full by telemetry is a preference: a VIP with no admission control refuses nothing.
+    let (mut lab, vip) = lab_v4();
+    lab.set_state(1, BACKEND_DOWN);
+    for id in 2..=3 {
+        lab.set_flags(id, BACKEND_F_FULL);
+    }
+    let port = (3000..60000)
+        .find(|&p| {
+            let probes = lab.probes(&vip, &flow(CLIENT4, p, VIP4, 443, PROTO_TCP));
+            probes[0] == 1 && probes.iter().any(|&id| id != 1)
+        })
+        .expect("some port probes the down backend first, then another");
+    let key = flow(CLIENT4, port, VIP4, 443, PROTO_TCP);
+    let first_active = *lab.probes(&vip, &key).iter().find(|&&id| id != 1).unwrap();
+    let h = lab.flow_hash(&key, false);
+    assert_steered(
+        &mut lab,
+        &v4_tcp(CLIENT4, port, VIP4, 443, SYN, 0),
+        first_active,
+        h,
+    );
+    assert_eq!(lab.stat(stat::FULL_FALLBACK), 1);
+    assert_eq!(
+        (lab.stat(stat::SHED_FULL), lab.stat(stat::DROP_SHED)),
+        (0, 0)
+    );
 }
 
 #[test]

@@ -17,6 +17,8 @@ pub struct Point {
     pub state: Option<String>,
     /// KV-cache use 0..1 (`None`: the accelerator did not answer).
     pub kv: Option<f64>,
+    /// Full for new sessions (at its cap, or KV or queue at the threshold): probed past.
+    pub full: bool,
 }
 
 /// Samples at `t` seconds, one point per backend.
@@ -233,6 +235,7 @@ mod tests {
             weight: Some(w),
             state: Some(st.into()),
             kv: Some(0.5),
+            full: false,
         };
         let t = timeline(
             "throttled / adaptive",

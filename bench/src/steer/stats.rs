@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 
+use super::plot::{Point, Sample};
+
 /// One request as `sluice-bench tokens --records` writes it.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Record {
@@ -50,12 +52,30 @@ pub fn ttfts(records: &[Record]) -> Vec<f64> {
     records.iter().filter_map(|r| r.ttft_ms).collect()
 }
 
-/// (completed, broken, broken on `killed`).
-pub fn sessions(records: &[Record], killed: Option<&str>) -> (u64, u64, u64) {
+/// A backend killed at `at_ms`, whose new sessions may fail for `bound_ms` (until health
+/// checks mark it down).
+#[derive(Clone, Copy, Debug)]
+pub struct Kill<'a> {
+    pub backend: &'a str,
+    pub at_ms: f64,
+    pub bound_ms: f64,
+}
+
+/// (completed, broken, broken on the killed backend). A stream that broke names its
+/// backend; a connection that failed names none (the client never reached a backend), and
+/// one started within the bound after the kill counts on the killed backend: the data plane
+/// sent it there before the backend was marked down (nothing else refuses a connection of
+/// a VIP without admission control; with admission a shed in that window would count too).
+pub fn sessions(records: &[Record], kill: Option<Kill>) -> (u64, u64, u64) {
     let broken: Vec<&Record> = records.iter().filter(|r| r.broken.is_some()).collect();
     let on_killed = broken
         .iter()
-        .filter(|r| killed.is_some() && r.backend.as_deref() == killed)
+        .filter(|r| {
+            kill.is_some_and(|k| match r.backend.as_deref() {
+                Some(b) => b == k.backend,
+                None => (k.at_ms..=k.at_ms + k.bound_ms).contains(&r.start_ms),
+            })
+        })
         .count();
     (
         (records.len() - broken.len()) as u64,
@@ -100,6 +120,66 @@ pub fn affinity_kept(records: &[Record], faulty: &[&str]) -> Option<f64> {
         }
     }
     (total > 0).then(|| kept as f64 / total as f64)
+}
+
+/// Why the later turns counted by [`affinity_kept`] left their first turn's backend, from
+/// the 1 s timeline sample nearest each turn's start: the backend was `full` (probed past),
+/// out of rotation (`moved`: moved away, guarded, down), or neither (`other`: the affinity
+/// entry had expired or the ring moved the client); with `kept_when_free`, the fraction kept
+/// of the turns whose first backend was in rotation and not full then.
+pub fn affinity_lost(
+    records: &[Record],
+    faulty: &[&str],
+    names: &[String],
+    timeline: &[Sample],
+) -> Value {
+    let at = |b: &str, ms: f64| -> Option<&Point> {
+        let i = names.iter().position(|n| n == b)?;
+        let s = timeline.iter().min_by(|x, y| {
+            (x.t * 1000.0 - ms)
+                .abs()
+                .total_cmp(&(y.t * 1000.0 - ms).abs())
+        })?;
+        s.points.get(i)
+    };
+    let mut first: BTreeMap<(&str, u64), &str> = BTreeMap::new();
+    let mut sorted: Vec<&Record> = records.iter().collect();
+    sorted.sort_by_key(|r| (r.conversation, r.turn));
+    let (mut full, mut moved, mut other, mut free, mut free_kept) = (0u64, 0u64, 0u64, 0u64, 0u64);
+    for r in sorted {
+        let Some(b) = r.backend.as_deref() else {
+            continue;
+        };
+        let key = (r.client.as_str(), r.conversation);
+        let Some(&f) = first.get(&key) else {
+            first.insert(key, b);
+            continue;
+        };
+        if faulty.contains(&f) {
+            continue;
+        }
+        let p = at(f, r.start_ms);
+        let out =
+            p.is_some_and(|p| !matches!(p.state.as_deref(), Some("active") | Some("slow-start")));
+        let is_full = p.is_some_and(|p| p.full);
+        if !out && !is_full {
+            free += 1;
+            free_kept += u64::from(f == b);
+        }
+        if f != b {
+            match (out, is_full) {
+                (true, _) => moved += 1,
+                (false, true) => full += 1,
+                (false, false) => other += 1,
+            }
+        }
+    }
+    json!({
+        "full": full,
+        "moved": moved,
+        "other": other,
+        "kept_when_free": (free > 0).then(|| free_kept as f64 / free as f64),
+    })
 }
 
 /// Where new sessions went from `from_ms` to `to_ms`: sessions per backend (`"none"`: no
@@ -209,11 +289,39 @@ mod tests {
             rec(2, 1, 30.0, Some("b1"), Some("reset")),
             rec(3, 0, 40.0, None, Some("connect")),
         ];
-        assert_eq!(sessions(&rs, Some("b1")), (4, 2, 1));
+        let kill = |at_ms| Kill {
+            backend: "b1",
+            at_ms,
+            bound_ms: 3.0,
+        };
+        assert_eq!(sessions(&rs, Some(kill(25.0))), (4, 2, 1));
+        // The failed connect at 40 ms, within 3 ms of a kill at 38 ms: the killed one's.
+        assert_eq!(sessions(&rs, Some(kill(38.0))), (4, 2, 2));
         assert_eq!(sessions(&rs, None), (4, 2, 0));
         // Conversation 2 started on the faulty b1: not counted. Conversation 1: 1 of 2 kept.
         assert_eq!(affinity_kept(&rs, &["b1"]), Some(0.5));
         assert_eq!(affinity_kept(&rs, &[]), Some(2.0 / 3.0));
+        // Conversation 1's third turn left b0 while b0 was full.
+        let names: Vec<String> = ["b0", "b1", "b2"].map(String::from).to_vec();
+        let point = |full| Point {
+            state: Some("active".into()),
+            full,
+            ..Point::default()
+        };
+        let timeline = [
+            Sample {
+                t: 0.0,
+                points: vec![point(false), point(false), point(false)],
+            },
+            Sample {
+                t: 0.02,
+                points: vec![point(true), point(false), point(false)],
+            },
+        ];
+        assert_eq!(
+            affinity_lost(&rs, &["b1"], &names, &timeline),
+            json!({"full": 1, "moved": 0, "other": 0, "kept_when_free": 1.0})
+        );
         assert_eq!(
             landed(&rs, 10.0, 41.0),
             BTreeMap::from([

@@ -1459,7 +1459,10 @@ pub(super) fn policy(c: &mut Checker, p: &KeyPath, r: RawPolicy) -> Option<Polic
         d.stable_period,
     );
     let slow_start = c.duration(&p.key("slow_start"), r.slow_start.as_deref(), d.slow_start);
-    let shed = c.keyword(&p.key("shed"), r.shed.as_deref(), d.shed);
+    let shed = match r.shed.as_deref() {
+        None => Some(d.shed),
+        s => c.keyword(&p.key("shed"), s, ShedMode::Drop).map(Some),
+    };
     let out = PolicyConfig {
         ewma_alpha: ewma_alpha?,
         weight_levels: weight_levels?,

@@ -393,7 +393,10 @@ pub struct PolicyConfig {
     /// Ramp from 0 to full weight for a backend coming up; 0 = off.
     #[serde(with = "duration_str")]
     pub slow_start: Duration,
-    pub shed: ShedMode,
+    /// How refused sessions are refused. Set, it turns admission on for every VIP; unset,
+    /// only VIPs with a `max_sessions` cap on a backend refuse (by drop), and elsewhere a
+    /// backend full by telemetry is only probed past.
+    pub shed: Option<ShedMode>,
 }
 
 impl Default for PolicyConfig {
@@ -413,7 +416,7 @@ impl Default for PolicyConfig {
             flap_window: Duration::from_secs(300),
             stable_period: Duration::from_secs(120),
             slow_start: Duration::from_secs(30),
-            shed: ShedMode::Drop,
+            shed: None,
         }
     }
 }

@@ -39,9 +39,21 @@ pub fn full(
     capped || saturated
 }
 
+/// Whether admission control is configured for a VIP: `policy.shed` is set, or one of its
+/// backends has a session cap. Telemetry saturation alone (a fleet at KV 0.8 or queue 5)
+/// must not refuse sessions where the operator asked for no admission: clients would retry
+/// dropped SYNs after 1, 3, 7 s, far longer than any engine queue.
+pub fn configured(cfg: &PolicyConfig, mut max_sessions: impl Iterator<Item = u32>) -> bool {
+    cfg.shed.is_some() || max_sessions.any(|m| m > 0)
+}
+
 /// A VIP's admission state, as the data plane is to apply it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Shed {
+    /// Admission control is configured for this VIP ([`configured`]): it refuses new
+    /// sessions that find only full backends, and sheds by class. Without it, full backends
+    /// are only probed past and nothing is refused for want of room.
+    pub admission: bool,
     /// New sessions of classes `<= admit_max` are admitted; 7 = none shed.
     pub admit_max: u8,
     /// How a shed session is refused.
@@ -58,7 +70,7 @@ impl Shed {
 
     /// Whether a VIP of admission class `class` sheds new sessions now.
     pub fn sheds(&self, class: u8) -> bool {
-        class > self.admit_max
+        self.admission && class > self.admit_max
     }
 }
 

@@ -53,7 +53,10 @@ use self::{
     cooldown::{Change, MoveAway, Phase},
     score::{Score, Trigger},
 };
-use crate::{config::PolicyConfig, telemetry::BackendTelemetry};
+use crate::{
+    config::{PolicyConfig, ShedMode},
+    telemetry::BackendTelemetry,
+};
 
 /// One backend of one VIP as the policy sees it at a step.
 #[derive(Clone, Copy, Debug)]
@@ -581,7 +584,16 @@ impl Policy {
             .shedders
             .entry(pool.to_owned())
             .or_insert_with(|| Shedder::new(now));
-        let all_full = backends > 0 && full == backends;
+        let admitting: BTreeSet<&str> = members
+            .iter()
+            .copied()
+            .filter(|&vip| {
+                let caps = work.iter().filter(|w| w.input.vip == vip);
+                admission::configured(&self.cfg, caps.map(|w| w.input.max_sessions))
+            })
+            .collect();
+        // A pool none of whose VIPs has admission never tightens: nothing of it would shed.
+        let all_full = !admitting.is_empty() && backends > 0 && full == backends;
         if let Some(change) = shedder.update(now, all_full, self.cfg.cooldown_base) {
             let admit = shedder.admit_max();
             let (kind, why) = match change {
@@ -607,8 +619,9 @@ impl Policy {
             out.shed.insert(
                 vip.to_owned(),
                 Shed {
+                    admission: admitting.contains(vip),
                     admit_max: shedder.admit_max(),
-                    mode: self.cfg.shed,
+                    mode: self.cfg.shed.unwrap_or(ShedMode::Drop),
                     full,
                     backends,
                 },

@@ -355,7 +355,7 @@ fn down_is_weight_zero_at_once_and_up_enters_slow_start() {
 #[test]
 fn admission_marks_full_backends_and_sheds_the_lowest_priority_first() {
     let cfg = PolicyConfig {
-        shed: ShedMode::Rst,
+        shed: Some(ShedMode::Rst),
         ..PolicyConfig::default()
     };
     let period = cfg.cooldown_base;
@@ -404,6 +404,44 @@ fn admission_marks_full_backends_and_sheds_the_lowest_priority_first() {
         .flat_map(|d| &d.events)
         .filter(|e| e.kind == EventKind::ShedStop);
     assert_eq!(stops.count(), 7);
+}
+
+#[test]
+fn telemetry_saturation_never_sheds_a_vip_without_admission() {
+    // Every backend at KV 0.9 for a minute: full (probed past), and with `policy.shed`
+    // unset and no session cap the VIP sheds nothing, so no SYN is refused for it.
+    let mut sim = Sim::new(PolicyConfig::default(), 3);
+    for i in 0..3 {
+        sim.sample(i).kv_cache = Some(0.9);
+    }
+    let out = sim.run_until(60 * S);
+    for (t, d) in out.iter().enumerate() {
+        assert!(d.backends.iter().all(|b| b.full));
+        assert!(!d.shed["v"].sheds(LOWEST_CLASS), "shed at {t} s");
+        assert!(!d.shed["v"].shedding());
+    }
+    let sheds = out.iter().flat_map(|d| &d.events);
+    assert_eq!(sheds.filter(|e| e.kind == EventKind::ShedStart).count(), 0);
+
+    // The same fleet with shedding configured: the lowest class goes at the first step.
+    let cfg = PolicyConfig {
+        shed: Some(ShedMode::Drop),
+        ..PolicyConfig::default()
+    };
+    let mut sim = Sim::new(cfg, 3);
+    for i in 0..3 {
+        sim.sample(i).kv_cache = Some(0.9);
+    }
+    let d = sim.step();
+    assert!(d.shed["v"].admission && d.shed["v"].sheds(LOWEST_CLASS));
+    // ...and so does one with a session cap on a backend, though none is reached.
+    let mut sim = Sim::new(PolicyConfig::default(), 3);
+    for i in 0..3 {
+        sim.sample(i).kv_cache = Some(0.9);
+    }
+    sim.backends[0].max_sessions = 100;
+    let d = sim.step();
+    assert!(d.shed["v"].admission && d.shed["v"].sheds(LOWEST_CLASS));
 }
 
 #[test]
