@@ -244,39 +244,52 @@ fn choose(
     if !(2..=RING_SIZE_MAX).contains(&ring_size) {
         return Err(stat::DROP_NO_BACKEND.into());
     }
-    // The first active (so full) backend probed past, and its slot's previous backends.
-    let mut first_full: Option<(u32, [u16; RING_HISTORY])> = None;
+    // The backend that takes the flow, or else the first active (so full) one probed past,
+    // with its ring slot's index. One exit reads the slot's history and computes the second
+    // hops: the verifier sees that code once, and no history array lives across the probes
+    // (LLVM spilled one through a stack slot another path left a packet pointer in).
+    let mut taken: Option<(u32, BackendEntry, u32)> = None;
+    let mut first_full: Option<(u32, u32)> = None;
     let base = (vip.id * RINGS_PER_VIP + (vip.active_ring & 1)) * RING_SIZE_MAX;
     for i in 0..MAX_PROBES {
         let slot = hash::probe_slot(h, i, ring_size);
-        let (id, previous) = match MAGLEV_RINGS.get(base + slot) {
-            Some(s) if s.backend != 0 => (s.backend as u32, s.previous),
+        let index = base + slot;
+        let id = match MAGLEV_RINGS.get(index) {
+            Some(s) if s.backend != 0 => s.backend as u32,
             _ => return Err(stat::DROP_NO_BACKEND.into()),
         };
         match backend(id, vip) {
             Some(b) if takes(&b, new_session) => {
-                if vip.affinity_secs != 0 {
-                    remember(&akey, id, now);
-                }
-                return Ok((id, b, second_hops(&b, previous, vip)));
+                taken = Some((id, b, index));
+                break;
             }
             Some(b) => {
                 if b.state == BACKEND_ACTIVE && first_full.is_none() {
-                    first_full = Some((id, previous));
+                    first_full = Some((id, index));
                 }
                 count(stat::PROBE_SKIP);
             }
             None => count(stat::PROBE_SKIP),
         }
     }
-    let Some((id, previous)) = first_full else {
-        return Err(stat::DROP_NO_BACKEND.into());
+    let (id, b, index) = match taken {
+        Some(t) => t,
+        None => {
+            let Some((id, index)) = first_full else {
+                return Err(stat::DROP_NO_BACKEND.into());
+            };
+            if vip.flags & VIP_F_ADMISSION != 0 {
+                return Err(Refusal::Shed(stat::SHED_FULL));
+            }
+            let b = backend(id, vip).ok_or(stat::DROP_NO_BACKEND)?;
+            count(stat::FULL_FALLBACK);
+            (id, b, index)
+        }
     };
-    if vip.flags & VIP_F_ADMISSION != 0 {
-        return Err(Refusal::Shed(stat::SHED_FULL));
-    }
-    let b = backend(id, vip).ok_or(stat::DROP_NO_BACKEND)?;
-    count(stat::FULL_FALLBACK);
+    let previous = match MAGLEV_RINGS.get(index) {
+        Some(s) => s.previous,
+        None => [0; RING_HISTORY],
+    };
     if vip.affinity_secs != 0 {
         remember(&akey, id, now);
     }
