@@ -1198,6 +1198,17 @@ impl Running {
     pub fn is_finished(&self) -> bool {
         self.handle.as_ref().is_none_or(|h| h.is_finished())
     }
+
+    /// Waits for the stream's end: None when every token came, else what went wrong, naming
+    /// the stream and its backend.
+    pub fn broken(self) -> Option<String> {
+        let (backend, local, tokens) = (self.backend.clone(), self.local, self.tokens);
+        match self.finish() {
+            Ok(got) if got == tokens => None,
+            Ok(got) => Some(format!("{local} on {backend}: {got} of {tokens} tokens")),
+            Err(e) => Some(format!("{local} on {backend}: {e:#}")),
+        }
+    }
 }
 
 /// Polls `f` until it returns `Some`, at most `timeout`; fails naming `what` and the last

@@ -53,17 +53,7 @@ fn streams_on(lab: &DaemonLab, i: usize, tokens: u32, interval_ms: u32) -> Vec<R
 
 fn finish_all(streams: Vec<Running>, what: &str) {
     let n = streams.len();
-    let failures: Vec<String> = streams
-        .into_iter()
-        .filter_map(|s| {
-            let (backend, local, tokens) = (s.backend.clone(), s.local, s.tokens);
-            match s.finish() {
-                Ok(got) if got == tokens => None,
-                Ok(got) => Some(format!("{local} on {backend}: {got} of {tokens} tokens")),
-                Err(e) => Some(format!("{local} on {backend}: {e:#}")),
-            }
-        })
-        .collect();
+    let failures: Vec<String> = streams.into_iter().filter_map(Running::broken).collect();
     assert!(
         failures.is_empty(),
         "{what}: {} of {n} streams did not complete:\n{}",

@@ -32,7 +32,7 @@ use sluice::{
     object::BPF_OBJECT,
 };
 use sluice_tests::{
-    daemon_lab::{DaemonLab, DaemonLabOptions, VipDef},
+    daemon_lab::{DaemonLab, DaemonLabOptions, Running, VipDef},
     netns::{attach_native, backend_id, LabOptions, NetLab, Topology, RING, SEED, TCP_PORT, VIP4},
     stream::TokenStream,
 };
@@ -479,17 +479,7 @@ fn daemon_replaced(flow_state: &'static str) -> (Vec<String>, u64, String) {
         log.contains("data plane ready reused=false"),
         "the new daemon did not start with fresh maps:\n{log}"
     );
-    let broken: Vec<String> = streams
-        .into_iter()
-        .filter_map(|s| {
-            let (backend, local, tokens) = (s.backend.clone(), s.local, s.tokens);
-            match s.finish() {
-                Ok(got) if got == tokens => None,
-                Ok(got) => Some(format!("{local} on {backend}: {got} of {tokens} tokens")),
-                Err(e) => Some(format!("{local} on {backend}: {e:#}")),
-            }
-        })
-        .collect();
+    let broken: Vec<String> = streams.into_iter().filter_map(Running::broken).collect();
     let passed_on = lab
         .backend_hosts
         .iter()
