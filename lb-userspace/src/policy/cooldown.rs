@@ -8,12 +8,28 @@
 //! was out for saturation: its hardware is fine and its queue has drained, and in the steer
 //! benchmark 30-second ramps after saturation moves kept a loaded fleet short of capacity
 //! until the others saturated in turn.
+//!
+//! A backend out for congestion returns on probation instead, for [`PROBATION`]: ECN marks
+//! and CNPs count the traffic a backend carries, so an emptied one reads clear whatever its
+//! fabric does, and its clear reading at the end of the cooldown is no evidence. On
+//! probation it takes a reduced share (the caller's level), which makes its readings mean
+//! something again; congestion seen then sends it out with `cooldown_base` (the cause it
+//! could not show while empty, not a flap: the steer benchmark's congested backend was out
+//! 20 s on a doubled cooldown and returned 15 s after its fabric had cleared), and a
+//! probation without congestion ends at full weight (no ramp: it has been serving). A
+//! second failed probation in a row doubles the cooldown as a flap does: the fabric was
+//! seen congested with traffic on it, so probing it again soon would only churn.
 
 use std::time::Duration;
 
 use crate::config::PolicyConfig;
 
 use super::score::Reason;
+
+/// How long a backend back from a congestion move stays on probation: time for a few
+/// sessions at its reduced share (in the steer benchmark about one every 2 s) to show
+/// whether its fabric marks them.
+pub const PROBATION: Duration = Duration::from_secs(5);
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Phase {
@@ -28,8 +44,10 @@ pub enum Phase {
 pub enum Change {
     /// Moved away, cooling down for `cooldown`; `flap`: doubled by a recent return.
     Moved { cooldown: Duration, flap: bool },
-    /// Back in rotation, ramping up.
-    Returned,
+    /// Back in rotation: ramping up, or on probation after congestion.
+    Returned { probation: bool },
+    /// Probation over without congestion: full weight.
+    Cleared,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -39,6 +57,10 @@ pub struct MoveAway {
     /// The last cooldown served, the base for doubling.
     cooldown: Duration,
     returned_at: Option<Duration>,
+    /// On probation (see the module docs) until this time.
+    probation: Option<Duration>,
+    /// The last move was congestion seen on probation: another one in a row is a flap.
+    probation_failed: bool,
 }
 
 impl MoveAway {
@@ -48,6 +70,8 @@ impl MoveAway {
             phase: Phase::InRotation { ramp_from },
             cooldown: Duration::ZERO,
             returned_at: None,
+            probation: None,
+            probation_failed: false,
         }
     }
 
@@ -68,7 +92,12 @@ impl MoveAway {
         match (&self.phase, trigger) {
             (Phase::InRotation { .. }, Some(reason)) => {
                 let since_return = self.returned_at.map(|r| now.saturating_sub(r));
-                let flap = since_return.is_some_and(|d| d <= cfg.flap_window);
+                // The first congestion seen on probation is the cause an emptied backend could
+                // not show, not a flap; a second in a row is: its fabric stays congested.
+                let probed = self.probation.take().is_some() && reason == Reason::Congestion;
+                let excused = probed && !self.probation_failed;
+                self.probation_failed = probed;
+                let flap = !excused && since_return.is_some_and(|d| d <= cfg.flap_window);
                 let previous = match since_return {
                     Some(d) if d < cfg.stable_period => self.cooldown,
                     _ => cfg.cooldown_base,
@@ -88,11 +117,18 @@ impl MoveAway {
                 })
             }
             (Phase::MovedAway { until, reason }, None) if now >= *until => {
+                let probation = *reason == Reason::Congestion;
                 self.phase = Phase::InRotation {
-                    ramp_from: (*reason != Reason::Saturation).then_some(now),
+                    ramp_from: (!probation && *reason != Reason::Saturation).then_some(now),
                 };
+                self.probation = probation.then_some(now + PROBATION);
                 self.returned_at = Some(now);
-                Some(Change::Returned)
+                Some(Change::Returned { probation })
+            }
+            (Phase::InRotation { .. }, None) if self.probation.is_some_and(|p| now >= p) => {
+                self.probation = None;
+                self.probation_failed = false;
+                Some(Change::Cleared)
             }
             _ => None,
         }
@@ -141,6 +177,10 @@ impl MoveAway {
     pub fn ramping(&self) -> bool {
         matches!(self.phase, Phase::InRotation { ramp_from: Some(_) })
     }
+
+    pub fn on_probation(&self) -> bool {
+        self.probation.is_some()
+    }
 }
 
 #[cfg(test)]
@@ -156,12 +196,15 @@ mod tests {
         let mut t = Duration::ZERO;
         let mut served = Vec::new();
         for _ in 0..8 {
-            match st.update(t, Some(Reason::Congestion), &cfg) {
+            match st.update(t, Some(Reason::Throttling), &cfg) {
                 Some(Change::Moved { cooldown, .. }) => served.push(cooldown.as_secs()),
                 other => panic!("{other:?}"),
             }
             t += st.cooldown_left(t);
-            assert_eq!(st.update(t, None, &cfg), Some(Change::Returned));
+            assert_eq!(
+                st.update(t, None, &cfg),
+                Some(Change::Returned { probation: false })
+            );
             t += S;
         }
         assert_eq!(served, [10, 20, 40, 80, 160, 320, 600, 600]);
@@ -191,7 +234,10 @@ mod tests {
         assert_eq!(st.update(5 * S, None, &cfg), None);
         assert_eq!(st.update(10 * S, Some(Reason::Throttling), &cfg), None);
         assert!(!st.wants_out(11 * S, None));
-        assert_eq!(st.update(11 * S, None, &cfg), Some(Change::Returned));
+        assert_eq!(
+            st.update(11 * S, None, &cfg),
+            Some(Change::Returned { probation: false })
+        );
     }
 
     #[test]
@@ -199,7 +245,10 @@ mod tests {
         let cfg = PolicyConfig::default();
         let mut st = MoveAway::new(None);
         st.update(Duration::ZERO, Some(Reason::Saturation), &cfg);
-        assert_eq!(st.update(10 * S, None, &cfg), Some(Change::Returned));
+        assert_eq!(
+            st.update(10 * S, None, &cfg),
+            Some(Change::Returned { probation: false })
+        );
         assert!(!st.ramping());
         assert_eq!(st.ramp_level(10 * S, 7, &cfg), 7);
     }

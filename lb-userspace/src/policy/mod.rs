@@ -12,7 +12,8 @@
 //!   hysteresis band ([`score`]);
 //! - congestion, saturation, throttling or stale telemetry moves the backend away (weight 0
 //!   for new sessions, established ones stay) under an exponential cooldown, and a return
-//!   ramps up over `slow_start` ([`cooldown`]). Saturation counts only for a backend more
+//!   ramps up over `slow_start`, or after congestion holds the reduced level on probation
+//!   ([`cooldown`]). Saturation counts only for a backend more
 //!   loaded than its VIP's others, and only after [`SATURATION_STEPS`] steps in a row: a
 //!   queue or KV reading at its threshold for one scrape is a burst a healthy fleet at 65%
 //!   load sees every few minutes, each move costs affinity and two weight changes, and a
@@ -50,7 +51,7 @@ pub use self::{
 };
 use self::{
     admission::{ShedChange, Shedder},
-    cooldown::{Change, MoveAway, Phase},
+    cooldown::{Change, MoveAway, Phase, PROBATION},
     score::{Score, Trigger},
 };
 use crate::{
@@ -203,7 +204,7 @@ pub const HEADROOM: f64 = 0.5;
 /// A throttled or congested backend of a VIP without headroom keeps
 /// `weight_levels / REDUCED_LEVEL_DIV` levels (at least one): a quarter of its weight, under
 /// the share a 0.4x accelerator can serve, instead of its whole share moved onto backends
-/// that have no room for it.
+/// that have no room for it. A backend on probation after congestion takes the same level.
 pub const REDUCED_LEVEL_DIV: u32 = 4;
 
 /// What the policy remembers of a backend between steps.
@@ -491,12 +492,20 @@ impl Policy {
                     };
                     events.push(event(kind, format!("{why}: cooldown {cooldown:?}")));
                 }
-                Some(Change::Returned) => events.push(event(
+                Some(Change::Returned { probation: false }) => events.push(event(
                     EventKind::Recover,
                     format!(
                         "cooldown over and signals fine: slow start over {:?}",
                         cfg.slow_start
                     ),
+                )),
+                Some(Change::Returned { probation: true }) => events.push(event(
+                    EventKind::Recover,
+                    format!("cooldown over and signals fine: on probation for {PROBATION:?}"),
+                )),
+                Some(Change::Cleared) => events.push(event(
+                    EventKind::Recover,
+                    "probation over without congestion: full weight".to_owned(),
                 )),
                 None => {}
             }
@@ -512,11 +521,13 @@ impl Policy {
                     ..
                 }
             );
+        let reduced_level = (cfg.weight_levels / REDUCED_LEVEL_DIV).max(1);
         let level = match (input.healthy, moved, kept) {
             (false, ..) => 0,
-            (true, true, false) if reduced => (cfg.weight_levels / REDUCED_LEVEL_DIV).max(1),
+            (true, true, false) if reduced => reduced_level,
             (true, true, false) => 0,
             (true, true, true) => m.score.level,
+            (true, false, _) if m.move_away.on_probation() => reduced_level.min(m.score.level),
             (true, false, _) if w.crowded => m.move_away.skip_ramp(m.score.level),
             (true, false, _) => m.move_away.ramp_level(now, m.score.level, cfg),
         };
@@ -526,7 +537,7 @@ impl Policy {
             SteerState::Guarded
         } else if moved {
             SteerState::MovedAway
-        } else if m.move_away.ramping() {
+        } else if m.move_away.ramping() || m.move_away.on_probation() {
             SteerState::SlowStart
         } else {
             SteerState::Active

@@ -1,8 +1,11 @@
 //! Load score, weight level and move-away triggers from one backend's telemetry.
 //!
 //! Pressure of a sample = the largest of `signal / threshold` over the signals that grow with
-//! load (KV cache, queue depth) or with fabric trouble (ECN rate, CNP rate), capped at 1.
-//! GPU utilisation says only idle vs busy (a continuous-batching engine is busy whenever it
+//! load (KV cache, queue depth), capped at 1. Fabric trouble (ECN rate, CNP rate) is a
+//! congestion trigger only: the marks count the traffic the backend carries, and as a
+//! pressure they lowered a congested backend's level for a whole [`LEVEL_DWELL`] (the steer
+//! benchmark's b1, lowered to 6/8 as it was moved away, served at 6/8 until 43 s after its
+//! fabric cleared). GPU utilisation says only idle vs busy (a continuous-batching engine is busy whenever it
 //! has any work), so it counts only for a backend without engine metrics: [`BUSY`] when at
 //! or over `gpu_util_high`, else 0. Temperature does not load a backend; over `temp_high_c`
 //! it is a throttling trigger. The score is the pressure's EWMA (`ewma_alpha`).
@@ -162,8 +165,6 @@ pub fn pressure(s: &Sample, cfg: &PolicyConfig) -> Option<f64> {
     [
         (s.kv_cache, cfg.kv_cache_high),
         (s.queue_depth, f64::from(cfg.queue_depth_high)),
-        (s.ecn_rate, cfg.ecn_rate_high),
-        (s.cnp_rate, cfg.cnp_rate_high),
         (util, 1.0),
     ]
     .into_iter()
@@ -259,7 +260,11 @@ mod tests {
         s.queue_depth = Some(4.0);
         s.gpu_temp_c = Some(84.0);
         assert_eq!(pressure(&s, &cfg), Some(0.8));
+        // Fabric marks are a congestion trigger, not load.
         s.ecn_rate = Some(1e9);
+        s.cnp_rate = Some(1e9);
+        assert_eq!(pressure(&s, &cfg), Some(0.8));
+        s.kv_cache = Some(1.6);
         assert_eq!(pressure(&s, &cfg), Some(1.0));
     }
 
