@@ -9,7 +9,9 @@
 //! Per step and backend (see the submodules for each rule):
 //! - the load score (an EWMA of the largest normalised load signal), compared with the mean
 //!   of the VIP's backends, sets a weight level `1..=weight_levels`, moved only past a
-//!   hysteresis band ([`score`]);
+//!   hysteresis band ([`score`]); a backend markedly slower per output token than the
+//!   median of its VIP's others in rotation gets a level in proportion to its relative speed
+//!   ([`score::Speed`]), and the lower of the two levels counts;
 //! - congestion, saturation, throttling or stale telemetry moves the backend away (weight 0
 //!   for new sessions, established ones stay) under an exponential cooldown, and a return
 //!   ramps up over `slow_start` ([`cooldown`]). Saturation counts only for a backend more
@@ -51,7 +53,7 @@ pub use self::{
 use self::{
     admission::{ShedChange, Shedder},
     cooldown::{Change, MoveAway, Phase},
-    score::{Score, Trigger},
+    score::{Score, Speed, Trigger},
 };
 use crate::{
     config::{PolicyConfig, ShedMode},
@@ -209,6 +211,7 @@ pub const REDUCED_LEVEL_DIV: u32 = 4;
 /// What the policy remembers of a backend between steps.
 struct Memory {
     score: Score,
+    speed: Speed,
     move_away: MoveAway,
     healthy: bool,
     /// Consecutive steps with a saturation condition.
@@ -280,6 +283,7 @@ impl Policy {
         let mut events = Vec::new();
         inband::slow(now, &mut work, &mut self.mismatched, &mut events);
         self.relevel(now, &work);
+        self.respeed(&work);
         self.trigger(now, &mut work);
         let kept = self.guard(&work);
 
@@ -310,6 +314,7 @@ impl Policy {
         let ramp = self.started.then_some(now);
         let m = self.backends.entry(input.id).or_insert_with(|| Memory {
             score: Score::new(cfg),
+            speed: Speed::new(cfg),
             move_away: MoveAway::new(ramp),
             healthy: input.healthy,
             saturated: 0,
@@ -321,8 +326,9 @@ impl Policy {
         m.healthy = input.healthy;
         let fresh = input.telemetry.filter(|t| !t.stale);
         let pressure = fresh.and_then(|t| score::pressure(&t.sample, cfg));
-        if fresh.is_some() {
+        if let Some(t) = fresh {
             m.score.update(pressure, cfg);
+            m.speed.update(t.sample.tpot_s, cfg);
         }
         Work {
             input,
@@ -403,6 +409,31 @@ impl Policy {
             let target =
                 score::relative_level(m.score.value(), sum / f64::from(n), self.cfg.weight_levels);
             m.score.relevel(now, target, &self.cfg);
+        }
+    }
+
+    /// Sets each backend's speed level from its time per output token against the median
+    /// of its VIP's other eligible backends in rotation with an estimate.
+    fn respeed(&mut self, work: &[Work]) {
+        let mut by_vip: BTreeMap<&str, Vec<(u32, f64)>> = BTreeMap::new();
+        for w in work.iter().filter(|w| w.eligible) {
+            let m = &self.backends[&w.input.id];
+            if let (Phase::InRotation { .. }, Some(t)) = (&m.move_away.phase, m.speed.tpot_s()) {
+                by_vip.entry(w.input.vip).or_default().push((w.input.id, t));
+            }
+        }
+        for w in work.iter().filter(|w| w.eligible) {
+            let others: Vec<f64> = by_vip
+                .get(w.input.vip)
+                .into_iter()
+                .flatten()
+                .filter(|(id, _)| *id != w.input.id)
+                .map(|&(_, t)| t)
+                .collect();
+            if let Some(median) = inband::median(others) {
+                let m = self.backends.get_mut(&w.input.id).expect("observed");
+                m.speed.relevel(median, &self.cfg);
+            }
         }
     }
 
@@ -512,13 +543,14 @@ impl Policy {
                     ..
                 }
             );
+        let own = m.score.level.min(m.speed.level);
         let level = match (input.healthy, moved, kept) {
             (false, ..) => 0,
             (true, true, false) if reduced => (cfg.weight_levels / REDUCED_LEVEL_DIV).max(1),
             (true, true, false) => 0,
-            (true, true, true) => m.score.level,
-            (true, false, _) if w.crowded => m.move_away.skip_ramp(m.score.level),
-            (true, false, _) => m.move_away.ramp_level(now, m.score.level, cfg),
+            (true, true, true) => own,
+            (true, false, _) if w.crowded => m.move_away.skip_ramp(own),
+            (true, false, _) => m.move_away.ramp_level(now, own, cfg),
         };
         let state = if !input.healthy {
             SteerState::Down
