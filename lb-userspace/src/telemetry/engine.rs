@@ -138,12 +138,13 @@ pub struct TpotTracker {
 impl TpotTracker {
     /// Mean seconds per output token since the previous totals; None for the first, when no
     /// token was generated in between, or when a total went down (an engine restart: the
-    /// next interval starts from the new totals).
+    /// next interval starts from the new totals). Tokens are whole: a count that grew by
+    /// less than one is a broken page, and dividing by it could overflow.
     pub fn observe(&mut self, now: Option<TpotTotals>) -> Option<f64> {
         let prev = std::mem::replace(&mut self.last, now)?;
         let now = now?;
         let (tokens, secs) = (now.count - prev.count, now.sum_s - prev.sum_s);
-        (tokens > 0.0 && secs >= 0.0).then(|| secs / tokens)
+        (tokens >= 1.0 && secs >= 0.0).then(|| secs / tokens)
     }
 }
 
