@@ -129,22 +129,41 @@ pub fn tpot_totals(page: &Page<'_>, kind: EngineKind, model: Option<&str>) -> Op
     })
 }
 
-/// The previous scrape's totals of one target.
+/// Tokens an interval must hold before its mean counts. A lightly used backend's interval can
+/// hold a handful of gaps, one of them a step that also prefilled another request's prompt
+/// (up to 2048 tokens, 146 ms in the lab): over 3 tokens that reads as 3-8x the others' time
+/// per output token (the steer benchmark's healthy fleet, draining after its arrivals, cut a
+/// backend to 3/8 so). Over 32 such a step adds at most a quarter to an 18 ms mean, while one
+/// stream generates ~55 tokens a second, so a backend serving anything still reads every
+/// scrape.
+pub const MIN_TOKENS: f64 = 32.0;
+
+/// The totals at the start of the current interval of one target.
 #[derive(Clone, Debug, Default)]
 pub struct TpotTracker {
-    last: Option<TpotTotals>,
+    since: Option<TpotTotals>,
 }
 
 impl TpotTracker {
-    /// Mean seconds per output token since the previous totals; None for the first, when no
-    /// token was generated in between, or when a total went down (an engine restart: the
-    /// next interval starts from the new totals). Tokens are whole: a count that grew by
-    /// less than one is a broken page, and dividing by it could overflow.
+    /// Mean seconds per output token since the interval began, once it holds
+    /// [`MIN_TOKENS`] (then the next interval begins); None before that (the interval goes
+    /// on), for the first totals, when the page has none, or when a total went down (an
+    /// engine restart: the next interval starts from the new totals).
     pub fn observe(&mut self, now: Option<TpotTotals>) -> Option<f64> {
-        let prev = std::mem::replace(&mut self.last, now)?;
-        let now = now?;
-        let (tokens, secs) = (now.count - prev.count, now.sum_s - prev.sum_s);
-        (tokens >= 1.0 && secs >= 0.0).then(|| secs / tokens)
+        let (Some(since), Some(now)) = (self.since, now) else {
+            self.since = now;
+            return None;
+        };
+        let (tokens, secs) = (now.count - since.count, now.sum_s - since.sum_s);
+        if tokens < 0.0 || secs < 0.0 {
+            self.since = Some(now);
+            return None;
+        }
+        if tokens < MIN_TOKENS {
+            return None;
+        }
+        self.since = Some(now);
+        Some(secs / tokens)
     }
 }
 
@@ -258,6 +277,15 @@ mod tests {
         let tpot = t.observe(Some(next)).unwrap();
         assert!((tpot - 0.020).abs() < 1e-9, "{tpot}");
         assert_eq!(t.observe(Some(next)), None, "no token in the interval");
+        // A trickle: 10 tokens are too few to judge, 40 are enough, over the whole span.
+        let more = |tokens: f64, secs: f64| TpotTotals {
+            sum_s: next.sum_s + secs,
+            count: next.count + tokens,
+        };
+        assert_eq!(t.observe(Some(more(10.0, 0.5))), None);
+        let tpot = t.observe(Some(more(40.0, 1.0))).unwrap();
+        assert!((tpot - 0.025).abs() < 1e-9, "{tpot}");
+        let next = more(40.0, 1.0);
         // An engine restart: its totals start again, and so does the interval.
         assert_eq!(t.observe(Some(first)), None);
         // A page without the histogram breaks the chain.

@@ -78,7 +78,8 @@ pub struct Sample {
     pub kv_cache: Option<f64>,
     /// Mean time per output token over the last scrape interval, seconds: the delta of the
     /// engine's inter-token latency histogram's `_sum` over that of its `_count` between two
-    /// scrapes; None when no token was generated in between ([`engine::TpotTracker`]).
+    /// scrapes; None until the interval holds [`engine::MIN_TOKENS`] tokens
+    /// ([`engine::TpotTracker`]).
     #[serde(default)]
     pub tpot_s: Option<f64>,
     /// np_ecn_marked_roce_packets per second.
