@@ -76,10 +76,10 @@ pub struct Sample {
     /// sglang:token_usage; max over matching series.
     #[serde(default)]
     pub kv_cache: Option<f64>,
-    /// Mean time per output token over the last scrape interval, seconds: the delta of the
-    /// engine's inter-token latency histogram's `_sum` over that of its `_count` between two
-    /// scrapes; None until the interval holds [`engine::MIN_TOKENS`] tokens
-    /// ([`engine::TpotTracker`]).
+    /// Mean time per output token, seconds: the delta of the engine's inter-token latency
+    /// histogram's `_sum` over that of its `_count` since the last reading, reported once
+    /// that interval holds [`engine::MIN_TOKENS`] tokens (a backend serving anything: every
+    /// scrape), else None ([`engine::TpotTracker`]).
     #[serde(default)]
     pub tpot_s: Option<f64>,
     /// np_ecn_marked_roce_packets per second.
