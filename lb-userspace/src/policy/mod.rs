@@ -508,6 +508,10 @@ impl Policy {
         };
         if w.eligible && !kept {
             let reason = w.trigger.as_ref().map(|t| t.reason);
+            let was = match m.move_away.phase {
+                Phase::MovedAway { reason, .. } => Some(reason),
+                Phase::InRotation { .. } => None,
+            };
             match m.move_away.update(now, reason, cfg) {
                 Some(Change::Moved { cooldown, flap }) => {
                     let detail = w.trigger.as_ref().map_or("", |t| &t.detail);
@@ -522,13 +526,22 @@ impl Policy {
                     };
                     events.push(event(kind, format!("{why}: cooldown {cooldown:?}")));
                 }
-                Some(Change::Returned) => events.push(event(
-                    EventKind::Recover,
-                    format!(
-                        "cooldown over and signals fine: slow start over {:?}",
-                        cfg.slow_start
-                    ),
-                )),
+                Some(Change::Returned) => {
+                    // The speed its streams showed under a throttle or congestion is that
+                    // fault's, and the exporter says it has cleared: measure afresh (the
+                    // steer benchmark's throttled b1 came back at half weight for 3 s while
+                    // the others, full with its share, queued).
+                    if matches!(was, Some(Reason::Throttling | Reason::Congestion)) {
+                        m.speed = Speed::new(cfg);
+                    }
+                    events.push(event(
+                        EventKind::Recover,
+                        format!(
+                            "cooldown over and signals fine: slow start over {:?}",
+                            cfg.slow_start
+                        ),
+                    ))
+                }
                 None => {}
             }
         }

@@ -757,3 +757,33 @@ fn a_half_speed_backend_gets_half_weight_from_its_time_per_output_token() {
     }
     assert_eq!(changes, 0);
 }
+
+/// A throttled backend's streams run slow while it is moved away; once the throttle clears
+/// and it returns, that speed is the fault's, not the hardware's: it returns at its full
+/// level rather than the speed level its throttled tokens earned.
+#[test]
+fn a_backend_back_from_a_throttle_forgets_the_speed_it_showed_under_it() {
+    let cfg = PolicyConfig::default();
+    let mut sim = Sim::new(cfg.clone(), 4);
+    for i in 0..4 {
+        sim.sample(i).tpot_s = Some(0.020);
+    }
+    sim.run_until(5 * S);
+    // Throttled to 0.4x: out at once, its remaining streams at 2.5x the others.
+    sim.sample(0).throttle = Some(0x48);
+    sim.sample(0).tpot_s = Some(0.050);
+    let d = sim.step();
+    assert_eq!(d.backends[0].state, SteerState::MovedAway);
+    sim.run_until(sim.now + 5 * S);
+    // The throttle clears; its streams finished while it was out: no new reading.
+    sim.sample(0).throttle = Some(0);
+    sim.sample(0).tpot_s = None;
+    let back = sim
+        .run_until(sim.now + cfg.cooldown_base + 2 * S)
+        .into_iter()
+        .find(|d| d.backends[0].state != SteerState::MovedAway)
+        .expect("returns after its cooldown");
+    assert!(back.backends[0].weight > 0, "{:?}", back.backends[0]);
+    sim.run_until(sim.now + cfg.slow_start + S);
+    assert_eq!(sim.step().backends[0].weight, 100);
+}
