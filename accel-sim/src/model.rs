@@ -199,6 +199,8 @@ struct Seq {
     computed: u32,
     arrived_s: f64,
     first_token_s: Option<f64>,
+    /// When its latest token was emitted.
+    last_token_s: Option<f64>,
 }
 
 impl Seq {
@@ -222,12 +224,25 @@ pub struct Totals {
     pub ttft_buckets: Vec<u64>,
     pub ttft_sum_s: f64,
     pub ttft_count: u64,
+    /// The gap before every output token after a request's first (what vLLM's
+    /// `vllm:inter_token_latency_seconds` observes): a histogram over [`ITL_BUCKETS`], its sum
+    /// and count.
+    pub itl_buckets: Vec<u64>,
+    pub itl_sum_s: f64,
+    pub itl_count: u64,
 }
 
 /// vLLM's `vllm:time_to_first_token_seconds` bucket bounds (seconds).
 pub const TTFT_BUCKETS: [f64; 18] = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0,
+];
+
+/// vLLM's `vllm:inter_token_latency_seconds` (and `vllm:time_per_output_token_seconds`) bucket
+/// bounds (seconds).
+pub const ITL_BUCKETS: [f64; 19] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
 ];
 
 /// The engine of one accelerator.
@@ -255,6 +270,7 @@ impl Engine {
             kv_used: 0,
             totals: Totals {
                 ttft_buckets: vec![0; TTFT_BUCKETS.len()],
+                itl_buckets: vec![0; ITL_BUCKETS.len()],
                 ..Totals::default()
             },
             last_step_s: 0.0,
@@ -304,6 +320,7 @@ impl Engine {
             computed: 0,
             arrived_s: now_s,
             first_token_s: None,
+            last_token_s: None,
         });
         Ok(())
     }
@@ -415,6 +432,15 @@ impl Engine {
                         self.totals.ttft_buckets[b] += 1;
                     }
                 }
+                if let Some(last) = s.last_token_s {
+                    let gap = end_s - last;
+                    self.totals.itl_sum_s += gap;
+                    self.totals.itl_count += 1;
+                    if let Some(b) = ITL_BUCKETS.iter().position(|&le| gap <= le) {
+                        self.totals.itl_buckets[b] += 1;
+                    }
+                }
+                s.last_token_s = Some(end_s);
                 if s.generated >= s.max_tokens {
                     events.push(Event::Finished { id: s.id });
                     self.kv_used -= s.computed as u64;
@@ -531,6 +557,11 @@ mod tests {
         assert_eq!(e.totals().finished, 1);
         assert_eq!(e.totals().generation_tokens, 3);
         assert_eq!(e.totals().ttft_count, 1);
+        // The inter-token histogram holds the two gaps after the first token, each a step.
+        let t = e.totals();
+        assert_eq!(t.itl_count, 2);
+        assert!((t.itl_sum_s - (ev[2].0 - ev[0].0)).abs() < 1e-12);
+        assert_eq!(t.itl_buckets[1], 2, "18 ms gaps are in the 25 ms bucket");
         assert!(e.step(now).is_none(), "idle engine takes no step");
     }
 

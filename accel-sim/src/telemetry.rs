@@ -22,7 +22,7 @@
 
 use std::{collections::VecDeque, fmt::Write as _};
 
-use crate::model::{Totals, TTFT_BUCKETS};
+use crate::model::{Totals, ITL_BUCKETS, TTFT_BUCKETS};
 
 /// Assumption: a token's all-reduce traffic for a 70B model at TP 2 (80 layers, two
 /// all-reduces of an 8192-wide fp8 activation each) is about 1.3 MB, ~320 packets of 4 KiB.
@@ -181,27 +181,54 @@ pub fn vllm_page(s: &Snapshot) -> String {
         s.model,
         s.totals.cancelled as f64
     );
-    let ttft = "vllm:time_to_first_token_seconds";
-    let _ = write!(
-        out,
-        "# HELP {ttft} Histogram of time to first token in seconds.\n# TYPE {ttft} histogram\n"
+    let t = &s.totals;
+    let mut histogram =
+        |name: &str, help: &str, bounds: &[f64], buckets: &[u64], count: u64, sum: f64| {
+            // Observations over the last bound are in +Inf only: the count, not the buckets' sum.
+            let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} histogram\n");
+            let mut cumulative = 0u64;
+            for (le, n) in bounds.iter().zip(buckets) {
+                cumulative += n;
+                let _ = writeln!(
+                    out,
+                    "{name}_bucket{{engine=\"0\",le=\"{le:?}\",model_name=\"{}\"}} {:?}",
+                    s.model, cumulative as f64
+                );
+            }
+            let _ = write!(
+                out,
+                "{name}_bucket{{engine=\"0\",le=\"+Inf\",model_name=\"{m}\"}} {c:?}\n\
+             {name}_count{{{labels}}} {c:?}\n{name}_sum{{{labels}}} {sum:?}\n",
+                m = s.model,
+                c = count as f64,
+            );
+        };
+    histogram(
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        &TTFT_BUCKETS,
+        &t.ttft_buckets,
+        t.ttft_count,
+        t.ttft_sum_s,
     );
-    let mut cumulative = 0u64;
-    for (le, n) in TTFT_BUCKETS.iter().zip(&s.totals.ttft_buckets) {
-        cumulative += n;
-        let _ = writeln!(
-            out,
-            "{ttft}_bucket{{engine=\"0\",le=\"{le:?}\",model_name=\"{}\"}} {:?}",
-            s.model, cumulative as f64
-        );
-    }
-    let _ = write!(
-        out,
-        "{ttft}_bucket{{engine=\"0\",le=\"+Inf\",model_name=\"{m}\"}} {c:?}\n\
-         {ttft}_count{{{labels}}} {c:?}\n{ttft}_sum{{{labels}}} {sum:?}\n",
-        m = s.model,
-        c = s.totals.ttft_count as f64,
-        sum = s.totals.ttft_sum_s,
+    // vLLM 0.10 and 0.11 serve the same observations under both names, the older one
+    // deprecated; Sluice reads either.
+    histogram(
+        "vllm:time_per_output_token_seconds",
+        "Histogram of time per output token in seconds.DEPRECATED: Use \
+         vllm:inter_token_latency_seconds instead.",
+        &ITL_BUCKETS,
+        &t.itl_buckets,
+        t.itl_count,
+        t.itl_sum_s,
+    );
+    histogram(
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        &ITL_BUCKETS,
+        &t.itl_buckets,
+        t.itl_count,
+        t.itl_sum_s,
     );
     out
 }
@@ -381,6 +408,68 @@ mod tests {
         assert!(buckets.windows(2).all(|w| w[0] <= w[1]));
         assert_eq!(*buckets.last().unwrap(), 32.0);
         assert_eq!(buckets.len(), TTFT_BUCKETS.len() + 1);
+        // Both inter-token histograms, in vLLM's bucket layout, with the model's totals; the
+        // parser prefers the newer name.
+        for name in [
+            "vllm:inter_token_latency_seconds",
+            "vllm:time_per_output_token_seconds",
+        ] {
+            let buckets: Vec<f64> = page
+                .get(&format!("{name}_bucket"))
+                .map(|x| x.value)
+                .collect();
+            assert_eq!(buckets.len(), ITL_BUCKETS.len() + 1, "{name}");
+            assert!(buckets.windows(2).all(|w| w[0] <= w[1]));
+            assert_eq!(*buckets.last().unwrap(), s.totals.itl_count as f64);
+        }
+        let tpot =
+            engine::tpot_totals(&page, EngineKind::Vllm, Some("sluice-sim/llama-70b")).unwrap();
+        assert_eq!(tpot.count, s.totals.itl_count as f64);
+        assert_eq!(tpot.sum_s, s.totals.itl_sum_s);
+        assert!(tpot.count > 0.0);
+    }
+
+    /// The mean time per output token Sluice derives from two scrapes is the model's step
+    /// time, and half speed doubles it.
+    #[test]
+    fn time_per_output_token_between_scrapes_follows_the_speed() {
+        let mean = |speed: f64| {
+            let mut e = Engine::new(Params::default()).unwrap();
+            e.set_speed(speed);
+            for id in 0..8 {
+                e.submit(id, 200, 400, 0.0).unwrap();
+            }
+            let mut now = 0.0;
+            let mut tracker = engine::TpotTracker::default();
+            let mut scrape = |e: &Engine| {
+                let s = Snapshot {
+                    totals: e.totals().clone(),
+                    ..busy_snapshot(None, None)
+                };
+                let text = vllm_page(&s);
+                let page = prom::parse(&text).unwrap();
+                tracker.observe(engine::tpot_totals(&page, EngineKind::Vllm, None))
+            };
+            // Past the prefills, then one second of decode steps.
+            while now < 1.0 {
+                now += e.step(now).unwrap().duration_s;
+            }
+            assert_eq!(scrape(&e), None, "a first scrape has no interval");
+            let mut steps = Vec::new();
+            while now < 2.0 {
+                let d = e.step(now).unwrap().duration_s;
+                steps.push(d);
+                now += d;
+            }
+            let got = scrape(&e).unwrap();
+            let want = steps.iter().sum::<f64>() / steps.len() as f64;
+            assert!((got - want).abs() < 1e-9, "{got} against the steps' {want}");
+            assert_eq!(scrape(&e), None, "no token, no reading");
+            got
+        };
+        let (full, half) = (mean(1.0), mean(0.5));
+        assert!((0.0178..0.0195).contains(&full), "{full}");
+        assert!((half / full - 2.0).abs() < 0.01, "{half} vs {full}");
     }
 
     #[test]

@@ -119,6 +119,7 @@ fn check_sample(s: &Sample) {
         s.queue_depth,
         s.running,
         s.kv_cache,
+        s.tpot_s,
         s.ecn_rate,
         s.cnp_rate,
     ]
@@ -138,7 +139,15 @@ fn check_page(text: &str) {
         assert!(!s.name.is_empty());
     }
     for kind in [EngineKind::Vllm, EngineKind::Sglang] {
-        if let Ok(s) = engine::extract(&page, kind, None) {
+        if let Ok(mut s) = engine::extract(&page, kind, None) {
+            // The page's inter-token totals as the second of two scrapes, after an empty one.
+            let mut tracker = engine::TpotTracker::default();
+            let zero = engine::TpotTotals {
+                sum_s: 0.0,
+                count: 0.0,
+            };
+            tracker.observe(Some(zero));
+            s.tpot_s = tracker.observe(engine::tpot_totals(&page, kind, None));
             check_sample(&s);
         }
     }

@@ -27,7 +27,8 @@ pub const TTFB_MARGIN_S: f64 = 0.2;
 /// Slow when the per-stream delivery rate is under the peers' median divided by this.
 pub const DELIVERY_FACTOR: f64 = 1.8;
 
-fn median(mut v: Vec<f64>) -> Option<f64> {
+/// The median of `v`; None when empty.
+pub(super) fn median(mut v: Vec<f64>) -> Option<f64> {
     if v.is_empty() {
         return None;
     }

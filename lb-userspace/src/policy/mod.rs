@@ -9,7 +9,9 @@
 //! Per step and backend (see the submodules for each rule):
 //! - the load score (an EWMA of the largest normalised load signal), compared with the mean
 //!   of the VIP's backends, sets a weight level `1..=weight_levels`, moved only past a
-//!   hysteresis band ([`score`]);
+//!   hysteresis band ([`score`]); a backend markedly slower per output token than the
+//!   median of its VIP's others in rotation gets a level in proportion to its relative speed
+//!   ([`score::Speed`]), and the lower of the two levels counts;
 //! - congestion, saturation, throttling or stale telemetry moves the backend away (weight 0
 //!   for new sessions, established ones stay) under an exponential cooldown, and a return
 //!   ramps up over `slow_start`, or after congestion holds the reduced level on probation
@@ -52,7 +54,7 @@ pub use self::{
 use self::{
     admission::{ShedChange, Shedder},
     cooldown::{Change, MoveAway, Phase, PROBATION},
-    score::{Score, Trigger},
+    score::{Score, Speed, Trigger},
 };
 use crate::{
     config::{PolicyConfig, ShedMode},
@@ -210,6 +212,7 @@ pub const REDUCED_LEVEL_DIV: u32 = 4;
 /// What the policy remembers of a backend between steps.
 struct Memory {
     score: Score,
+    speed: Speed,
     move_away: MoveAway,
     healthy: bool,
     /// Consecutive steps with a saturation condition.
@@ -281,6 +284,7 @@ impl Policy {
         let mut events = Vec::new();
         inband::slow(now, &mut work, &mut self.mismatched, &mut events);
         self.relevel(now, &work);
+        self.respeed(&work);
         self.trigger(now, &mut work);
         let kept = self.guard(&work);
 
@@ -311,6 +315,7 @@ impl Policy {
         let ramp = self.started.then_some(now);
         let m = self.backends.entry(input.id).or_insert_with(|| Memory {
             score: Score::new(cfg),
+            speed: Speed::new(cfg),
             move_away: MoveAway::new(ramp),
             healthy: input.healthy,
             saturated: 0,
@@ -322,8 +327,9 @@ impl Policy {
         m.healthy = input.healthy;
         let fresh = input.telemetry.filter(|t| !t.stale);
         let pressure = fresh.and_then(|t| score::pressure(&t.sample, cfg));
-        if fresh.is_some() {
+        if let Some(t) = fresh {
             m.score.update(pressure, cfg);
+            m.speed.update(t.sample.tpot_s, cfg);
         }
         Work {
             input,
@@ -407,6 +413,31 @@ impl Policy {
         }
     }
 
+    /// Sets each backend's speed level from its time per output token against the median
+    /// of its VIP's other eligible backends in rotation with an estimate.
+    fn respeed(&mut self, work: &[Work]) {
+        let mut by_vip: BTreeMap<&str, Vec<(u32, f64)>> = BTreeMap::new();
+        for w in work.iter().filter(|w| w.eligible) {
+            let m = &self.backends[&w.input.id];
+            if let (Phase::InRotation { .. }, Some(t)) = (&m.move_away.phase, m.speed.tpot_s()) {
+                by_vip.entry(w.input.vip).or_default().push((w.input.id, t));
+            }
+        }
+        for w in work.iter().filter(|w| w.eligible) {
+            let others: Vec<f64> = by_vip
+                .get(w.input.vip)
+                .into_iter()
+                .flatten()
+                .filter(|(id, _)| *id != w.input.id)
+                .map(|&(_, t)| t)
+                .collect();
+            if let Some(median) = inband::median(others) {
+                let m = self.backends.get_mut(&w.input.id).expect("observed");
+                m.speed.relevel(median, &self.cfg);
+            }
+        }
+    }
+
     /// Per VIP, the sum and count of `value` over its eligible backends in rotation with
     /// fresh telemetry.
     fn vip_means<'w>(
@@ -478,6 +509,10 @@ impl Policy {
         };
         if w.eligible && !kept {
             let reason = w.trigger.as_ref().map(|t| t.reason);
+            let was = match m.move_away.phase {
+                Phase::MovedAway { reason, .. } => Some(reason),
+                Phase::InRotation { .. } => None,
+            };
             match m.move_away.update(now, reason, cfg) {
                 Some(Change::Moved { cooldown, flap }) => {
                     let detail = w.trigger.as_ref().map_or("", |t| &t.detail);
@@ -492,17 +527,24 @@ impl Policy {
                     };
                     events.push(event(kind, format!("{why}: cooldown {cooldown:?}")));
                 }
-                Some(Change::Returned { probation: false }) => events.push(event(
-                    EventKind::Recover,
-                    format!(
-                        "cooldown over and signals fine: slow start over {:?}",
-                        cfg.slow_start
-                    ),
-                )),
-                Some(Change::Returned { probation: true }) => events.push(event(
-                    EventKind::Recover,
-                    format!("cooldown over and signals fine: on probation for {PROBATION:?}"),
-                )),
+                Some(Change::Returned { probation }) => {
+                    // The speed its streams showed under a throttle or congestion is that
+                    // fault's, and the exporter says it has cleared: measure afresh (the
+                    // steer benchmark's throttled b1 came back at half weight for 3 s while
+                    // the others, full with its share, queued).
+                    if matches!(was, Some(Reason::Throttling | Reason::Congestion)) {
+                        m.speed = Speed::new(cfg);
+                    }
+                    let detail = if probation {
+                        format!("cooldown over and signals fine: on probation for {PROBATION:?}")
+                    } else {
+                        format!(
+                            "cooldown over and signals fine: slow start over {:?}",
+                            cfg.slow_start
+                        )
+                    };
+                    events.push(event(EventKind::Recover, detail));
+                }
                 Some(Change::Cleared) => events.push(event(
                     EventKind::Recover,
                     "probation over without congestion: full weight".to_owned(),
@@ -522,14 +564,15 @@ impl Policy {
                 }
             );
         let reduced_level = (cfg.weight_levels / REDUCED_LEVEL_DIV).max(1);
+        let own = m.score.level.min(m.speed.level);
         let level = match (input.healthy, moved, kept) {
             (false, ..) => 0,
             (true, true, false) if reduced => reduced_level,
             (true, true, false) => 0,
-            (true, true, true) => m.score.level,
-            (true, false, _) if m.move_away.on_probation() => reduced_level.min(m.score.level),
-            (true, false, _) if w.crowded => m.move_away.skip_ramp(m.score.level),
-            (true, false, _) => m.move_away.ramp_level(now, m.score.level, cfg),
+            (true, true, true) => own,
+            (true, false, _) if m.move_away.on_probation() => reduced_level.min(own),
+            (true, false, _) if w.crowded => m.move_away.skip_ramp(own),
+            (true, false, _) => m.move_away.ramp_level(now, own, cfg),
         };
         let state = if !input.healthy {
             SteerState::Down

@@ -19,6 +19,11 @@
 //! talking (the steer benchmark's healthy fleet changed levels 45 times per backend per 10
 //! minutes with no dwell and a 25% band). Moves away (throttling, congestion, saturation)
 //! are triggers, not levels, and keep their one-scrape reaction.
+//!
+//! Speed is a second level ([`Speed`]): KV and queue measure load, and a half-speed
+//! accelerator carrying its share reads like a busy healthy one. Its time per output token
+//! does not: a backend markedly slower per token than its VIP's others ([`SLOW_RATIO`]) gets
+//! a level in proportion to its relative speed. The backend's level is the lower of the two.
 
 use std::time::Duration;
 
@@ -228,6 +233,78 @@ impl Score {
         {
             self.level = level;
             self.changed_at = Some(now);
+        }
+    }
+}
+
+/// Time per output token over the median of the VIP's others past which a backend is slow
+/// hardware rather than busy. From the step formula (docs/token-lab.md: 17.7 ms base, +0.1 ms
+/// per sequence, +0.14 ms per 1000 KV tokens, + prompt tokens / 14000 per s, all / speed): in
+/// the lab (batch 16, 8192 KV tokens) a full healthy batch steps at 20.5 ms against 17.8 ms
+/// for one sequence (1.15x), and a source-hash hot spot's extra prefill chunks add under
+/// 10 % more; a half-speed accelerator is 2x at any load. 1.5 sits between.
+pub const SLOW_RATIO: f64 = 1.5;
+
+/// A slow backend returns to full speed level only under this ratio, so one hovering at
+/// [`SLOW_RATIO`] does not flip between full and two thirds every scrape.
+pub const SLOW_CLEAR_RATIO: f64 = 1.25;
+
+/// The level (unrounded) a backend whose time per output token is `own` deserves beside
+/// others whose median is `others`; `slow` says it is at a reduced speed level now.
+pub fn speed_level(own: f64, others: f64, slow: bool, levels: u32) -> f64 {
+    let ratio = own / others;
+    let limit = if slow { SLOW_CLEAR_RATIO } else { SLOW_RATIO };
+    let full = f64::from(levels);
+    if ratio > limit {
+        full / ratio
+    } else {
+        full
+    }
+}
+
+/// A backend's smoothed time per output token and the weight level it maps to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Speed {
+    /// EWMA (`ewma_alpha`) of the scraped means, seconds; `None` before the first token.
+    tpot_s: Option<f64>,
+    pub level: u32,
+}
+
+impl Speed {
+    pub fn new(cfg: &PolicyConfig) -> Self {
+        Speed {
+            tpot_s: None,
+            level: cfg.weight_levels,
+        }
+    }
+
+    pub fn tpot_s(&self) -> Option<f64> {
+        self.tpot_s
+    }
+
+    /// Folds in one interval's mean; `None` (no token generated) keeps the estimate: an idle
+    /// or emptied backend has shown no speed, slow or fast.
+    pub fn update(&mut self, tpot_s: Option<f64>, cfg: &PolicyConfig) {
+        if let Some(t) = tpot_s.filter(|t| t.is_finite() && *t > 0.0) {
+            let a = cfg.ewma_alpha;
+            self.tpot_s = Some(self.tpot_s.map_or(t, |e| a * t + (1.0 - a) * e));
+        }
+    }
+
+    /// Moves the level against the others' median time per output token, past the same
+    /// hysteresis band as the load level but with no dwell: speed is the hardware's, and
+    /// does not wander with which clients are talking.
+    pub fn relevel(&mut self, others_s: f64, cfg: &PolicyConfig) {
+        let Some(own) = self.tpot_s else {
+            return;
+        };
+        let levels = cfg.weight_levels;
+        let target = speed_level(own, others_s, self.level < levels, levels);
+        let level = (target.round() as u32).clamp(1, levels);
+        if level != self.level
+            && (target - f64::from(self.level)).abs() > 0.5 + cfg.hysteresis * f64::from(levels)
+        {
+            self.level = level;
         }
     }
 }

@@ -756,3 +756,92 @@ fn a_congested_backend_returns_on_probation_and_is_not_flapped_for_marks_it_cann
         }
     }
 }
+
+/// Issue 7's `heterogeneous` fleet: a half-speed accelerator reports the same KV and queue as
+/// a busy healthy one, and only its time per output token tells them apart. It gets about
+/// half weight at the first scrape that shows it (not a move away), keeps it while it
+/// generates nothing (no evidence is not evidence), and returns to full weight once it is
+/// as fast as the others; per-token noise on a healthy fleet changes nothing.
+#[test]
+fn a_half_speed_backend_gets_half_weight_from_its_time_per_output_token() {
+    let mut sim = Sim::new(PolicyConfig::default(), 4);
+    let loaded = |s: &mut Sample, tpot: Option<f64>| {
+        s.kv_cache = Some(0.6);
+        s.queue_depth = Some(1.0);
+        s.tpot_s = tpot;
+    };
+    for i in 0..4 {
+        loaded(sim.sample(i), None);
+    }
+    sim.run_until(5 * S);
+    for i in 0..4 {
+        loaded(sim.sample(i), Some(if i == 0 { 0.040 } else { 0.0205 }));
+    }
+    let d = sim.step();
+    assert_eq!(d.backends[0].weight, 50, "{:?}", d.backends[0]);
+    assert_eq!(d.backends[0].state, SteerState::Active);
+    assert_eq!(kinds(&d, 1), [EventKind::WeightChange]);
+    for b in &d.backends[1..] {
+        assert_eq!(b.weight, 100);
+    }
+    // No token in an interval: the estimate stands.
+    sim.sample(0).tpot_s = None;
+    for d in sim.run_until(sim.now + 10 * S) {
+        assert_eq!(d.backends[0].weight, 50);
+    }
+    // As fast as the others again: full weight within a few scrapes (the estimate is an
+    // EWMA), no dwell.
+    sim.sample(0).tpot_s = Some(0.0205);
+    let back = sim
+        .run_until(sim.now + 10 * S)
+        .iter()
+        .position(|d| d.backends[0].weight == 100);
+    assert!(matches!(back, Some(0..=6)), "{back:?}");
+
+    // A healthy fleet whose per-token times wander between idle and a full batch with
+    // prefill chunks (17.8 to 24 ms) changes no weight in 10 minutes.
+    let mut sim = Sim::new(PolicyConfig::default(), 4);
+    let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+    let mut changes = 0;
+    while sim.now < 600 * S {
+        for i in 0..4 {
+            let busy = noise(&mut rng);
+            loaded(sim.sample(i), Some(0.0178 + 0.0062 * busy));
+            if noise(&mut rng) < 0.1 {
+                sim.sample(i).tpot_s = None;
+            }
+        }
+        changes += sim.step().events.len();
+    }
+    assert_eq!(changes, 0);
+}
+
+/// A throttled backend's streams run slow while it is moved away; once the throttle clears
+/// and it returns, that speed is the fault's, not the hardware's: it returns at its full
+/// level rather than the speed level its throttled tokens earned.
+#[test]
+fn a_backend_back_from_a_throttle_forgets_the_speed_it_showed_under_it() {
+    let cfg = PolicyConfig::default();
+    let mut sim = Sim::new(cfg.clone(), 4);
+    for i in 0..4 {
+        sim.sample(i).tpot_s = Some(0.020);
+    }
+    sim.run_until(5 * S);
+    // Throttled to 0.4x: out at once, its remaining streams at 2.5x the others.
+    sim.sample(0).throttle = Some(0x48);
+    sim.sample(0).tpot_s = Some(0.050);
+    let d = sim.step();
+    assert_eq!(d.backends[0].state, SteerState::MovedAway);
+    sim.run_until(sim.now + 5 * S);
+    // The throttle clears; its streams finished while it was out: no new reading.
+    sim.sample(0).throttle = Some(0);
+    sim.sample(0).tpot_s = None;
+    let back = sim
+        .run_until(sim.now + cfg.cooldown_base + 2 * S)
+        .into_iter()
+        .find(|d| d.backends[0].state != SteerState::MovedAway)
+        .expect("returns after its cooldown");
+    assert!(back.backends[0].weight > 0, "{:?}", back.backends[0]);
+    sim.run_until(sim.now + cfg.slow_start + S);
+    assert_eq!(sim.step().backends[0].weight, 100);
+}

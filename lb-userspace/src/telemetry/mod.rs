@@ -3,7 +3,8 @@
 //!
 //! Sources:
 //! - [`dcgm`]: NVIDIA dcgm-exporter pages (utilisation, memory, temperature, power, throttling);
-//! - [`engine`]: vLLM and SGLang `/metrics` pages (queue depth, running requests, KV cache);
+//! - [`engine`]: vLLM and SGLang `/metrics` pages (queue depth, running requests, KV cache,
+//!   time per output token);
 //! - [`roce`]: RoCE congestion counters (ECN marks, CNPs) from sysfs or an exporter, as rates;
 //! - [`inband`]: time to first byte and delivery rate from the data plane (in-band VIPs);
 //! - push: samples posted through the admin API ([`Hub::update`] with [`Source::Push`]).
@@ -75,6 +76,12 @@ pub struct Sample {
     /// sglang:token_usage; max over matching series.
     #[serde(default)]
     pub kv_cache: Option<f64>,
+    /// Mean time per output token, seconds: the delta of the engine's inter-token latency
+    /// histogram's `_sum` over that of its `_count` since the last reading, reported once
+    /// that interval holds [`engine::MIN_TOKENS`] tokens (a backend serving anything: every
+    /// scrape), else None ([`engine::TpotTracker`]).
+    #[serde(default)]
+    pub tpot_s: Option<f64>,
     /// np_ecn_marked_roce_packets per second.
     #[serde(default)]
     pub ecn_rate: Option<f64>,
@@ -106,6 +113,7 @@ impl Sample {
             ("power_w", self.power_w),
             ("queue_depth", self.queue_depth),
             ("running", self.running),
+            ("tpot_s", self.tpot_s),
             ("ecn_rate", self.ecn_rate),
             ("cnp_rate", self.cnp_rate),
             ("ttfb_s", self.ttfb_s),
@@ -153,6 +161,7 @@ impl Sample {
         put(&mut self.queue_depth, top.queue_depth);
         put(&mut self.running, top.running);
         put(&mut self.kv_cache, top.kv_cache);
+        put(&mut self.tpot_s, top.tpot_s);
         put(&mut self.ecn_rate, top.ecn_rate);
         put(&mut self.cnp_rate, top.cnp_rate);
         put(&mut self.ttfb_s, top.ttfb_s);

@@ -68,6 +68,7 @@ enum Data {
 struct Watched {
     target: Target,
     rates: RateTracker,
+    tpot: engine::TpotTracker,
     failing: bool,
 }
 
@@ -87,6 +88,7 @@ async fn poll(
         .map(|target| Watched {
             target,
             rates: RateTracker::default(),
+            tpot: engine::TpotTracker::default(),
             failing: false,
         })
         .collect();
@@ -154,7 +156,10 @@ fn part(w: &mut Watched, data: &Parsed<'_>, at: Instant) -> Result<Option<Sample
             return dcgm::extract(p, gpus, uuids).map(Some)
         }
         (Reader::Engine { kind, model }, Parsed::Page(p)) => {
-            return engine::extract(p, *kind, model.as_deref()).map(Some)
+            let model = model.as_deref();
+            let mut sample = engine::extract(p, *kind, model)?;
+            sample.tpot_s = w.tpot.observe(engine::tpot_totals(p, *kind, model));
+            return Ok(Some(sample));
         }
         (Reader::RoceExporter { device, port }, Parsed::Page(p)) => {
             roce::exporter_counters(p, device, port)?
@@ -544,6 +549,7 @@ mod tests {
                 reader: Reader::RoceSysfs,
             },
             rates: RateTracker::default(),
+            tpot: engine::TpotTracker::default(),
             failing: false,
         };
         let counters = Counters::from([("np_ecn_marked_roce_packets", 10.0)]);
@@ -571,6 +577,7 @@ mod tests {
                 },
             },
             rates: RateTracker::default(),
+            tpot: engine::TpotTracker::default(),
             failing: false,
         };
         let counters = Counters::new();
