@@ -235,6 +235,19 @@ pub fn weight_changes(events: &[Value], since_ms: u64) -> BTreeMap<String, u64> 
     m
 }
 
+/// The daemon's shed-start and shed-stop events after `since_ms`: seconds into the cell,
+/// kind and reason.
+pub fn shed_changes(events: &[Value], since_ms: u64) -> Vec<Value> {
+    events
+        .iter()
+        .filter(|e| e["kind"] == "shed-start" || e["kind"] == "shed-stop")
+        .filter_map(|e| {
+            let at = e["time_ms"].as_u64()?.checked_sub(since_ms)?;
+            Some(json!({"t_s": at as f64 / 1000.0, "kind": e["kind"], "reason": e["reason"]}))
+        })
+        .collect()
+}
+
 /// `{"p50", "p90", "p99", "p99.9"}` of a sample, rounded to 0.1 ms.
 pub fn quantiles(v: &[f64]) -> Value {
     let r = |x: f64| (x * 10.0).round() / 10.0;
