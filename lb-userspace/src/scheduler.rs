@@ -226,6 +226,7 @@ pub fn decide<P: Plane>(
             address: b.spec.address,
             id: b.id,
             weight: b.spec.weight,
+            class: v.spec.priority as u8,
             healthy: b.healthy,
             sessions: sessions.get(&b.id).copied().unwrap_or(0),
             max_sessions: b.spec.max_sessions,

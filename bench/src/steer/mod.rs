@@ -293,7 +293,8 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
     // source addresses, and a conversation's next turn would lose its prefix cache).
     vip.hash = "source";
     vip.affinity_secs = AFFINITY_SECS;
-    // The lowest admission class: shed first (class 0 is never shed).
+    // The lowest admission class; alone in its pool it is never shed whole, only its
+    // sessions that find every backend full are refused.
     vip.priority = 7;
     let mut opts = DaemonLabOptions::new(&tools.server, n, vec![vip]);
     // The shipped defaults, not the lab's fast test timings.
@@ -432,6 +433,16 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         .map(|l| serde_json::from_str(l).map(|v| Record::parse(&v)))
         .collect::<Result<_, _>>()
         .context("parsing the records")?;
+    let shed_counters: BTreeMap<String, u64> = lab
+        .api("GET", "/v1/stats", None)
+        .map(|(_, v)| v)
+        .unwrap_or_default()["global"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| k.contains("shed"))
+        .filter_map(|(k, v)| Some((k.clone(), v.as_u64()?)))
+        .collect();
     drop(lab);
 
     let killed = scenario.killed().map(|i| names[i].clone());
@@ -473,6 +484,15 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         "itl_ms": itl(&summary),
         // Over the generator's whole run (requests start for `duration`, then finish).
         "goodput_tokens_per_s": summary["summary"]["goodput_tokens_per_s"],
+        // A second figure, not the goodput: only streams that met a TTFT SLO count.
+        "slo_goodput": {
+            "ttft_slo_ms": stats::TTFT_SLO_MS,
+            "tokens_per_s": stats::slo_goodput(
+                &records,
+                stats::TTFT_SLO_MS,
+                summary["elapsed_s"].as_f64().unwrap_or(0.0),
+            ),
+        },
         "sessions": {
             "completed": completed,
             "broken": broken,
@@ -497,7 +517,15 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             "weight": s.points.iter().map(|p| p.weight).collect::<Vec<_>>(),
             "state": s.points.iter().map(|p| p.state.clone()).collect::<Vec<_>>(),
             "kv": s.points.iter().map(|p| p.kv.map(|k| (k * 1000.0).round() / 1000.0)).collect::<Vec<_>>(),
+            "full": s.points.iter().map(|p| p.full).collect::<Vec<_>>(),
+            "sessions": s.points.iter().map(|p| p.sessions).collect::<Vec<_>>(),
+            "running": s.points.iter().map(|p| p.running).collect::<Vec<_>>(),
+            "waiting": s.points.iter().map(|p| p.waiting).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
+        // Admission: the shed level's changes (s into the cell) and the data plane's
+        // refusals, by priority class (the whole VIP) or for want of a backend with room.
+        "shed_changes": stats::shed_changes(&events, since_ms),
+        "shed_counters": shed_counters,
         "generator_summary": summary,
     });
     let title = format!("{} / {}", scenario.name(), policy.name());
@@ -559,15 +587,19 @@ fn sample(lab: &DaemonLab, addrs: &[String], t: f64) -> Sample {
                         )
                     })
             });
-            let kv = lab
+            let engine = lab
                 .accel_request(i, "GET", "/state", None)
                 .ok()
-                .and_then(|(c, v)| (c == 200).then(|| v["kv_used_fraction"].as_f64()).flatten());
+                .and_then(|(c, v)| (c == 200).then_some(v));
+            let engine = |k: &str| engine.as_ref().map(|v| v[k].clone());
             Point {
                 weight: b.and_then(|b| b["effective_weight"].as_f64()),
                 state,
-                kv,
+                kv: engine("kv_used_fraction").and_then(|v| v.as_f64()),
                 full: b.is_some_and(|b| b["steering"]["full"] == true),
+                sessions: b.and_then(|b| b["steering"]["sessions"].as_u64()),
+                running: engine("running").and_then(|v| v.as_u64()),
+                waiting: engine("waiting").and_then(|v| v.as_u64()),
             }
         })
         .collect();

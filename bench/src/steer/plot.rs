@@ -19,6 +19,11 @@ pub struct Point {
     pub kv: Option<f64>,
     /// Full for new sessions (at its cap, or KV or queue at the threshold): probed past.
     pub full: bool,
+    /// Active sessions as the daemon counts them (its connection table).
+    pub sessions: Option<u64>,
+    /// The engine's running and waiting requests.
+    pub running: Option<u64>,
+    pub waiting: Option<u64>,
 }
 
 /// Samples at `t` seconds, one point per backend.
@@ -235,7 +240,7 @@ mod tests {
             weight: Some(w),
             state: Some(st.into()),
             kv: Some(0.5),
-            full: false,
+            ..Point::default()
         };
         let t = timeline(
             "throttled / adaptive",

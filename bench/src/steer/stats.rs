@@ -17,6 +17,8 @@ pub struct Record {
     pub turn: u64,
     pub backend: Option<String>,
     pub ttft_ms: Option<f64>,
+    /// Answer tokens received.
+    pub tokens: u64,
     /// `None`: completed.
     pub broken: Option<String>,
 }
@@ -31,6 +33,7 @@ impl Record {
             turn: v["turn"].as_u64().unwrap_or(0),
             backend: s("backend").filter(|b| !b.is_empty()),
             ttft_ms: v["ttft_ms"].as_f64(),
+            tokens: v["tokens"].as_u64().unwrap_or(0),
             broken: s("broken"),
         }
     }
@@ -235,6 +238,39 @@ pub fn weight_changes(events: &[Value], since_ms: u64) -> BTreeMap<String, u64> 
     m
 }
 
+/// A TTFT SLO for [`slo_goodput`]: about twice the healthy fleet's p99 TTFT in this lab
+/// (0.6-1.5 s), well under the overloaded Maglev fleet's (12.5 s).
+pub const TTFT_SLO_MS: f64 = 2000.0;
+
+/// SLO goodput (as in DistServe): tokens per second of the completed streams whose first
+/// token came within `slo_ms`, over `elapsed_s` (the load generator's run, as the issue's
+/// goodput).
+pub fn slo_goodput(records: &[Record], slo_ms: f64, elapsed_s: f64) -> f64 {
+    let tokens: u64 = records
+        .iter()
+        .filter(|r| r.broken.is_none() && r.ttft_ms.is_some_and(|t| t <= slo_ms))
+        .map(|r| r.tokens)
+        .sum();
+    if elapsed_s > 0.0 {
+        (tokens as f64 / elapsed_s * 1000.0).round() / 1000.0
+    } else {
+        0.0
+    }
+}
+
+/// The daemon's shed-start and shed-stop events after `since_ms`: seconds into the cell,
+/// kind and reason.
+pub fn shed_changes(events: &[Value], since_ms: u64) -> Vec<Value> {
+    events
+        .iter()
+        .filter(|e| e["kind"] == "shed-start" || e["kind"] == "shed-stop")
+        .filter_map(|e| {
+            let at = e["time_ms"].as_u64()?.checked_sub(since_ms)?;
+            Some(json!({"t_s": at as f64 / 1000.0, "kind": e["kind"], "reason": e["reason"]}))
+        })
+        .collect()
+}
+
 /// `{"p50", "p90", "p99", "p99.9"}` of a sample, rounded to 0.1 ms.
 pub fn quantiles(v: &[f64]) -> Value {
     let r = |x: f64| (x * 10.0).round() / 10.0;
@@ -265,8 +301,24 @@ mod tests {
             turn,
             backend: backend.map(Into::into),
             ttft_ms: backend.map(|_| 100.0 + start_ms),
+            tokens: 10,
             broken: broken.map(Into::into),
         }
+    }
+
+    #[test]
+    fn slo_goodput_counts_completed_streams_within_the_ttft_slo() {
+        // TTFTs 100, 110, 2100 ms (completed), 130 ms (broken), none (refused).
+        let rs = vec![
+            rec(1, 0, 0.0, Some("b0"), None),
+            rec(1, 1, 10.0, Some("b0"), None),
+            rec(2, 0, 2000.0, Some("b1"), None),
+            rec(3, 0, 30.0, Some("b1"), Some("reset")),
+            rec(4, 0, 40.0, None, Some("connect")),
+        ];
+        assert_eq!(slo_goodput(&rs, 2000.0, 2.0), 10.0);
+        assert_eq!(slo_goodput(&rs, 5000.0, 2.0), 15.0);
+        assert_eq!(slo_goodput(&rs, 2000.0, 0.0), 0.0);
     }
 
     #[test]

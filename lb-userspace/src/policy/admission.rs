@@ -3,14 +3,25 @@
 //! A backend is full when its active sessions reach `max_sessions` (0 = no cap) or its fresh
 //! telemetry shows the queue or KV cache at its threshold; the data plane probes past full
 //! backends. Stale telemetry does not make a backend full, so a telemetry outage never sheds.
+//! Active sessions are the connection table's flows seen within `flow_idle_timeout`, which
+//! counts a finished stream until its flow idles out; where fresh telemetry reports the
+//! engine's requests, the cap counts the engine's running and waiting requests when fewer
+//! ([`sessions`]).
 //!
-//! Shedding, per pool (the VIPs that share backend hosts), over the pool's healthy backends
-//! of positive weight: while all of them are full, VIPs of classes `admit_max + 1 ..= 7` shed
-//! their new sessions, so the capacity that frees up goes to the higher classes. The first all-full step sheds class 7
-//! (`admit_max` 6); every further `period` it stays all full sheds one more class, down to
-//! admitting class 0 only (class 0 is never shed). Once some backend has room for `period`,
-//! one class is readmitted per `period` until none is shed. Changes are at most one class per
-//! `period` both ways, so a pool at the edge does not toggle.
+//! Two ways to refuse. Per session, in the data plane: where admission is configured, a new
+//! session whose probes find only full backends is refused (`shed_full`), so a pool runs its
+//! accelerators full and refuses only what finds no room at that moment. Per class, here:
+//! while all of a pool's (the VIPs that share backend hosts) healthy backends of positive
+//! weight are full, VIPs of classes `admit_max + 1 ..= 7` shed every new session, so the
+//! capacity that frees up goes to the higher classes. The first all-full step sheds the
+//! lowest class (`admit_max` 6); every further `period` it stays all full sheds one more
+//! class, down to admitting the pool's highest class only. That class is never shed whole:
+//! no higher class would take the room, and shedding it idled the accelerators for a period
+//! while per-session refusal had already turned away the excess (the steer benchmark's lone
+//! class-7 VIP at 130% load served 25% less than Maglev, its fleet empty for 10 s at a time).
+//! Once some backend has room for `period`, one class is readmitted per `period` until none
+//! is shed. Changes are at most one class per `period` both ways, so a pool at the edge does
+//! not toggle.
 
 use std::time::Duration;
 
@@ -29,7 +40,7 @@ pub fn full(
     telemetry: Option<&BackendTelemetry>,
     cfg: &PolicyConfig,
 ) -> bool {
-    let capped = max_sessions > 0 && sessions >= u64::from(max_sessions);
+    let capped = max_sessions > 0 && self::sessions(sessions, telemetry) >= u64::from(max_sessions);
     let saturated = telemetry.filter(|t| !t.stale).is_some_and(|t| {
         let s = &t.sample;
         s.queue_depth
@@ -37,6 +48,21 @@ pub fn full(
             || s.kv_cache.is_some_and(|kv| kv >= cfg.kv_cache_high)
     });
     capped || saturated
+}
+
+/// The sessions a backend's cap counts: the connection table's `table` count, or the
+/// engine's running plus waiting requests where fresh telemetry reports them and they are
+/// fewer. The table keeps a finished stream for `flow_idle_timeout` after its last packet
+/// (3 s in the steer lab, a minute by default): at 130% load it counted 20-30 sessions on
+/// engines running 7-16 requests with none waiting, so a cap of 24 refused sessions that
+/// the engines had room for.
+pub fn sessions(table: u64, telemetry: Option<&BackendTelemetry>) -> u64 {
+    let engine = telemetry.filter(|t| !t.stale).and_then(|t| {
+        let s = &t.sample;
+        s.running
+            .map(|r| (r + s.queue_depth.unwrap_or(0.0)).round() as u64)
+    });
+    engine.map_or(table, |e| e.min(table))
 }
 
 /// Whether admission control is configured for a VIP: `policy.shed` is set, or one of its
@@ -105,19 +131,28 @@ impl Shedder {
         self.admit_max
     }
 
+    /// One step: `all_full` says whether the pool has room, `top` is its highest class
+    /// (the lowest number among its VIPs with admission), which is never shed.
     pub fn update(
         &mut self,
         now: Duration,
         all_full: bool,
         period: Duration,
+        top: u8,
     ) -> Option<ShedChange> {
         if all_full != self.all_full {
             self.all_full = all_full;
             self.mark = now;
         }
+        if self.admit_max < top {
+            // The pool's highest class changed (a VIP left it or was reclassed).
+            self.admit_max = top;
+            self.mark = now;
+            return Some(ShedChange::Relax);
+        }
         let waited = now.saturating_sub(self.mark) >= period;
         let change = if all_full && (self.admit_max == LOWEST_CLASS || waited) {
-            (self.admit_max > 0).then_some(ShedChange::Tighten)
+            (self.admit_max > top).then_some(ShedChange::Tighten)
         } else if !all_full && waited {
             (self.admit_max < LOWEST_CLASS).then_some(ShedChange::Relax)
         } else {
@@ -157,12 +192,36 @@ mod tests {
     }
 
     #[test]
+    fn the_cap_counts_the_engines_requests_where_fewer_than_the_tables_flows() {
+        let cfg = PolicyConfig::default();
+        let engine = |running, waiting, stale| {
+            let mut s = sample();
+            (s.running, s.queue_depth) = (Some(running), Some(waiting));
+            let mut t = telemetry(s);
+            t.stale = stale;
+            t
+        };
+        // 30 flows in the table, 12 of them streams the engine still runs: room under 24.
+        assert_eq!(sessions(30, Some(&engine(12.0, 0.0, false))), 12);
+        assert!(!full(30, 24, Some(&engine(12.0, 0.0, false)), &cfg));
+        // Running and waiting together reach the cap (a queue of 4 is under its threshold).
+        assert!(!full(30, 24, Some(&engine(16.0, 4.0, false)), &cfg));
+        assert!(full(30, 24, Some(&engine(20.0, 4.0, false)), &cfg));
+        // The table counts a session the engine has not seen yet: the smaller count wins.
+        assert_eq!(sessions(5, Some(&engine(12.0, 0.0, false))), 5);
+        // No engine counts, or stale ones: the table's.
+        assert_eq!(sessions(30, Some(&telemetry(sample()))), 30);
+        assert_eq!(sessions(30, Some(&engine(12.0, 0.0, true))), 30);
+        assert_eq!(sessions(30, None), 30);
+    }
+
+    #[test]
     fn lowest_class_shed_first_one_class_per_period_never_class_zero() {
         let period = 10 * S;
         let mut sh = Shedder::new(Duration::ZERO);
         let mut levels = Vec::new();
         for t in 0..=100 {
-            sh.update(t * S, true, period);
+            sh.update(t * S, true, period, 0);
             levels.push(sh.admit_max());
         }
         assert_eq!(levels[0], 6);
@@ -171,13 +230,40 @@ mod tests {
         assert_eq!(levels[60], 0);
         assert_eq!(levels[100], 0);
         // Room again: readmits one class per period, from the highest priority down.
-        assert_eq!(sh.update(101 * S, false, period), None);
-        assert_eq!(sh.update(110 * S, false, period), None);
-        assert_eq!(sh.update(111 * S, false, period), Some(ShedChange::Relax));
+        assert_eq!(sh.update(101 * S, false, period, 0), None);
+        assert_eq!(sh.update(110 * S, false, period, 0), None);
+        assert_eq!(
+            sh.update(111 * S, false, period, 0),
+            Some(ShedChange::Relax)
+        );
         assert_eq!(sh.admit_max(), 1);
         for t in 112..=200 {
-            sh.update(t * S, false, period);
+            sh.update(t * S, false, period, 0);
         }
+        assert_eq!(sh.admit_max(), LOWEST_CLASS);
+    }
+
+    #[test]
+    fn the_pools_highest_class_is_never_shed_whole() {
+        let period = 10 * S;
+        // A pool of classes 3 and 7: tightens to admitting class 3, no further.
+        let mut sh = Shedder::new(Duration::ZERO);
+        for t in 0..=100 {
+            sh.update(t * S, true, period, 3);
+        }
+        assert_eq!(sh.admit_max(), 3);
+        // A pool of class 7 alone: full for a minute, never shed by class.
+        let mut sh = Shedder::new(Duration::ZERO);
+        for t in 0..=60 {
+            assert_eq!(sh.update(t * S, true, period, LOWEST_CLASS), None);
+        }
+        assert_eq!(sh.admit_max(), LOWEST_CLASS);
+        // The pool's class-3 VIP leaves a pool shedding down to 3: class 7 is its top now.
+        let mut sh = Shedder::new(Duration::ZERO);
+        for t in 0..=100 {
+            sh.update(t * S, true, period, 3);
+        }
+        assert_eq!(sh.update(101 * S, true, period, 7), Some(ShedChange::Relax));
         assert_eq!(sh.admit_max(), LOWEST_CLASS);
     }
 
@@ -185,10 +271,10 @@ mod tests {
     fn brief_relief_does_not_readmit() {
         let period = 10 * S;
         let mut sh = Shedder::new(Duration::ZERO);
-        sh.update(Duration::ZERO, true, period);
+        sh.update(Duration::ZERO, true, period, 0);
         for t in 1..50 {
             // Full for 4 s, room for 1 s: never `period` of room.
-            sh.update(t * S, t % 5 != 0, period);
+            sh.update(t * S, t % 5 != 0, period, 0);
         }
         assert_eq!(sh.admit_max(), 6);
     }

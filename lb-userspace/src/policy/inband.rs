@@ -156,6 +156,7 @@ mod tests {
                 address: IpAddr::V4(Ipv4Addr::new(10, 0, 0, i as u8 + 1)),
                 id: i as u32 + 1,
                 weight: 100,
+                class: 0,
                 healthy: true,
                 sessions: 10,
                 max_sessions: 0,

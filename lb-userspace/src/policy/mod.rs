@@ -70,6 +70,8 @@ pub struct BackendInput<'a> {
     pub id: u32,
     /// Configured (operator) weight.
     pub weight: u32,
+    /// Its VIP's admission class (0 highest, [`LOWEST_CLASS`] lowest).
+    pub class: u8,
     pub healthy: bool,
     /// Active sessions in the connection table.
     pub sessions: u64,
@@ -648,7 +650,13 @@ impl Policy {
             .collect();
         // A pool none of whose VIPs has admission never tightens: nothing of it would shed.
         let all_full = !admitting.is_empty() && backends > 0 && full == backends;
-        if let Some(change) = shedder.update(now, all_full, self.cfg.cooldown_base) {
+        let top = work
+            .iter()
+            .filter(|w| admitting.contains(w.input.vip))
+            .map(|w| w.input.class)
+            .min()
+            .unwrap_or(LOWEST_CLASS);
+        if let Some(change) = shedder.update(now, all_full, self.cfg.cooldown_base, top) {
             let admit = shedder.admit_max();
             let (kind, why) = match change {
                 ShedChange::Tighten => (

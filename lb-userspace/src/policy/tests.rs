@@ -25,6 +25,8 @@ struct Backend {
     id: u32,
     /// The accelerator host (its address); VIPs sharing hosts form one admission pool.
     host: u32,
+    /// Its VIP's admission class.
+    class: u8,
     healthy: bool,
     sessions: u64,
     max_sessions: u32,
@@ -45,6 +47,7 @@ impl Sim {
                 vip: "v",
                 id,
                 host: id,
+                class: LOWEST_CLASS,
                 healthy: true,
                 sessions: 0,
                 max_sessions: 0,
@@ -71,6 +74,7 @@ impl Sim {
                 address: addr(b.host),
                 id: b.id,
                 weight: 100,
+                class: b.class,
                 healthy: b.healthy,
                 sessions: b.sessions,
                 max_sessions: b.max_sessions,
@@ -362,8 +366,15 @@ fn admission_marks_full_backends_and_sheds_the_lowest_priority_first() {
         ..PolicyConfig::default()
     };
     let period = cfg.cooldown_base;
-    let mut sim = Sim::new(cfg, 2);
-    for b in &mut sim.backends {
+    let mut sim = Sim::new(cfg, 4);
+    // "v" (class 7) on hosts 1 and 2, "premium" (class 0) on the same hosts: one pool.
+    for (b, (vip, host, class)) in sim.backends.iter_mut().zip([
+        ("v", 1, LOWEST_CLASS),
+        ("v", 2, LOWEST_CLASS),
+        ("premium", 1, 0),
+        ("premium", 2, 0),
+    ]) {
+        (b.vip, b.host, b.class) = (vip, host, class);
         b.max_sessions = 10;
         b.sessions = 10;
     }
@@ -371,7 +382,7 @@ fn admission_marks_full_backends_and_sheds_the_lowest_priority_first() {
     let d = sim.step();
     assert_eq!(
         d.backends.iter().map(|b| b.full).collect::<Vec<_>>(),
-        [true, false]
+        [true, false, true, true]
     );
     assert!(!d.shed["v"].shedding());
 
@@ -393,11 +404,12 @@ fn admission_marks_full_backends_and_sheds_the_lowest_priority_first() {
     assert_eq!(starts.count(), 7);
     assert_eq!(
         out[0].events[0].reason,
-        "all 2 backends full: admitting classes 0..=6"
+        "all 4 backends full: admitting classes 0..=6"
     );
 
     // Room again: highest priority readmitted first, one class per period.
     sim.backends[0].sessions = 3;
+    sim.backends[2].sessions = 3;
     let out = sim.run_until(sim.now + 8 * period);
     let admit: Vec<u8> = out.iter().map(|d| d.shed["v"].admit_max).collect();
     assert_eq!((admit[9], admit[10], admit[20]), (0, 1, 2));
@@ -426,7 +438,8 @@ fn telemetry_saturation_never_sheds_a_vip_without_admission() {
     let sheds = out.iter().flat_map(|d| &d.events);
     assert_eq!(sheds.filter(|e| e.kind == EventKind::ShedStart).count(), 0);
 
-    // The same fleet with shedding configured: the lowest class goes at the first step.
+    // The same fleet with shedding configured has admission (a SYN finding only full
+    // backends is refused)...
     let cfg = PolicyConfig {
         shed: Some(ShedMode::Drop),
         ..PolicyConfig::default()
@@ -436,7 +449,7 @@ fn telemetry_saturation_never_sheds_a_vip_without_admission() {
         sim.sample(i).kv_cache = Some(0.9);
     }
     let d = sim.step();
-    assert!(d.shed["v"].admission && d.shed["v"].sheds(LOWEST_CLASS));
+    assert!(d.shed["v"].admission);
     // ...and so does one with a session cap on a backend, though none is reached.
     let mut sim = Sim::new(PolicyConfig::default(), 3);
     for i in 0..3 {
@@ -444,7 +457,72 @@ fn telemetry_saturation_never_sheds_a_vip_without_admission() {
     }
     sim.backends[0].max_sessions = 100;
     let d = sim.step();
-    assert!(d.shed["v"].admission && d.shed["v"].sheds(LOWEST_CLASS));
+    assert!(d.shed["v"].admission);
+}
+
+#[test]
+fn a_lone_class_is_refused_session_by_session_never_shed_whole() {
+    // The steer benchmark's overload: one class-7 VIP with admission, every backend full now
+    // and then. Shedding the class refused every new session for `cooldown_base` and more
+    // while the fleet drained (its accelerators idle for half of that, 25% less served than
+    // plain Maglev): with no higher class to take the room, only the sessions that find
+    // every backend full are refused, by the data plane.
+    let cfg = PolicyConfig {
+        shed: Some(ShedMode::Rst),
+        ..PolicyConfig::default()
+    };
+    let mut sim = Sim::new(cfg, 4);
+    for b in &mut sim.backends {
+        b.max_sessions = 24;
+        b.sessions = 24;
+    }
+    let out = sim.run_until(60 * S);
+    for (t, d) in out.iter().enumerate() {
+        let shed = &d.shed["v"];
+        assert!(shed.admission && shed.full == 4, "at {t} s: {shed:?}");
+        assert!(!shed.sheds(LOWEST_CLASS), "class 7 shed whole at {t} s");
+    }
+    let events = out.iter().flat_map(|d| &d.events);
+    assert_eq!(events.filter(|e| e.kind == EventKind::ShedStart).count(), 0);
+}
+
+#[test]
+fn a_session_cap_counts_the_engines_requests_not_finished_flows() {
+    // The steer benchmark's overload at 30 s: the connection table counts 26-31 flows per
+    // backend (streams that ended within flow_idle_timeout among them) while the engines run
+    // 9-16 requests with 0-4 waiting. With a cap of 24 every backend read full and new
+    // sessions were refused; the engines had room.
+    let cfg = PolicyConfig {
+        shed: Some(ShedMode::Rst),
+        ..PolicyConfig::default()
+    };
+    let mut sim = Sim::new(cfg, 4);
+    for (i, (table, running, waiting)) in [
+        (26, 9.0, 0.0),
+        (29, 14.0, 0.0),
+        (27, 16.0, 4.0),
+        (31, 16.0, 1.0),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        sim.backends[i].max_sessions = 24;
+        sim.backends[i].sessions = table;
+        let s = sim.sample(i);
+        (s.running, s.queue_depth, s.kv_cache) = (Some(running), Some(waiting), Some(0.6));
+    }
+    let out = sim.run_until(30 * S);
+    for d in &out {
+        assert_eq!(d.shed["v"].full, 0, "{:?}", d.shed["v"]);
+    }
+    // The engines fill up: running and waiting reach the cap, and the backend is full.
+    let s = sim.sample(1);
+    (s.running, s.queue_depth) = (Some(16.0), Some(4.0));
+    sim.backends[1].sessions = 24;
+    // 20 of 24: room still.
+    assert!(!sim.step().backends[1].full);
+    sim.sample(1).running = Some(20.0);
+    assert!(sim.step().backends[1].full);
 }
 
 #[test]
@@ -462,6 +540,11 @@ fn vips_sharing_hosts_are_one_pool_and_its_lower_classes_are_shed_first() {
     ]) {
         b.vip = vip;
         b.host = host;
+        b.class = match vip {
+            "premium" => 0,
+            "free" => 5,
+            _ => LOWEST_CLASS,
+        };
         b.max_sessions = 4;
         b.sessions = if vip == "other" { 0 } else { 4 };
     }
