@@ -214,9 +214,6 @@ fn takes(b: &BackendEntry, new_session: bool) -> bool {
 /// it, with the slot's previous backends for a GUE backend (see [`second_hops`]). A new
 /// session finding only full backends is shed where the VIP has admission control, and
 /// otherwise goes to the first active one (full is a preference, not a refusal, there).
-/// A session probed past its client's full backend leaves the entry naming that backend
-/// (refreshed): full lasts seconds, and the client's next session returns to the backend
-/// that holds its conversation instead of following the overflow.
 #[inline(always)]
 fn choose(
     key: &FlowKey,
@@ -294,7 +291,7 @@ fn choose(
         None => [0; RING_HISTORY],
     };
     if vip.affinity_secs != 0 {
-        repin(&akey, id, vip, now);
+        remember(&akey, id, now);
     }
     Ok((id, b, second_hops(&b, previous, vip)))
 }
@@ -336,29 +333,6 @@ fn second_hops(b: &BackendEntry, previous: [u16; RING_HISTORY], vip: &VipMeta) -
         }
     }
     out
-}
-
-/// Pins the client to `id`, the backend its session was steered to, unless its fresh entry
-/// names a backend that is only full (active, its clients welcome): that entry is refreshed
-/// instead. Read again here rather than carried from the lookup in [`choose`]: a value live
-/// across the probes doubles the paths the verifier walks past its limit.
-#[inline(always)]
-fn repin(akey: &AffinityKey, id: u32, vip: &VipMeta, now: u64) {
-    if let Some(a) = AFFINITY.get_ptr_mut(akey) {
-        let (pinned, seen) = unsafe { ((*a).backend, (*a).last_seen_ns) };
-        if pinned != id && now.wrapping_sub(seen) < vip.affinity_secs as u64 * NS_PER_SEC {
-            if let Some(b) = backend(pinned, vip) {
-                let only_full = b.state == BACKEND_ACTIVE
-                    && b.flags & BACKEND_F_FULL != 0
-                    && b.flags & BACKEND_F_NO_AFFINITY == 0;
-                if only_full {
-                    unsafe { (*a).last_seen_ns = now };
-                    return;
-                }
-            }
-        }
-    }
-    remember(akey, id, now);
 }
 
 #[inline(always)]

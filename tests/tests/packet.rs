@@ -426,42 +426,6 @@ fn affinity_entry_brings_no_new_session_to_a_backend_moved_to_weight_zero() {
     assert_steered(&mut lab, &v4_tcp(CLIENT4, 1000, VIP4, 443, ACK, 0), b, h);
 }
 
-/// A conversation's turn probed past its full backend must not move the conversation: once
-/// the backend takes sessions again, the client's next one returns to it.
-#[test]
-fn a_session_probed_past_a_full_backend_leaves_the_client_pinned_to_it() {
-    let mut lab = Lab::new();
-    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, 0, 600);
-    lab.backends(&vip, &BACKENDS4);
-    let (a, _) = lab.run(&on_wire(&v4_tcp(CLIENT4, 1000, VIP4, 443, SYN, 0)));
-    assert_eq!(a, XDP_TX);
-    let b = lab
-        .dp
-        .conn(&flow(CLIENT4, 1000, VIP4, 443, PROTO_TCP))
-        .unwrap()
-        .unwrap()
-        .backend;
-    lab.set_flags(b, BACKEND_F_FULL);
-    let (a, _) = lab.run(&on_wire(&v4_tcp(CLIENT4, 2000, VIP4, 443, SYN, 0)));
-    assert_eq!(a, XDP_TX);
-    let over = flow(CLIENT4, 2000, VIP4, 443, PROTO_TCP);
-    assert_ne!(
-        lab.dp.conn(&over).unwrap().unwrap().backend,
-        b,
-        "a full backend is probed past"
-    );
-    lab.set_flags(b, 0);
-    let (a, _) = lab.run(&on_wire(&v4_tcp(CLIENT4, 3000, VIP4, 443, SYN, 0)));
-    assert_eq!(a, XDP_TX);
-    let back = flow(CLIENT4, 3000, VIP4, 443, PROTO_TCP);
-    assert_eq!(
-        lab.dp.conn(&back).unwrap().unwrap().backend,
-        b,
-        "the next session follows the overflow instead of returning to the client's backend"
-    );
-    assert_eq!(lab.stat(stat::AFFINITY_HIT), 1);
-}
-
 #[test]
 fn draining_backend_takes_no_new_flow_but_keeps_its_established_one() {
     let (mut lab, vip) = lab_v4();
