@@ -124,15 +124,14 @@ pub fn affinity_kept(records: &[Record], faulty: &[&str]) -> Option<f64> {
 
 /// Why the later turns counted by [`affinity_kept`] left their first turn's backend, turn by
 /// turn. The data plane keeps one affinity entry per client address: the backend of its last
-/// new session, refreshed by each, except that a session probed past a full backend leaves
-/// the entry naming that backend. Replaying every address's sessions in start order with the
-/// daemon's steering state at each start (`steering`, sampled about every 100 ms) gives what
-/// the entry named when a turn left:
+/// new session, wherever that session went (also past a full backend). Replaying every
+/// address's sessions in start order with the daemon's steering state at each start
+/// (`steering`, sampled about every 100 ms) gives what the entry named when a turn left:
 /// - `expired`: no session from the address within the affinity window (`window_secs`);
 /// - `full` / `moved`: it named the first backend, which was full (probed past) or out of
 ///   rotation (moved away, down); `unseen`: neither showed in the nearest sample;
-/// - `followed_own_turn`: an earlier turn of the same conversation had moved it (its first
-///   backend was out of rotation then);
+/// - `followed_own_turn`: an earlier turn of the same conversation had moved it (probed
+///   past the first backend);
 /// - `followed_other_conversation`: another conversation from the same address had moved it.
 ///
 /// Also `turns_sharing_an_address` (later turns, kept or not, whose address opened another
@@ -206,9 +205,9 @@ pub fn affinity_lost(
             }
         }
         sessions.push((t, conv));
-        // A hit refreshes the entry; a backend that was only full keeps it; else it follows.
+        // A hit refreshes the entry (still the conversation's that set it); else it follows.
         let next = match fresh {
-            Some((e, _, by)) if e == b || (full(at(e, t)) && !out(at(e, t))) => (e, t, by),
+            Some((e, _, by)) if e == b => (e, t, by),
             _ => (b, t, conv),
         };
         entry.insert(c, next);
@@ -413,10 +412,10 @@ mod tests {
             at(4.0, false, "active"),
         ];
         let rs = vec![
-            // Probed past full b0, then back: the entry stayed on b0.
+            // Probed past full b0 to b2, which the entry follows, so the next turn too.
             turn("a", 1, 0, 500.0, "b0"),
             turn("a", 1, 1, 1000.0, "b2"),
-            turn("a", 1, 2, 2000.0, "b0"),
+            turn("a", 1, 2, 2000.0, "b2"),
             // b1 moved away: the entry follows to b2 and the next turn with it, though b1
             // is back; then another conversation of the address moves it to b0.
             turn("b", 3, 0, 2500.0, "b1"),
@@ -428,7 +427,7 @@ mod tests {
             turn("c", 5, 0, 0.0, "b1"),
             turn("c", 5, 1, 70_000.0, "b2"),
         ];
-        assert_eq!(affinity_kept(&rs, &[]), Some(1.0 / 6.0));
+        assert_eq!(affinity_kept(&rs, &[]), Some(0.0));
         assert_eq!(
             affinity_lost(&rs, &[], &names, &steering, 60),
             json!({
@@ -436,10 +435,10 @@ mod tests {
                 "full": 1,
                 "moved": 1,
                 "unseen": 0,
-                "followed_own_turn": 1,
+                "followed_own_turn": 2,
                 "followed_other_conversation": 1,
                 "turns_sharing_an_address": 1,
-                "kept_when_free": 0.25,
+                "kept_when_free": 0.0,
             })
         );
     }
