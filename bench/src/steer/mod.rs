@@ -59,7 +59,7 @@ fn words(s: &str) -> Vec<String> {
 }
 
 const USAGE: &str = "usage: sluice-bench steer [--scenarios a,b] [--policies a,b] [--duration SECS] \
-[--backends N] [--seed N] [--capacity-rps X] [--max-sessions N] [--sources N] [--accel-args ARGS] [--out FILE] [--plots DIR]
+[--backends N] [--seed N] [--capacity-rps X] [--max-sessions N] [--sources N] [--accel-args ARGS] [--out FILE] [--plots DIR] [--records DIR]
   scenarios: healthy, heterogeneous, throttled, congested, dying, overload, gray (the default);
              near-saturation, idle, steady (issue 15's policy scenarios; steady runs 10
              minutes whatever --duration says)
@@ -75,7 +75,9 @@ const USAGE: &str = "usage: sluice-bench steer [--scenarios a,b] [--policies a,b
   --accel-args    more sluice-accel arguments for every accelerator, space-separated
                   (default \"--max-num-seqs 16 --kv-capacity-tokens 8192\": lab scale, see
                   docs/benchmarks.md)
-  --out           default bench/results/steer.json; --plots default bench/results/steer";
+  --out           default bench/results/steer.json; --plots default bench/results/steer
+  --records       keep each cell's per-request records (the generator's --records lines)
+                  as DIR/SCENARIO-POLICY.jsonl";
 
 /// The benchmark's options.
 #[derive(Clone, Debug)]
@@ -91,6 +93,7 @@ pub struct Args {
     pub accel_args: Vec<String>,
     pub out: PathBuf,
     pub plots: PathBuf,
+    pub records: Option<PathBuf>,
 }
 
 impl Args {
@@ -107,6 +110,7 @@ impl Args {
             accel_args: words(DEFAULT_ACCEL_ARGS),
             out: "bench/results/steer.json".into(),
             plots: "bench/results/steer".into(),
+            records: None,
         };
         let mut it = args.iter();
         while let Some(flag) = it.next() {
@@ -131,6 +135,7 @@ impl Args {
                 "--accel-args" => a.accel_args = words(v),
                 "--out" => a.out = v.into(),
                 "--plots" => a.plots = v.into(),
+                "--records" => a.records = Some(v.into()),
                 _ => bail!("unknown option {flag}\n{USAGE}"),
             }
         }
@@ -377,6 +382,7 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
     let faults = scenario.faults();
     let mut fired: Vec<(f64, String)> = Vec::new();
     let mut timeline: Vec<Sample> = Vec::new();
+    let mut flags: Vec<Sample> = Vec::new();
     let mut kv_samples: Vec<Vec<f64>> = Vec::new();
     let limit = duration + Duration::from_secs(90);
     let mut next_sample = Duration::ZERO;
@@ -400,8 +406,13 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         if t >= next_sample {
             let s = sample(&lab, &addrs, t.as_secs_f64());
             kv_samples.push(s.points.iter().filter_map(|p| p.kv).collect());
+            flags.push(s.clone());
             timeline.push(s);
             next_sample += Duration::from_secs(1);
+        } else {
+            // Full flags change with each policy step: the affinity breakdown needs them at
+            // each turn's start, not the nearest second.
+            flags.push(steering(&lab, &addrs, t.as_secs_f64()));
         }
         if let Some(st) = lab.topo.try_wait(gen)? {
             break st;
@@ -426,8 +437,14 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         &fs::read_to_string(&summary_file)
             .with_context(|| format!("reading {}", summary_file.display()))?,
     )?;
-    let records: Vec<Record> = fs::read_to_string(&records_file)
-        .with_context(|| format!("reading {}", records_file.display()))?
+    let records_text = fs::read_to_string(&records_file)
+        .with_context(|| format!("reading {}", records_file.display()))?;
+    if let Some(dir) = &args.records {
+        let kept = dir.join(format!("{}-{}.jsonl", scenario.name(), policy.name()));
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        fs::write(&kept, &records_text).with_context(|| format!("writing {}", kept.display()))?;
+    }
+    let records: Vec<Record> = records_text
         .lines()
         .filter(|l| !l.trim().is_empty())
         .map(|l| serde_json::from_str(l).map(|v| Record::parse(&v)))
@@ -502,7 +519,7 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         },
         "imbalance": (stats::imbalance(&kv_samples) * 1000.0).round() / 1000.0,
         "affinity_kept": stats::affinity_kept(&records, &faulty),
-        "affinity_lost": stats::affinity_lost(&records, &faulty, &names, &timeline),
+        "affinity_lost": stats::affinity_lost(&records, &faulty, &names, &flags, AFFINITY_SECS),
         "weight_changes": total_changes,
         "weight_changes_per_backend": changes,
         "weight_changes_per_backend_per_10min": (max_changes as f64 * 600.0 / secs).round(),
@@ -518,9 +535,6 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             "state": s.points.iter().map(|p| p.state.clone()).collect::<Vec<_>>(),
             "kv": s.points.iter().map(|p| p.kv.map(|k| (k * 1000.0).round() / 1000.0)).collect::<Vec<_>>(),
             "full": s.points.iter().map(|p| p.full).collect::<Vec<_>>(),
-            "sessions": s.points.iter().map(|p| p.sessions).collect::<Vec<_>>(),
-            "running": s.points.iter().map(|p| p.running).collect::<Vec<_>>(),
-            "waiting": s.points.iter().map(|p| p.waiting).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
         // Admission: the shed level's changes (s into the cell) and the data plane's
         // refusals, by priority class (the whole VIP) or for want of a backend with room.
@@ -560,8 +574,26 @@ fn backends_json(lab: &DaemonLab) -> Result<Vec<Value>> {
     Ok(v["backends"].as_array().cloned().unwrap_or_default())
 }
 
-/// One timeline sample: weights and states from the daemon, KV use from the accelerators.
+/// One timeline sample: weights and states from the daemon, KV use and requests from the
+/// accelerators.
 fn sample(lab: &DaemonLab, addrs: &[String], t: f64) -> Sample {
+    let mut s = steering(lab, addrs, t);
+    for (i, p) in s.points.iter_mut().enumerate() {
+        let engine = lab
+            .accel_request(i, "GET", "/state", None)
+            .ok()
+            .and_then(|(c, v)| (c == 200).then_some(v));
+        let engine = |k: &str| engine.as_ref().map(|v| v[k].clone());
+        p.kv = engine("kv_used_fraction").and_then(|v| v.as_f64());
+        p.running = engine("running").and_then(|v| v.as_u64());
+        p.waiting = engine("waiting").and_then(|v| v.as_u64());
+    }
+    s
+}
+
+/// Weights, steering states, full flags and session counts from the daemon alone (one admin
+/// API call): what the data plane applies to new sessions.
+fn steering(lab: &DaemonLab, addrs: &[String], t: f64) -> Sample {
     let daemon: BTreeMap<String, Value> = backends_json(lab)
         .unwrap_or_default()
         .into_iter()
@@ -569,8 +601,7 @@ fn sample(lab: &DaemonLab, addrs: &[String], t: f64) -> Sample {
         .collect();
     let points = addrs
         .iter()
-        .enumerate()
-        .map(|(i, a)| {
+        .map(|a| {
             let b = daemon.get(a);
             let state = b.and_then(|b| {
                 b["steering"]["state"]
@@ -587,19 +618,14 @@ fn sample(lab: &DaemonLab, addrs: &[String], t: f64) -> Sample {
                         )
                     })
             });
-            let engine = lab
-                .accel_request(i, "GET", "/state", None)
-                .ok()
-                .and_then(|(c, v)| (c == 200).then_some(v));
-            let engine = |k: &str| engine.as_ref().map(|v| v[k].clone());
             Point {
                 weight: b.and_then(|b| b["effective_weight"].as_f64()),
                 state,
-                kv: engine("kv_used_fraction").and_then(|v| v.as_f64()),
+                kv: None,
                 full: b.is_some_and(|b| b["steering"]["full"] == true),
                 sessions: b.and_then(|b| b["steering"]["sessions"].as_u64()),
-                running: engine("running").and_then(|v| v.as_u64()),
-                waiting: engine("waiting").and_then(|v| v.as_u64()),
+                running: None,
+                waiting: None,
             }
         })
         .collect();

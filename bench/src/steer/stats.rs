@@ -125,62 +125,105 @@ pub fn affinity_kept(records: &[Record], faulty: &[&str]) -> Option<f64> {
     (total > 0).then(|| kept as f64 / total as f64)
 }
 
-/// Why the later turns counted by [`affinity_kept`] left their first turn's backend, from
-/// the 1 s timeline sample nearest each turn's start: the backend was `full` (probed past),
-/// out of rotation (`moved`: moved away, guarded, down), or neither (`other`: the affinity
-/// entry had expired or the ring moved the client); with `kept_when_free`, the fraction kept
-/// of the turns whose first backend was in rotation and not full then.
+/// Why the later turns counted by [`affinity_kept`] left their first turn's backend, turn by
+/// turn. The data plane keeps one affinity entry per client address: the backend of its last
+/// new session, wherever that session went (also past a full backend). Replaying every
+/// address's sessions in start order with the daemon's steering state at each start
+/// (`steering`, sampled about every 100 ms) gives what the entry named when a turn left:
+/// - `expired`: no session from the address within the affinity window (`window_secs`);
+/// - `full` / `moved`: it named the first backend, which was full (probed past) or out of
+///   rotation (moved away, down); `unseen`: neither showed in the nearest sample;
+/// - `followed_own_turn`: an earlier turn of the same conversation had moved it (probed
+///   past the first backend);
+/// - `followed_other_conversation`: another conversation from the same address had moved it.
+///
+/// Also `turns_sharing_an_address` (later turns, kept or not, whose address opened another
+/// conversation's session since the conversation's first turn) and `kept_when_free`: the
+/// fraction kept of the later turns whose first backend was in rotation and not full.
 pub fn affinity_lost(
     records: &[Record],
     faulty: &[&str],
     names: &[String],
-    timeline: &[Sample],
+    steering: &[Sample],
+    window_secs: u32,
 ) -> Value {
     let at = |b: &str, ms: f64| -> Option<&Point> {
         let i = names.iter().position(|n| n == b)?;
-        let s = timeline.iter().min_by(|x, y| {
+        let s = steering.iter().min_by(|x, y| {
             (x.t * 1000.0 - ms)
                 .abs()
                 .total_cmp(&(y.t * 1000.0 - ms).abs())
         })?;
         s.points.get(i)
     };
-    let mut first: BTreeMap<(&str, u64), &str> = BTreeMap::new();
-    let mut sorted: Vec<&Record> = records.iter().collect();
-    sorted.sort_by_key(|r| (r.conversation, r.turn));
-    let (mut full, mut moved, mut other, mut free, mut free_kept) = (0u64, 0u64, 0u64, 0u64, 0u64);
+    let out = |p: Option<&Point>| {
+        p.is_some_and(|p| {
+            !matches!(
+                p.state.as_deref(),
+                Some("active") | Some("slow-start") | Some("guarded")
+            )
+        })
+    };
+    let full = |p: Option<&Point>| p.is_some_and(|p| p.full);
+    let window_ms = f64::from(window_secs) * 1000.0;
+    let mut sorted: Vec<&Record> = records.iter().filter(|r| r.backend.is_some()).collect();
+    sorted.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
+    // Per address: the backend its entry names, when it was last refreshed and which
+    // conversation set it; and every session's (start, conversation).
+    let mut entry: BTreeMap<&str, (&str, f64, u64)> = BTreeMap::new();
+    let mut opened: BTreeMap<&str, Vec<(f64, u64)>> = BTreeMap::new();
+    let mut first: BTreeMap<(&str, u64), (&str, f64)> = BTreeMap::new();
+    let mut n: BTreeMap<&str, u64> = BTreeMap::new();
+    let (mut free, mut free_kept) = (0u64, 0u64);
     for r in sorted {
-        let Some(b) = r.backend.as_deref() else {
-            continue;
-        };
-        let key = (r.client.as_str(), r.conversation);
-        let Some(&f) = first.get(&key) else {
-            first.insert(key, b);
-            continue;
-        };
-        if faulty.contains(&f) {
-            continue;
-        }
-        let p = at(f, r.start_ms);
-        let out =
-            p.is_some_and(|p| !matches!(p.state.as_deref(), Some("active") | Some("slow-start")));
-        let is_full = p.is_some_and(|p| p.full);
-        if !out && !is_full {
-            free += 1;
-            free_kept += u64::from(f == b);
-        }
-        if f != b {
-            match (out, is_full) {
-                (true, _) => moved += 1,
-                (false, true) => full += 1,
-                (false, false) => other += 1,
+        let b = r.backend.as_deref().unwrap_or_default();
+        let (c, conv, t) = (r.client.as_str(), r.conversation, r.start_ms);
+        let fresh = entry.get(c).copied().filter(|e| t - e.1 < window_ms);
+        let sessions = opened.entry(c).or_default();
+        match first.get(&(c, conv)) {
+            None => {
+                first.insert((c, conv), (b, t));
+            }
+            Some(&(f, _)) if faulty.contains(&f) => {}
+            Some(&(f, since)) => {
+                let p = at(f, t);
+                if !out(p) && !full(p) {
+                    free += 1;
+                    free_kept += u64::from(f == b);
+                }
+                if sessions.iter().any(|&(o, k)| o > since && k != conv) {
+                    *n.entry("turns_sharing_an_address").or_default() += 1;
+                }
+                if f != b {
+                    let why = match fresh {
+                        None => "expired",
+                        Some((e, ..)) if e == f && out(p) => "moved",
+                        Some((e, ..)) if e == f && full(p) => "full",
+                        Some((e, ..)) if e == f => "unseen",
+                        Some((.., by)) if by == conv => "followed_own_turn",
+                        Some(_) => "followed_other_conversation",
+                    };
+                    *n.entry(why).or_default() += 1;
+                }
             }
         }
+        sessions.push((t, conv));
+        // A hit refreshes the entry (still the conversation's that set it); else it follows.
+        let next = match fresh {
+            Some((e, _, by)) if e == b => (e, t, by),
+            _ => (b, t, conv),
+        };
+        entry.insert(c, next);
     }
+    let count = |k: &str| n.get(k).copied().unwrap_or(0);
     json!({
-        "full": full,
-        "moved": moved,
-        "other": other,
+        "expired": count("expired"),
+        "full": count("full"),
+        "moved": count("moved"),
+        "unseen": count("unseen"),
+        "followed_own_turn": count("followed_own_turn"),
+        "followed_other_conversation": count("followed_other_conversation"),
+        "turns_sharing_an_address": count("turns_sharing_an_address"),
         "kept_when_free": (free > 0).then(|| free_kept as f64 / free as f64),
     })
 }
@@ -371,8 +414,8 @@ mod tests {
             },
         ];
         assert_eq!(
-            affinity_lost(&rs, &["b1"], &names, &timeline),
-            json!({"full": 1, "moved": 0, "other": 0, "kept_when_free": 1.0})
+            affinity_lost(&rs, &["b1"], &names, &timeline, 60)["full"],
+            json!(1)
         );
         assert_eq!(
             landed(&rs, 10.0, 41.0),
@@ -386,6 +429,70 @@ mod tests {
         assert_eq!(avoided_after_ms(&rs, 25.0), 15.0);
         assert_eq!(ttfts(&rs).len(), 5);
         assert_eq!(broken_by_reason(&rs)["connect"], 1);
+    }
+
+    #[test]
+    fn affinity_losses_are_told_apart_by_replaying_each_address() {
+        let turn = |client: &str, conv, turn, ms, b: &str| Record {
+            client: client.into(),
+            ..rec(conv, turn, ms, Some(b), None)
+        };
+        let names: Vec<String> = ["b0", "b1", "b2"].map(String::from).to_vec();
+        let at = |t, b0_full, b1_state: &str| Sample {
+            t,
+            points: vec![
+                Point {
+                    state: Some("active".into()),
+                    full: b0_full,
+                    ..Point::default()
+                },
+                Point {
+                    state: Some(b1_state.into()),
+                    ..Point::default()
+                },
+                Point {
+                    state: Some("active".into()),
+                    ..Point::default()
+                },
+            ],
+        };
+        let steering = [
+            at(0.0, false, "active"),
+            at(1.0, true, "active"),
+            at(2.0, false, "active"),
+            at(3.0, false, "moved-away"),
+            at(4.0, false, "active"),
+        ];
+        let rs = vec![
+            // Probed past full b0 to b2, which the entry follows, so the next turn too.
+            turn("a", 1, 0, 500.0, "b0"),
+            turn("a", 1, 1, 1000.0, "b2"),
+            turn("a", 1, 2, 2000.0, "b2"),
+            // b1 moved away: the entry follows to b2 and the next turn with it, though b1
+            // is back; then another conversation of the address moves it to b0.
+            turn("b", 3, 0, 2500.0, "b1"),
+            turn("b", 3, 1, 3000.0, "b2"),
+            turn("b", 3, 2, 4000.0, "b2"),
+            turn("b", 4, 0, 4100.0, "b0"),
+            turn("b", 3, 3, 4200.0, "b0"),
+            // 70 s of silence: past the window.
+            turn("c", 5, 0, 0.0, "b1"),
+            turn("c", 5, 1, 70_000.0, "b2"),
+        ];
+        assert_eq!(affinity_kept(&rs, &[]), Some(0.0));
+        assert_eq!(
+            affinity_lost(&rs, &[], &names, &steering, 60),
+            json!({
+                "expired": 1,
+                "full": 1,
+                "moved": 1,
+                "unseen": 0,
+                "followed_own_turn": 2,
+                "followed_other_conversation": 1,
+                "turns_sharing_an_address": 1,
+                "kept_when_free": 0.0,
+            })
+        );
     }
 
     #[test]
