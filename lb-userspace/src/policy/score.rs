@@ -213,28 +213,35 @@ impl Score {
     /// Folds in one pressure reading (`None`: no signal, counted as idle).
     pub fn update(&mut self, pressure: Option<f64>, cfg: &PolicyConfig) {
         let p = pressure.unwrap_or(0.0);
-        let ewma = self
-            .ewma
-            .map_or(p, |e| cfg.ewma_alpha * p + (1.0 - cfg.ewma_alpha) * e);
+        let ewma = self.ewma.map_or(p, |e| ewma(e, p, cfg));
         self.ewma = Some(ewma);
     }
 
     /// Moves the level to `target` (unrounded) if it is outside the hysteresis band and the
     /// last change is at least [`LEVEL_DWELL`] old.
     pub fn relevel(&mut self, now: Duration, target: f64, cfg: &PolicyConfig) {
-        let levels = f64::from(cfg.weight_levels);
         let dwelt = self
             .changed_at
             .is_none_or(|at| now.saturating_sub(at) >= LEVEL_DWELL);
-        let level = (target.round() as u32).clamp(1, cfg.weight_levels);
-        if dwelt
-            && level != self.level
-            && (target - f64::from(self.level)).abs() > 0.5 + cfg.hysteresis * levels
-        {
+        if let Some(level) = past_band(target, self.level, cfg).filter(|_| dwelt) {
             self.level = level;
             self.changed_at = Some(now);
         }
     }
+}
+
+/// `previous` moved towards the reading `x` by `ewma_alpha`.
+fn ewma(previous: f64, x: f64, cfg: &PolicyConfig) -> f64 {
+    cfg.ewma_alpha * x + (1.0 - cfg.ewma_alpha) * previous
+}
+
+/// The level (quantised to `1..=weight_levels`) that `target` asks for, when it is more than
+/// `0.5 + hysteresis * weight_levels` levels from `level`: the band both the load and the
+/// speed level move past.
+fn past_band(target: f64, level: u32, cfg: &PolicyConfig) -> Option<u32> {
+    let band = 0.5 + cfg.hysteresis * f64::from(cfg.weight_levels);
+    let next = (target.round() as u32).clamp(1, cfg.weight_levels);
+    (next != level && (target - f64::from(level)).abs() > band).then_some(next)
 }
 
 /// Time per output token over the median of the VIP's others past which a backend is slow
@@ -286,8 +293,7 @@ impl Speed {
     /// or emptied backend has shown no speed, slow or fast.
     pub fn update(&mut self, tpot_s: Option<f64>, cfg: &PolicyConfig) {
         if let Some(t) = tpot_s.filter(|t| t.is_finite() && *t > 0.0) {
-            let a = cfg.ewma_alpha;
-            self.tpot_s = Some(self.tpot_s.map_or(t, |e| a * t + (1.0 - a) * e));
+            self.tpot_s = Some(self.tpot_s.map_or(t, |e| ewma(e, t, cfg)));
         }
     }
 
@@ -300,10 +306,7 @@ impl Speed {
         };
         let levels = cfg.weight_levels;
         let target = speed_level(own, others_s, self.level < levels, levels);
-        let level = (target.round() as u32).clamp(1, levels);
-        if level != self.level
-            && (target - f64::from(self.level)).abs() > 0.5 + cfg.hysteresis * f64::from(levels)
-        {
+        if let Some(level) = past_band(target, self.level, cfg) {
             self.level = level;
         }
     }
