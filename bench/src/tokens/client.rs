@@ -50,8 +50,9 @@ const MAX_RETRY_DELAY_S: f64 = 8.0;
 /// The wait before a retry, after `retries_taken` earlier retries, with `unit` a uniform
 /// draw in [0, 1): 0.375-0.5 s, then 0.75-1 s, doubling up to 6-8 s.
 pub fn retry_delay(retries_taken: u32, unit: f64) -> Duration {
-    let exp = i32::try_from(retries_taken.min(1000)).unwrap_or(1000);
-    let base = (INITIAL_RETRY_DELAY_S * 2f64.powi(exp)).min(MAX_RETRY_DELAY_S);
+    // Capped as the SDK caps it: 2^1000 is still a finite f64.
+    let base =
+        (INITIAL_RETRY_DELAY_S * 2f64.powi(retries_taken.min(1000) as i32)).min(MAX_RETRY_DELAY_S);
     Duration::from_secs_f64(base * (1.0 - 0.25 * unit.clamp(0.0, 1.0)))
 }
 
