@@ -828,4 +828,56 @@ mod tests {
             assert_eq!(r.last_refused_ms, Some(r3(1000.0 + refused)));
         });
     }
+
+    /// A stream reset after its first token is broken and never sent again: a retry would
+    /// hide the breakage.
+    #[test]
+    fn a_stream_reset_after_its_first_byte_is_not_retried() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let target = listener.local_addr().unwrap();
+            let server = tokio::spawn(async move {
+                let (mut conn, _) = listener.accept().await.unwrap();
+                let mut buf = [0u8; 4096];
+                let _ = conn.read(&mut buf).await.unwrap();
+                conn.write_all(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                      x-sluice-backend: b\r\ntransfer-encoding: chunked\r\n\r\n\
+                      a\r\ndata: {}\n\n\r\n",
+                )
+                .await
+                .unwrap();
+                // Let the client read the head and the token, then reset.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                conn.set_zero_linger().unwrap();
+                drop(conn);
+                // A retry would connect again within the backoff (at most 0.5 s).
+                tokio::time::timeout(Duration::from_secs(1), listener.accept())
+                    .await
+                    .is_err()
+            });
+            let ask = Ask {
+                target,
+                source: None,
+                path: "/v1/chat/completions",
+                body: "{}".into(),
+                timeout: Duration::from_secs(10),
+                retries: 2,
+            };
+            let out =
+                client::stream(ask, &quanta::Clock::new(), &mut StdRng::seed_from_u64(1)).await;
+            assert_eq!(
+                (out.broken, out.attempts),
+                (Some(client::RESET), 1),
+                "{out:?}"
+            );
+            assert_eq!((out.tokens, out.last_refused_ms), (1, None));
+            assert!(server.await.unwrap(), "the client connected again");
+        });
+    }
 }
