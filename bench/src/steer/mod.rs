@@ -363,6 +363,9 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         &((rate * secs * 2.0).ceil() as u64 + 10).to_string(),
         "--seed",
         &args.seed.to_string(),
+        // A refused session comes back as the OpenAI SDK's clients do (twice, backing off).
+        "--retries",
+        &crate::tokens::client::DEFAULT_RETRIES.to_string(),
         "--sources-file",
         &sources_file.display().to_string(),
         "--json",
@@ -516,6 +519,11 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             "broken_on_killed_backend": on_killed,
             "broken_by_reason": stats::broken_by_reason(&records),
             "per_backend": stats::landed(&records, 0.0, f64::MAX),
+        },
+        // Requests refused (or reset before any byte) and tried again, and their retries.
+        "retries": {
+            "requests_retried": summary["summary"]["requests_retried"],
+            "retries": summary["summary"]["retries"],
         },
         "imbalance": (stats::imbalance(&kv_samples) * 1000.0).round() / 1000.0,
         "affinity_kept": stats::affinity_kept(&records, &faulty),

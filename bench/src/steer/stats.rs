@@ -21,6 +21,9 @@ pub struct Record {
     pub tokens: u64,
     /// `None`: completed.
     pub broken: Option<String>,
+    /// When its last attempt refused before any response byte started (a retried request
+    /// may have completed after it); `None` when none was.
+    pub last_refused_ms: Option<f64>,
 }
 
 impl Record {
@@ -35,6 +38,7 @@ impl Record {
             ttft_ms: v["ttft_ms"].as_f64(),
             tokens: v["tokens"].as_u64().unwrap_or(0),
             broken: s("broken"),
+            last_refused_ms: v["last_refused_ms"].as_f64(),
         }
     }
 }
@@ -243,12 +247,19 @@ pub fn landed(records: &[Record], from_ms: f64, to_ms: f64) -> BTreeMap<String, 
 }
 
 /// After a kill at `at_ms`: how long new sessions still failed (the start of the last
-/// session that found no backend, relative to the kill), in ms; 0 when none did.
+/// session that found no backend, or of the last refused attempt of a retried one, relative
+/// to the kill), in ms; 0 when none did. A refusal the client's retry then got past still
+/// counts: the data plane sent that attempt to a dead backend.
 pub fn avoided_after_ms(records: &[Record], at_ms: f64) -> f64 {
     records
         .iter()
-        .filter(|r| r.start_ms >= at_ms && r.backend.is_none() && r.broken.is_some())
-        .map(|r| r.start_ms - at_ms)
+        .flat_map(|r| {
+            let failed = (r.backend.is_none() && r.broken.is_some()).then_some(r.start_ms);
+            [failed, r.last_refused_ms]
+        })
+        .flatten()
+        .filter(|&t| t >= at_ms)
+        .map(|t| t - at_ms)
         .fold(0.0, f64::max)
 }
 
@@ -346,6 +357,7 @@ mod tests {
             ttft_ms: backend.map(|_| 100.0 + start_ms),
             tokens: 10,
             broken: broken.map(Into::into),
+            last_refused_ms: None,
         }
     }
 
@@ -427,6 +439,16 @@ mod tests {
             ])
         );
         assert_eq!(avoided_after_ms(&rs, 25.0), 15.0);
+        // A session that completed on a retry after a refusal at 52 ms: the data plane still
+        // sent that attempt nowhere.
+        let retried = Record {
+            last_refused_ms: Some(52.0),
+            ..rec(4, 0, 50.0, Some("b2"), None)
+        };
+        let mut with_retry = rs.clone();
+        with_retry.push(retried);
+        assert_eq!(avoided_after_ms(&with_retry, 25.0), 27.0);
+        assert_eq!(sessions(&with_retry, Some(kill(38.0))), (5, 2, 2));
         assert_eq!(ttfts(&rs).len(), 5);
         assert_eq!(broken_by_reason(&rs)["connect"], 1);
     }

@@ -1,5 +1,5 @@
 //! One streamed request on a new TCP connection from a given source address: what it
-//! measures and how a broken stream is told apart.
+//! measures, how a broken stream is told apart, and the retries of a refused connection.
 
 use std::{io, net::SocketAddr, time::Duration};
 
@@ -12,12 +12,14 @@ use hyper::{
     Request,
 };
 use hyper_util::rt::TokioIo;
+use rand::{Rng, RngExt};
 use tokio::net::{TcpSocket, TcpStream};
 
 /// The header that names the backend.
 pub const BACKEND_HEADER: &str = "x-sluice-backend";
 
-/// What one request saw. Times are ms from the request's start (before connecting).
+/// What one request saw. Times are ms from the request's start (its first attempt's, before
+/// connecting): a user who was refused waited through the backoff.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Outcome {
     pub backend: Option<String>,
@@ -27,6 +29,31 @@ pub struct Outcome {
     pub e2e_ms: Option<f64>,
     pub tokens: u32,
     pub broken: Option<&'static str>,
+    /// Connections tried: 1, plus one per retry.
+    pub attempts: u32,
+    /// When the last attempt refused before any response byte started; `None` when none was.
+    pub last_refused_ms: Option<f64>,
+}
+
+/// The retry policy of the official OpenAI Python SDK (openai/openai-python,
+/// `src/openai/_constants.py`: `DEFAULT_MAX_RETRIES = 2`, `INITIAL_RETRY_DELAY = 0.5`,
+/// `MAX_RETRY_DELAY = 8.0`; `src/openai/_base_client.py`, `_calculate_retry_timeout`:
+/// `min(INITIAL_RETRY_DELAY * 2 ** retries_taken, MAX_RETRY_DELAY) * (1 - 0.25 * random())`,
+/// a `Retry-After` header of up to 60 s taking precedence; it retries connection errors and
+/// timeouts, and the statuses 408, 409, 429 and 5xx). No server in this lab answers with a
+/// retryable status or `Retry-After` (the simulator's only errors are 400 and 404; the data
+/// plane refuses with a RST), so only refused or reset connections are retried here.
+pub const DEFAULT_RETRIES: u32 = 2;
+const INITIAL_RETRY_DELAY_S: f64 = 0.5;
+const MAX_RETRY_DELAY_S: f64 = 8.0;
+
+/// The wait before a retry, after `retries_taken` earlier retries, with `unit` a uniform
+/// draw in [0, 1): 0.375-0.5 s, then 0.75-1 s, doubling up to 6-8 s.
+pub fn retry_delay(retries_taken: u32, unit: f64) -> Duration {
+    // Capped as the SDK caps it: 2^1000 is still a finite f64.
+    let base =
+        (INITIAL_RETRY_DELAY_S * 2f64.powi(retries_taken.min(1000) as i32)).min(MAX_RETRY_DELAY_S);
+    Duration::from_secs_f64(base * (1.0 - 0.25 * unit.clamp(0.0, 1.0)))
 }
 
 /// Reasons a stream broke, as the records name them.
@@ -88,67 +115,44 @@ pub struct Ask<'a> {
     pub source: Option<std::net::IpAddr>,
     pub path: &'a str,
     pub body: String,
+    /// Bounds the whole request: every attempt and the backoff between them.
     pub timeout: Duration,
+    /// Retries of an attempt refused or reset before any response byte ([`retry_delay`]
+    /// apart); 0: one attempt.
+    pub retries: u32,
 }
 
-/// Sends `ask` on a new connection and reads the stream to `[DONE]`, bounded by its timeout.
-pub async fn stream(ask: Ask<'_>, clock: &quanta::Clock) -> Outcome {
+/// How an attempt failed.
+enum Fail {
+    /// Before any response byte: nothing was served, so sending again loses nothing.
+    Refused(&'static str),
+    /// A stream that had begun, or an answer that was not a stream: never retried, since a
+    /// retry would hide the breakage.
+    Broken(&'static str),
+}
+
+/// Sends `ask` on a new connection and reads the stream to `[DONE]`, on a new connection
+/// from the same source again after a refusal (up to `ask.retries` times, the backoff's
+/// jitter drawn from `rng`), all bounded by its timeout.
+pub async fn stream(ask: Ask<'_>, clock: &quanta::Clock, rng: &mut impl Rng) -> Outcome {
     let start = clock.now();
     let ms = |t: quanta::Instant| (t - start).as_secs_f64() * 1000.0;
+    let body = Bytes::from(ask.body.clone());
     let mut out = Outcome::default();
     let work = async {
-        let conn = match connect(ask.target, ask.source).await {
-            Ok(c) => c,
-            Err(_) => return Some(CONNECT),
-        };
-        let (mut sender, driver) = match http1::handshake(TokioIo::new(conn)).await {
-            Ok(x) => x,
-            Err(e) => return Some(classify(&e)),
-        };
-        let driver = tokio::spawn(driver);
-        let _abort = AbortOnDrop(driver);
-        let req = Request::post(ask.path)
-            .header(HOST, ask.target.to_string())
-            .header(CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(ask.body)))
-            .expect("a static request is well formed");
-        let resp = match sender.send_request(req).await {
-            Ok(r) => r,
-            Err(e) => return Some(classify(&e)),
-        };
-        out.backend = resp
-            .headers()
-            .get(BACKEND_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        if resp.status() != hyper::StatusCode::OK {
-            return Some(STATUS);
-        }
-        let mut body = resp.into_body();
-        let mut sse = SseReader::default();
-        let mut last: Option<quanta::Instant> = None;
         loop {
-            let frame = match body.frame().await {
-                None => return Some(NO_DONE),
-                Some(Err(e)) => return Some(classify(&e)),
-                Some(Ok(f)) => f,
-            };
-            let Some(data) = frame.data_ref() else {
-                continue;
-            };
-            let now = clock.now();
-            let chunk = sse.feed(data);
-            if chunk.tokens > 0 {
-                match last {
-                    None => out.ttft_ms = Some(ms(now)),
-                    Some(prev) => out.gaps_ms.push((now - prev).as_secs_f64() * 1000.0),
+            let tried = clock.now();
+            out.attempts += 1;
+            match attempt(&ask, body.clone(), clock, start, &mut out).await {
+                Ok(()) => return None,
+                Err(Fail::Broken(why)) => return Some(why),
+                Err(Fail::Refused(why)) => {
+                    out.last_refused_ms = Some(ms(tried));
+                    if out.attempts > ask.retries {
+                        return Some(why);
+                    }
+                    tokio::time::sleep(retry_delay(out.attempts - 1, rng.random())).await;
                 }
-                last = Some(now);
-                out.tokens += chunk.tokens;
-            }
-            if chunk.done {
-                out.e2e_ms = Some(ms(now));
-                return None;
             }
         }
     };
@@ -156,6 +160,71 @@ pub async fn stream(ask: Ask<'_>, clock: &quanta::Clock) -> Outcome {
         .await
         .unwrap_or(Some(TIMEOUT));
     out
+}
+
+/// One connection: fills `out` (times from `start`) as the answer streams in.
+async fn attempt(
+    ask: &Ask<'_>,
+    body: Bytes,
+    clock: &quanta::Clock,
+    start: quanta::Instant,
+    out: &mut Outcome,
+) -> Result<(), Fail> {
+    let ms = |t: quanta::Instant| (t - start).as_secs_f64() * 1000.0;
+    let conn = connect(ask.target, ask.source)
+        .await
+        .map_err(|_| Fail::Refused(CONNECT))?;
+    // Until the response head is in, a reset has served nothing: it is a refusal.
+    let refused = |e: hyper::Error| match classify(&e) {
+        RESET => Fail::Refused(RESET),
+        why => Fail::Broken(why),
+    };
+    let (mut sender, driver) = http1::handshake(TokioIo::new(conn))
+        .await
+        .map_err(refused)?;
+    let driver = tokio::spawn(driver);
+    let _abort = AbortOnDrop(driver);
+    let req = Request::post(ask.path)
+        .header(HOST, ask.target.to_string())
+        .header(CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
+        .expect("a static request is well formed");
+    let resp = sender.send_request(req).await.map_err(refused)?;
+    out.backend = resp
+        .headers()
+        .get(BACKEND_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    if resp.status() != hyper::StatusCode::OK {
+        return Err(Fail::Broken(STATUS));
+    }
+    let mut body = resp.into_body();
+    let mut sse = SseReader::default();
+    let mut last: Option<quanta::Instant> = None;
+    loop {
+        let frame = match body.frame().await {
+            None => return Err(Fail::Broken(NO_DONE)),
+            Some(Err(e)) => return Err(Fail::Broken(classify(&e))),
+            Some(Ok(f)) => f,
+        };
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
+        let now = clock.now();
+        let chunk = sse.feed(data);
+        if chunk.tokens > 0 {
+            match last {
+                None => out.ttft_ms = Some(ms(now)),
+                Some(prev) => out.gaps_ms.push((now - prev).as_secs_f64() * 1000.0),
+            }
+            last = Some(now);
+            out.tokens += chunk.tokens;
+        }
+        if chunk.done {
+            out.e2e_ms = Some(ms(now));
+            return Ok(());
+        }
+    }
 }
 
 struct AbortOnDrop(tokio::task::JoinHandle<Result<(), hyper::Error>>);
@@ -205,6 +274,21 @@ fn classify(e: &hyper::Error) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn backoff_is_the_sdks() {
+        let s = |n, u| retry_delay(n, u).as_secs_f64();
+        // No jitter (a draw of 0), then the most (a draw near 1: x0.75).
+        assert_eq!(
+            [s(0, 0.0), s(1, 0.0), s(2, 0.0), s(3, 0.0)],
+            [0.5, 1.0, 2.0, 4.0]
+        );
+        assert_eq!(
+            [s(4, 0.0), s(5, 0.0), s(1000, 0.0), s(u32::MAX, 0.0)],
+            [8.0; 4]
+        );
+        assert_eq!([s(0, 1.0), s(1, 0.5), s(9, 1.0)], [0.375, 0.875, 6.0]);
+    }
 
     #[test]
     fn sse_events_split_across_reads() {

@@ -6,9 +6,12 @@
 //! way (a later turn waits for the previous answer and the think time). Closed loop (`--users N`): N
 //! users each run one conversation after another. Every turn of a conversation is a new TCP
 //! connection from the conversation's source address (sources are dealt round robin), so a
-//! source-affinity VIP keeps a conversation on one accelerator. The run starts no request
-//! after `--duration` or `--max-requests`, and every request ends within `--timeout-s`, so
-//! the run stops by itself. See [`workload`] for the workload's defaults and their sources.
+//! source-affinity VIP keeps a conversation on one accelerator. A connection refused or
+//! reset before any response byte is tried again from the same address, up to `--retries`
+//! times with the OpenAI Python SDK's backoff ([`client::retry_delay`]); a stream that broke
+//! after its first byte is never retried. The run starts no request after `--duration` or
+//! `--max-requests`, and every request (with its retries) ends within `--timeout-s`, so the
+//! run stops by itself. See [`workload`] for the workload's defaults and their sources.
 //!
 //! Output: `--json` the summary ([`stats::Summary`] plus the configuration and, with
 //! `--state`, the KV imbalance), `--records` one JSON line per request ([`Record`]).
@@ -30,6 +33,7 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use rand::{rngs::StdRng, SeedableRng};
 use serde::Serialize;
 use serde_json::json;
 use sluice::telemetry::{http::Client as PageClient, target::HttpUrl};
@@ -64,6 +68,11 @@ pub struct Record {
     pub tokens: u32,
     /// null, or why the stream broke: connect, reset, timeout, no_done, status.
     pub broken: Option<String>,
+    /// Connections tried: 1, plus one per retry of a refusal.
+    pub attempts: u32,
+    /// When the last attempt refused before any response byte (connect or reset) started,
+    /// ms from the run's start; null when none was.
+    pub last_refused_ms: Option<f64>,
 }
 
 /// Offered load.
@@ -85,6 +94,8 @@ pub struct Config {
     pub sources: Vec<IpAddr>,
     pub shape: Shape,
     pub timeout: Duration,
+    /// Retries of a connection refused or reset before any response byte.
+    pub retries: u32,
     /// The API path requested.
     pub path: String,
     /// `http://host:port/state` URLs of the accelerators' control listeners, sampled for the
@@ -280,8 +291,14 @@ async fn conversation(run: Arc<Run>, id: u64, turns: Vec<Turn>) {
             path: &cfg.path,
             body,
             timeout: cfg.timeout,
+            retries: cfg.retries,
         };
-        let out = client::stream(ask, &run.clock).await;
+        // The backoff's jitter: one stream of draws per request, so that runs of a seed
+        // repeat whatever order the requests' tasks run in.
+        let mut rng = StdRng::seed_from_u64(
+            cfg.seed ^ id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (k as u64).rotate_left(32),
+        );
+        let out = client::stream(ask, &run.clock, &mut rng).await;
         let broken = out.broken.is_some();
         let record = Record {
             prompt_tokens: turn.prompt_tokens,
@@ -314,6 +331,8 @@ fn record(start_ms: f64, source: Option<IpAddr>, conv: u64, turn: u32, out: &Out
         e2e_ms: out.e2e_ms.map(r3),
         tokens: out.tokens,
         broken: out.broken.map(str::to_owned),
+        attempts: out.attempts,
+        last_refused_ms: out.last_refused_ms.map(|t| r3(start_ms + t)),
         ..Record::default()
     }
 }
@@ -440,6 +459,11 @@ struct Cli {
     /// Seconds a request may take in all before it counts as broken (timeout).
     #[arg(long, default_value_t = 60.0)]
     timeout_s: f64,
+    /// Retries of a connection refused or reset before any response byte, from the same
+    /// source address, with the OpenAI Python SDK's backoff (0.5 s doubling, x0.75-1 jitter);
+    /// the default is the SDK's. 0: a refusal breaks the request.
+    #[arg(long, default_value_t = client::DEFAULT_RETRIES)]
+    retries: u32,
     /// API path.
     #[arg(long, default_value = "/v1/chat/completions")]
     path: String,
@@ -524,6 +548,7 @@ fn config(cli: &Cli) -> Result<Config> {
         sources,
         shape,
         timeout: Duration::from_secs_f64(cli.timeout_s),
+        retries: cli.retries,
         path: cli.path.clone(),
         state_urls,
         progress: cli.progress,
@@ -555,6 +580,7 @@ pub fn summary_json(cfg: &Config, report: &Report) -> serde_json::Value {
             "max_context": cfg.shape.max_context,
             "max_output": cfg.shape.max_output,
             "timeout_s": cfg.timeout.as_secs_f64(),
+            "retries": cfg.retries,
             "path": cfg.path,
         },
         "elapsed_s": report.elapsed_s,
@@ -600,13 +626,16 @@ pub fn main(args: &[String]) -> Result<()> {
     let s = &report.summary;
     let f = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.1}"));
     println!(
-        "{} requests in {:.1} s: {} completed, {} broken {:?}; TTFT p50 {} p99 {} ms; \
-         inter-token p50 {} p99 {} ms; goodput {:.0} tokens/s; affinity kept {}; imbalance {}",
+        "{} requests in {:.1} s: {} completed, {} broken {:?}, {} retried ({} retries); \
+         TTFT p50 {} p99 {} ms; inter-token p50 {} p99 {} ms; goodput {:.0} tokens/s; \
+         affinity kept {}; imbalance {}",
         s.requests,
         report.elapsed_s,
         s.completed,
         s.broken,
         s.broken_by_reason,
+        s.requests_retried,
+        s.retries,
         f(s.ttft_ms.p50),
         f(s.ttft_ms.p99),
         f(s.itl_ms.p50),
@@ -638,10 +667,14 @@ mod tests {
     /// Starts a simulated accelerator in this runtime; returns its serving and control
     /// addresses. A fast model (1 ms steps) keeps the test short.
     async fn accel(name: &str) -> (SocketAddr, SocketAddr) {
+        accel_on(name, "127.0.0.1:0".parse().unwrap()).await
+    }
+
+    async fn accel_on(name: &str, listen: SocketAddr) -> (SocketAddr, SocketAddr) {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let cfg = server::Config {
             name: name.into(),
-            listen: vec!["127.0.0.1:0".parse().unwrap()],
+            listen: vec![listen],
             control: "127.0.0.1:0".parse().unwrap(),
             base_speed: 1.0,
             seed: 0,
@@ -704,6 +737,7 @@ mod tests {
                     ..Shape::default()
                 },
                 timeout: Duration::from_secs(20),
+                retries: client::DEFAULT_RETRIES,
                 path: "/v1/chat/completions".into(),
                 state_urls: [c0, c1]
                     .iter()
@@ -744,6 +778,106 @@ mod tests {
                 report.records.iter().map(|r| r.tokens as u64).sum::<u64>()
             );
             assert_eq!(s.ttft_ms.count, 40);
+        });
+    }
+
+    /// A port nothing listens on yet (the kernel refuses a connection with a RST), then an
+    /// accelerator on it: the request that was refused is one completed record, on its
+    /// second attempt, its TTFT from the first attempt's start (through the backoff). With
+    /// no retries it is broken `connect` after one attempt, as before retries existed.
+    #[test]
+    fn a_refused_request_is_retried_after_the_backoff() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let target = free.local_addr().unwrap();
+            drop(free);
+            let clock = quanta::Clock::new();
+            let ask = |retries| Ask {
+                target,
+                source: None,
+                path: "/v1/chat/completions",
+                body: json!({"prompt_tokens": 10, "max_tokens": 5, "stream": true}).to_string(),
+                timeout: Duration::from_secs(10),
+                retries,
+            };
+            let mut rng = StdRng::seed_from_u64(1);
+            let out = client::stream(ask(0), &clock, &mut rng).await;
+            assert_eq!((out.broken, out.attempts), (Some(client::CONNECT), 1));
+            assert!(out.last_refused_ms.is_some() && out.ttft_ms.is_none());
+
+            // The first retry waits at least 375 ms; the accelerator is up well before.
+            let up = tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                accel_on("late", target).await
+            });
+            let out = client::stream(ask(2), &clock, &mut rng).await;
+            up.await.unwrap();
+            assert_eq!(out.broken, None, "{out:?}");
+            assert_eq!(out.attempts, 2, "{out:?}");
+            assert_eq!((out.tokens, out.backend.as_deref()), (5, Some("late")));
+            let refused = out.last_refused_ms.unwrap();
+            let ttft = out.ttft_ms.unwrap();
+            assert!(refused < 100.0 && ttft >= 375.0, "{out:?}");
+            assert!(out.e2e_ms.unwrap() >= ttft);
+            let r = record(1000.0, None, 3, 0, &out);
+            assert_eq!((r.attempts, r.broken, r.ttft_ms), (2, None, Some(r3(ttft))));
+            assert_eq!(r.last_refused_ms, Some(r3(1000.0 + refused)));
+        });
+    }
+
+    /// A stream reset after its first token is broken and never sent again: a retry would
+    /// hide the breakage.
+    #[test]
+    fn a_stream_reset_after_its_first_byte_is_not_retried() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let target = listener.local_addr().unwrap();
+            let server = tokio::spawn(async move {
+                let (mut conn, _) = listener.accept().await.unwrap();
+                let mut buf = [0u8; 4096];
+                let _ = conn.read(&mut buf).await.unwrap();
+                conn.write_all(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                      x-sluice-backend: b\r\ntransfer-encoding: chunked\r\n\r\n\
+                      a\r\ndata: {}\n\n\r\n",
+                )
+                .await
+                .unwrap();
+                // Let the client read the head and the token, then reset.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                conn.set_zero_linger().unwrap();
+                drop(conn);
+                // A retry would connect again within the backoff (at most 0.5 s).
+                tokio::time::timeout(Duration::from_secs(1), listener.accept())
+                    .await
+                    .is_err()
+            });
+            let ask = Ask {
+                target,
+                source: None,
+                path: "/v1/chat/completions",
+                body: "{}".into(),
+                timeout: Duration::from_secs(10),
+                retries: 2,
+            };
+            let out =
+                client::stream(ask, &quanta::Clock::new(), &mut StdRng::seed_from_u64(1)).await;
+            assert_eq!(
+                (out.broken, out.attempts),
+                (Some(client::RESET), 1),
+                "{out:?}"
+            );
+            assert_eq!((out.tokens, out.last_refused_ms), (1, None));
+            assert!(server.await.unwrap(), "the client connected again");
         });
     }
 }

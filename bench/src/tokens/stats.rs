@@ -131,6 +131,9 @@ pub struct Summary {
     pub goodput_tokens_per_s: f64,
     pub backends: BTreeMap<String, BackendSummary>,
     pub affinity: Affinity,
+    /// Requests tried more than once (refused, then retried), and their retries in all.
+    pub requests_retried: u64,
+    pub retries: u64,
 }
 
 /// `gaps` holds every stream's inter-chunk gaps (ms), `elapsed_s` the run's wall time.
@@ -145,6 +148,9 @@ pub fn summarise(records: &[Record], gaps: &[f64], elapsed_s: f64) -> Summary {
     let mut backend_ttft: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     for r in records {
         s.tokens += r.tokens as u64;
+        let retries = u64::from(r.attempts.saturating_sub(1));
+        s.requests_retried += u64::from(retries > 0);
+        s.retries += retries;
         match &r.broken {
             None => {
                 s.completed += 1;
@@ -276,12 +282,19 @@ mod tests {
     fn summary_counts_goodput_of_completed_streams_only() {
         let records = vec![
             rec(1, 0, Some("a"), None),
-            rec(2, 0, Some("b"), None),
+            Record {
+                attempts: 2,
+                ..rec(2, 0, Some("b"), None)
+            },
             rec(3, 0, Some("b"), Some("reset")),
-            rec(4, 0, None, Some("connect")),
+            Record {
+                attempts: 3,
+                ..rec(4, 0, None, Some("connect"))
+            },
         ];
         let s = summarise(&records, &[20.0, 30.0, 40.0], 2.0);
         assert_eq!((s.requests, s.completed, s.broken), (4, 2, 2));
+        assert_eq!((s.requests_retried, s.retries), (2, 3));
         assert_eq!(s.broken_by_reason["reset"], 1);
         assert_eq!(s.broken_by_reason["connect"], 1);
         assert_eq!(s.tokens, 40);
