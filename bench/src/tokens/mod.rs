@@ -187,7 +187,7 @@ pub async fn run(cfg: Config) -> Result<Report> {
         Load::Users(n) => {
             for user in 0..n {
                 let run = run.clone();
-                let seed = run.cfg.seed ^ (u64::from(user) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                let seed = sub_seed(run.cfg.seed, u64::from(user) + 1);
                 let mut gen =
                     Generator::new(run.cfg.shape.clone(), seed).map_err(anyhow::Error::msg)?;
                 tasks.spawn(async move {
@@ -261,6 +261,13 @@ fn check_sources(sources: &[IpAddr]) -> Result<()> {
     Ok(())
 }
 
+/// A seed of its own for the `n`-th of a run's independent random streams (a closed-loop
+/// user's workload, a request's backoff jitter): spread by the 64-bit golden ratio so that
+/// neighbouring `n` give unrelated streams.
+fn sub_seed(seed: u64, n: u64) -> u64 {
+    seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
 async fn conversation(run: Arc<Run>, id: u64, turns: Vec<Turn>) {
     let cfg = &run.cfg;
     let source = (!cfg.sources.is_empty()).then(|| cfg.sources[id as usize % cfg.sources.len()]);
@@ -295,9 +302,7 @@ async fn conversation(run: Arc<Run>, id: u64, turns: Vec<Turn>) {
         };
         // The backoff's jitter: one stream of draws per request, so that runs of a seed
         // repeat whatever order the requests' tasks run in.
-        let mut rng = StdRng::seed_from_u64(
-            cfg.seed ^ id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (k as u64).rotate_left(32),
-        );
+        let mut rng = StdRng::seed_from_u64(sub_seed(cfg.seed, id) ^ (k as u64).rotate_left(32));
         let out = client::stream(ask, &run.clock, &mut rng).await;
         let broken = out.broken.is_some();
         let record = Record {
