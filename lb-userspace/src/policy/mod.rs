@@ -203,7 +203,17 @@ pub const SATURATION_STEPS: u32 = 2;
 /// - a throttled or congested backend keeps [`REDUCED_LEVEL_DIV`] of its weight instead of
 ///   none, and counts as full while anything waits in its queue;
 /// - a backend returning from a move skips slow start.
+///
+/// The test counts the share a moved-away backend still carries (a reduced one's quarter) as
+/// the others' load, and a VIP without headroom regains it only below
+/// `HEADROOM - HEADROOM_BAND` ([`Policy::headroom`]).
 pub const HEADROOM: f64 = 0.5;
+
+/// How far under [`HEADROOM`] a VIP's mean pressure must fall to regain headroom. In
+/// `cargo xtask demo` the one backend in rotation read 0.48-0.56 scrape by scrape while the
+/// throttled one was out, and without a band each reading flipped that one between weight 0
+/// and a quarter every 0.5-2 s.
+pub const HEADROOM_BAND: f64 = 0.1;
 
 /// A throttled or congested backend of a VIP without headroom keeps
 /// `weight_levels / REDUCED_LEVEL_DIV` levels (at least one): a quarter of its weight, under
@@ -231,6 +241,8 @@ pub struct Policy {
     started: bool,
     /// Backends flagged for a telemetry mismatch in their current slow episode.
     mismatched: BTreeSet<u32>,
+    /// VIPs without headroom at the last step ([`HEADROOM`]).
+    crowded: BTreeSet<String>,
 }
 
 /// A backend's view within one step.
@@ -256,6 +268,7 @@ impl Policy {
             shedders: BTreeMap::new(),
             started: false,
             mismatched: BTreeSet::new(),
+            crowded: BTreeSet::new(),
         }
     }
 
@@ -274,15 +287,7 @@ impl Policy {
         self.shedders.retain(|p, _| pools.values().any(|q| q == p));
 
         let mut work: Vec<Work> = inputs.iter().map(|i| self.observe(now, i)).collect();
-        let crowded: BTreeSet<&str> = self
-            .vip_means(&work, |_, w| w.pressure.unwrap_or(0.0))
-            .into_iter()
-            .filter(|(_, (sum, n))| sum / f64::from(*n) > HEADROOM)
-            .map(|(vip, _)| vip)
-            .collect();
-        for w in work.iter_mut() {
-            w.crowded = crowded.contains(w.input.vip);
-        }
+        self.headroom(&mut work);
         let mut events = Vec::new();
         inband::slow(now, &mut work, &mut self.mismatched, &mut events);
         self.relevel(now, &work);
@@ -345,6 +350,48 @@ impl Policy {
             wants_out: false,
             crowded: false,
         }
+    }
+
+    /// Marks the backends of VIPs without headroom ([`HEADROOM`]). The mean pressure of the
+    /// backends in rotation is scaled up by the ring weight that moved-away backends still
+    /// carry, as if it were on them: that share returns to them if the decision goes the
+    /// other way, so the test sees the same load whichever way it last went (without this, a
+    /// reduced backend's quarter relieves the others, which gives headroom back, which sends
+    /// it to 0, which takes headroom away). The band against scrape noise is the same kind
+    /// of hysteresis the weight levels have.
+    fn headroom(&mut self, work: &mut [Work]) {
+        let pressure = self.vip_means(work, |_, w| w.pressure.unwrap_or(0.0));
+        let weight = |m: &Memory, w: &Work| f64::from(m.weight.unwrap_or(w.input.weight));
+        let in_rotation = self.vip_means(work, weight);
+        let mut carried: BTreeMap<&str, f64> = BTreeMap::new();
+        for w in work.iter().filter(|w| w.eligible) {
+            let m = &self.backends[&w.input.id];
+            if matches!(m.move_away.phase, Phase::MovedAway { .. }) {
+                *carried.entry(w.input.vip).or_default() += weight(m, w);
+            }
+        }
+        let crowded: BTreeSet<String> = pressure
+            .into_iter()
+            .filter(|(vip, (sum, n))| {
+                let rotation = in_rotation[vip].0;
+                let scale = if rotation > 0.0 {
+                    (rotation + carried.get(vip).copied().unwrap_or(0.0)) / rotation
+                } else {
+                    1.0
+                };
+                let band = if self.crowded.contains(*vip) {
+                    HEADROOM_BAND
+                } else {
+                    0.0
+                };
+                sum / f64::from(*n) * scale > HEADROOM - band
+            })
+            .map(|(vip, _)| vip.to_owned())
+            .collect();
+        for w in work.iter_mut() {
+            w.crowded = crowded.contains(w.input.vip);
+        }
+        self.crowded = crowded;
     }
 
     /// Picks the condition each backend acts on: the most severe. Saturation counts only
