@@ -6,7 +6,10 @@
 //! way (a later turn waits for the previous answer and the think time). Closed loop (`--users N`): N
 //! users each run one conversation after another. Every turn of a conversation is a new TCP
 //! connection from the conversation's source address (sources are dealt round robin), so a
-//! source-affinity VIP keeps a conversation on one accelerator. A connection refused or
+//! source-affinity VIP keeps a conversation on one accelerator. Each turn's prompt is text:
+//! the previous turn's prompt, the answer as received and the new message (seeded words, one
+//! token each to sluice-accel), so the accelerator that served the previous turn finds it in
+//! its prefix cache; the records carry the `cached_tokens` it reports. A connection refused or
 //! reset before any response byte is tried again from the same address, up to `--retries`
 //! times with the OpenAI Python SDK's backoff ([`client::retry_delay`]); a stream that broke
 //! after its first byte is never retried. The run starts no request after `--duration` or
