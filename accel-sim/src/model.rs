@@ -103,7 +103,7 @@
 //! The engine never sleeps; [`Engine::step`] says how long a step takes and the caller waits.
 
 use std::{
-    collections::{BTreeMap, HashMap, VecDeque},
+    collections::{hash_map::Entry, BTreeMap, HashMap, VecDeque},
     hash::{DefaultHasher, Hash, Hasher},
 };
 
@@ -500,11 +500,11 @@ impl Engine {
                 }
                 c.stamp = stamp;
                 self.kv_used -= BLOCK_TOKENS as u64;
-            } else if self.cache.contains_key(&h) {
+            } else if let Entry::Vacant(e) = self.cache.entry(h) {
+                e.insert(Cached { refs: 0, stamp });
+            } else {
                 // Another sequence cached the same block meanwhile: this copy is freed.
                 continue;
-            } else {
-                self.cache.insert(h, Cached { refs: 0, stamp });
             }
             self.lru.insert(stamp, h);
             self.next_stamp += 1;
@@ -753,7 +753,10 @@ mod tests {
                 Event::Token { id: 1, index: 1 },
                 Event::Token { id: 1, index: 2 },
                 Event::Token { id: 1, index: 3 },
-                Event::Finished { id: 1, cached_tokens: 0 },
+                Event::Finished {
+                    id: 1,
+                    cached_tokens: 0
+                },
             ]
         );
         // Prefill: 1400 tokens at 14000/s = 100 ms, plus one step's base, sequence and KV terms.
@@ -829,7 +832,13 @@ mod tests {
         assert_eq!(chunks, vec![2048, 2048, 904]);
         assert_eq!(
             steps[2].events,
-            vec![Event::Token { id: 1, index: 1 }, Event::Finished { id: 1, cached_tokens: 0 }]
+            vec![
+                Event::Token { id: 1, index: 1 },
+                Event::Finished {
+                    id: 1,
+                    cached_tokens: 0
+                }
+            ]
         );
     }
 
@@ -1001,12 +1010,16 @@ mod tests {
     /// its TTFT (from submission) and the cached tokens its `Finished` event reports.
     fn serve(e: &mut Engine, now: &mut f64, id: SeqId, prompt: &[TokenId], out: u64) -> (f64, u32) {
         let start = *now;
-        e.submit_tokens(id, prompt, &ids(1 << 40, out), start).unwrap();
+        e.submit_tokens(id, prompt, &ids(1 << 40, out), start)
+            .unwrap();
         let ev = run(e, now, start + 1000.0);
         let cached = ev
             .iter()
             .find_map(|(_, ev)| match ev {
-                Event::Finished { id: i, cached_tokens } if *i == id => Some(*cached_tokens),
+                Event::Finished {
+                    id: i,
+                    cached_tokens,
+                } if *i == id => Some(*cached_tokens),
                 _ => None,
             })
             .unwrap_or_else(|| panic!("request {id} did not finish"));
@@ -1123,7 +1136,10 @@ mod tests {
         assert_eq!((tokens(0), tokens(1)), (300, 300));
         // Only first admissions count: both prompts queried once, neither hit then.
         assert_eq!(
-            (e.totals().prefix_cache_queries, e.totals().prefix_cache_hits),
+            (
+                e.totals().prefix_cache_queries,
+                e.totals().prefix_cache_hits
+            ),
             (800, 0)
         );
         assert_eq!(e.kv_used_tokens(), 0);

@@ -163,7 +163,10 @@ fn message_ids(m: &Value, ids: &mut Vec<TokenId>) -> Result<(), String> {
     match m.get("content") {
         Some(Value::String(s)) => ids.extend(tokenize(s)),
         Some(Value::Array(parts)) => {
-            for t in parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)) {
+            for t in parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+            {
                 ids.extend(tokenize(t));
             }
         }
@@ -358,7 +361,12 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            (job.prompt_tokens, job.prompt_ids, job.max_tokens, job.stream),
+            (
+                job.prompt_tokens,
+                job.prompt_ids,
+                job.max_tokens,
+                job.stream
+            ),
             (700, None, 9, false)
         );
         let job = parse(Api::Completions, br#"{"prompt":["ab c",[1,2,3]]}"#).unwrap();

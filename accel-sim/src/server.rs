@@ -58,9 +58,14 @@ pub struct Config {
 
 /// What a response waits for.
 enum Out {
-    Token { index: u32, last: bool },
+    Token {
+        index: u32,
+        last: bool,
+    },
     /// The end; `cached_tokens` of the prompt came from the prefix cache.
-    Done { cached_tokens: u32 },
+    Done {
+        cached_tokens: u32,
+    },
 }
 
 struct Waiter {

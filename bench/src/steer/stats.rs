@@ -51,9 +51,8 @@ impl Record {
 /// The prefix cache's figures: the accelerators' counters (tokens queried and hit, summed at
 /// the end of the cell) and their ratio, and the records' cached and prompt tokens.
 pub fn prefix_cache(queries: u64, hits: u64, records: &[Record]) -> Value {
-    let ratio = |num: u64, den: u64| {
-        (den > 0).then(|| (num as f64 / den as f64 * 1000.0).round() / 1000.0)
-    };
+    let ratio =
+        |num: u64, den: u64| (den > 0).then(|| (num as f64 / den as f64 * 1000.0).round() / 1000.0);
     let prompt: u64 = records.iter().map(|r| r.prompt_tokens).sum();
     let cached: u64 = records.iter().map(|r| r.cached_tokens).sum();
     json!({

@@ -813,7 +813,10 @@ mod tests {
             // it: its prefix cache holds the earlier prompt and answer.
             let (first, later): (Vec<&Record>, Vec<&Record>) =
                 report.records.iter().partition(|r| r.turn == 0);
-            assert!(first.iter().all(|r| r.cached_tokens == Some(0)), "{first:?}");
+            assert!(
+                first.iter().all(|r| r.cached_tokens == Some(0)),
+                "{first:?}"
+            );
             for r in &later {
                 // The previous turn computed its prompt and all but the last answer token;
                 // its full blocks of 16 are reused.
