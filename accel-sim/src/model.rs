@@ -14,12 +14,43 @@
 //!    whole context), as vLLM's recompute preemption does;
 //! 2. waiting requests are admitted in FIFO order while `running < max_num_seqs` and the head
 //!    request's whole context (prompt, plus what it generated before a preemption) fits in
-//!    the free KV cache; the head that does not fit blocks those behind it;
+//!    the free KV cache; the head that does not fit blocks those behind it. An admitted
+//!    request first takes what the prefix cache holds of its context (below): those tokens
+//!    count as computed and need no prefill;
 //! 3. the rest of the budget (`max_batched_tokens`) prefills admitted sequences in admission
 //!    order, in chunks (chunked prefill);
 //! 4. a sequence whose context is fully processed at the end of the step emits a token (its
 //!    first one after a prefill); a sequence that reached `max_tokens` finishes and frees its
 //!    KV.
+//!
+//! # Automatic prefix caching
+//!
+//! As vLLM V1 does by default (docs.vllm.ai, "Automatic Prefix Caching", design/prefix_caching;
+//! `hash_block_tokens` in vllm/v1/core/kv_cache_utils.py, `get_computed_blocks` in
+//! vllm/v1/core/kv_cache_manager.py, the free block queue in vllm/v1/core/block_pool.py):
+//!
+//! - a request's tokens (prompt, then answer) fall into blocks of [`BLOCK_TOKENS`]; each full
+//!   block is named by a hash of its parent block's hash and its own token ids, so a block's
+//!   hash stands for every token up to its end;
+//! - on admission the longest run of leading blocks whose hashes are cached is reused: those
+//!   tokens are computed without prefill work or step time. The run stops short of the last
+//!   token of the context (vLLM's `max_cache_hit_length = num_tokens - 1`), which is always
+//!   computed, so the first token is sampled from a forward pass;
+//! - when a sequence leaves the running set (finished, cancelled or preempted) its full
+//!   computed blocks, prompt and generated tokens alike, stay cached with no holder. Such
+//!   blocks count as free KV (as in vLLM's `kv_cache_usage_perc`): admission ignores them,
+//!   and they are evicted least recently freed first when running or admitted sequences need
+//!   the room; of one sequence's blocks the last is evicted first (vLLM frees a request's
+//!   blocks in reverse order). A cached block taken by a running sequence is not evictable
+//!   and its tokens count once, however many sequences hold it;
+//! - `prefix_cache_queries` and `prefix_cache_hits` count, in tokens, each request's context
+//!   and its hit at its first admission (vLLM V1 counts a preempted request's later lookups
+//!   apart).
+//!
+//! Simplification: vLLM caches a block as soon as it is full, so requests running at the
+//! same time share a prefix; here a sequence's blocks are cached when it leaves the running
+//! set, which is when a conversation's next turn (sent after the answer) can use them.
+//! Requests given as a token count only (no ids) have no hashable content and never hit.
 //!
 //! A step lasts
 //!
@@ -31,7 +62,8 @@
 //! (decode is memory-bandwidth bound: each step reads the weights once, `base`, and every
 //! sequence's KV cache, `per_ktoken`), `prefill_tokens` the prompt tokens it processed and
 //! `speed` the product of the fault factors (1.0 when healthy; 0.4 = throttled to 40 %).
-//! Time to first token is therefore the FIFO wait plus the prefill steps, and inter-token
+//! Tokens taken from the prefix cache are neither prefill tokens nor steps. Time to first
+//! token is therefore the FIFO wait plus the prefill steps of what was not cached, and inter-token
 //! latency grows with the batch and with the KV it reads.
 //!
 //! # Parameters and where their order of magnitude comes from
@@ -70,10 +102,17 @@
 //!
 //! The engine never sleeps; [`Engine::step`] says how long a step takes and the caller waits.
 
-use std::collections::VecDeque;
+use std::{
+    collections::{hash_map::Entry, BTreeMap, HashMap, VecDeque},
+    hash::{DefaultHasher, Hash, Hasher},
+};
 
 /// A request's id, chosen by the caller.
 pub type SeqId = u64;
+/// A token id (the caller's tokenizer chooses them).
+pub type TokenId = u64;
+/// Tokens per KV block: vLLM's default `block_size` on CUDA.
+pub const BLOCK_TOKENS: u32 = 16;
 
 /// The capacity model's parameters (see the module documentation for their sources).
 #[derive(Clone, Debug, PartialEq)]
@@ -173,8 +212,9 @@ impl std::fmt::Display for Reject {
 pub enum Event {
     /// The `index`-th (1-based) output token of a request.
     Token { id: SeqId, index: u32 },
-    /// The request emitted its last token and left the engine.
-    Finished { id: SeqId },
+    /// The request emitted its last token and left the engine; `cached_tokens` of its prompt
+    /// came from the prefix cache at its first admission.
+    Finished { id: SeqId, cached_tokens: u32 },
 }
 
 /// One step: how long it takes and what it produces.
@@ -195,8 +235,16 @@ struct Seq {
     prompt: u32,
     max_tokens: u32,
     generated: u32,
-    /// Context tokens whose KV is computed (held in the cache).
+    /// Context tokens whose KV is computed (held in the cache), the first `BLOCK_TOKENS *
+    /// held` of them in cached blocks it shares.
     computed: u32,
+    /// The hashes of the full blocks of prompt + answer, in order; empty when the tokens are
+    /// unknown.
+    hashes: Vec<u64>,
+    /// Leading cached blocks it holds (`hashes[..held]`), taken at admission.
+    held: usize,
+    /// Prompt tokens the prefix cache gave it at its first admission (None before).
+    cached: Option<u32>,
     arrived_s: f64,
     first_token_s: Option<f64>,
     /// When its latest token was emitted.
@@ -207,6 +255,35 @@ impl Seq {
     fn context(&self) -> u32 {
         self.prompt + self.generated
     }
+
+    /// Computed tokens not in shared cached blocks: its own KV.
+    fn private(&self) -> u64 {
+        (self.computed - BLOCK_TOKENS * self.held as u32) as u64
+    }
+}
+
+/// The hashes of a token sequence's full blocks, each chained over the one before, as vLLM's
+/// `hash_block_tokens(parent_block_hash, curr_block_token_ids)`; the first block's parent is
+/// a fixed root (vLLM's `NONE_HASH`).
+fn block_hashes(tokens: &[TokenId]) -> Vec<u64> {
+    let mut parent = 0u64;
+    tokens
+        .chunks_exact(BLOCK_TOKENS as usize)
+        .map(|block| {
+            let mut h = DefaultHasher::new();
+            (parent, block).hash(&mut h);
+            parent = h.finish();
+            parent
+        })
+        .collect()
+}
+
+/// A cached block.
+#[derive(Debug)]
+struct Cached {
+    /// Running sequences holding it; 0: evictable, with its place in the LRU order.
+    refs: u32,
+    stamp: u64,
 }
 
 /// Counters since start, as vLLM exports them.
@@ -217,6 +294,10 @@ pub struct Totals {
     pub finished: u64,
     pub cancelled: u64,
     pub preemptions: u64,
+    /// Prefix cache lookups and hits, in tokens (vLLM's `vllm:prefix_cache_queries` and
+    /// `vllm:prefix_cache_hits`).
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
     pub steps: u64,
     pub busy_s: f64,
     /// Time to first token of every request that got one: a histogram over [`TTFT_BUCKETS`]
@@ -254,7 +335,14 @@ pub struct Engine {
     waiting: VecDeque<Seq>,
     /// In admission order.
     running: Vec<Seq>,
+    /// KV of the running sequences: their own computed tokens plus the cached blocks they
+    /// hold, each once. Evictable cached blocks are not in it.
     kv_used: u64,
+    /// Cached blocks by hash.
+    cache: HashMap<u64, Cached>,
+    /// Evictable blocks' hashes by stamp: the first is evicted first.
+    lru: BTreeMap<u64, u64>,
+    next_stamp: u64,
     totals: Totals,
     last_step_s: f64,
 }
@@ -268,6 +356,9 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             kv_used: 0,
+            cache: HashMap::new(),
+            lru: BTreeMap::new(),
+            next_stamp: 0,
             totals: Totals {
                 ttft_buckets: vec![0; TTFT_BUCKETS.len()],
                 itl_buckets: vec![0; ITL_BUCKETS.len()],
@@ -291,12 +382,44 @@ impl Engine {
         self.speed
     }
 
-    /// Queues a request. It waits until the engine admits it.
+    /// Queues a request given as a token count: no content, so the prefix cache never hits
+    /// it and keeps none of its blocks. It waits until the engine admits it.
     pub fn submit(
         &mut self,
         id: SeqId,
         prompt_tokens: u32,
         max_tokens: u32,
+        now_s: f64,
+    ) -> Result<(), Reject> {
+        self.enqueue(id, prompt_tokens, max_tokens, Vec::new(), now_s)
+    }
+
+    /// Queues a request given as token ids: its prompt and the answer it will generate
+    /// (`output.len()` is its `max_tokens`), whose blocks the prefix cache can hold and hit.
+    pub fn submit_tokens(
+        &mut self,
+        id: SeqId,
+        prompt: &[TokenId],
+        output: &[TokenId],
+        now_s: f64,
+    ) -> Result<(), Reject> {
+        let max_tokens = u32::try_from(output.len()).unwrap_or(u32::MAX);
+        let prompt_tokens = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+        // An empty prompt is a lone start-of-sequence token, which has no id here.
+        let hashes = if prompt.is_empty() {
+            Vec::new()
+        } else {
+            block_hashes(&[prompt, output].concat())
+        };
+        self.enqueue(id, prompt_tokens, max_tokens, hashes, now_s)
+    }
+
+    fn enqueue(
+        &mut self,
+        id: SeqId,
+        prompt_tokens: u32,
+        max_tokens: u32,
+        hashes: Vec<u64>,
         now_s: f64,
     ) -> Result<(), Reject> {
         if max_tokens == 0 {
@@ -318,6 +441,9 @@ impl Engine {
             max_tokens,
             generated: 0,
             computed: 0,
+            hashes,
+            held: 0,
+            cached: None,
             arrived_s: now_s,
             first_token_s: None,
             last_token_s: None,
@@ -325,13 +451,86 @@ impl Engine {
         Ok(())
     }
 
+    /// The leading blocks of `s`'s context that are cached, short of its last token; and how
+    /// many of them are evictable (taking those adds to the KV in use).
+    fn cache_hit(&self, s: &Seq) -> (usize, usize) {
+        let most = ((s.context() - 1) / BLOCK_TOKENS) as usize;
+        let mut revived = 0;
+        let hit = s
+            .hashes
+            .iter()
+            .take(most)
+            .map_while(|h| self.cache.get(h))
+            .inspect(|c| revived += usize::from(c.refs == 0))
+            .count();
+        (hit, revived)
+    }
+
+    /// Takes `s`'s first `hit` blocks from the cache: they count as computed.
+    fn take_cached(&mut self, s: &mut Seq, hit: usize) {
+        for h in &s.hashes[..hit] {
+            let c = self.cache.get_mut(h).expect("a hit is cached");
+            if c.refs == 0 {
+                self.lru.remove(&c.stamp);
+                self.kv_used += BLOCK_TOKENS as u64;
+            }
+            c.refs += 1;
+        }
+        s.held = hit;
+        s.computed = BLOCK_TOKENS * hit as u32;
+        if s.cached.is_none() {
+            s.cached = Some(s.computed);
+            self.totals.prefix_cache_queries += s.context() as u64;
+            self.totals.prefix_cache_hits += s.computed as u64;
+        }
+    }
+
+    /// `s` leaves the running set: its KV is freed, its full computed blocks stay cached
+    /// and evictable, the last first in the LRU order.
+    fn release(&mut self, s: &mut Seq) {
+        self.kv_used -= s.private();
+        let full = ((s.computed / BLOCK_TOKENS) as usize).min(s.hashes.len());
+        for (i, &h) in s.hashes[..full].iter().enumerate().rev() {
+            let stamp = self.next_stamp;
+            if i < s.held {
+                let c = self.cache.get_mut(&h).expect("a held block is cached");
+                c.refs -= 1;
+                if c.refs > 0 {
+                    continue;
+                }
+                c.stamp = stamp;
+                self.kv_used -= BLOCK_TOKENS as u64;
+            } else if let Entry::Vacant(e) = self.cache.entry(h) {
+                e.insert(Cached { refs: 0, stamp });
+            } else {
+                // Another sequence cached the same block meanwhile: this copy is freed.
+                continue;
+            }
+            self.lru.insert(stamp, h);
+            self.next_stamp += 1;
+        }
+        s.computed = 0;
+        s.held = 0;
+    }
+
+    /// Evicts cached blocks, least recently freed first, until `needed` more tokens fit.
+    fn evict_for(&mut self, needed: u64) {
+        let cap = self.params.kv_capacity_tokens;
+        while self.kv_used + needed + self.evictable_tokens() > cap {
+            let Some((_, h)) = self.lru.pop_first() else {
+                break;
+            };
+            self.cache.remove(&h);
+        }
+    }
+
     /// Drops a request (its client went away); true if it was there.
     pub fn cancel(&mut self, id: SeqId) -> bool {
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             self.waiting.remove(i);
         } else if let Some(i) = self.running.iter().position(|s| s.id == id) {
-            let s = self.running.remove(i);
-            self.kv_used -= s.computed as u64;
+            let mut s = self.running.remove(i);
+            self.release(&mut s);
         } else {
             return false;
         }
@@ -342,7 +541,8 @@ impl Engine {
     /// Runs one step starting at `now_s`; None when there is nothing to do. The state
     /// afterwards is the state at `now_s + duration_s`.
     pub fn step(&mut self, now_s: f64) -> Option<Step> {
-        let p = &self.params;
+        // A copy: releasing a sequence's blocks below needs the engine mutably.
+        let p = self.params.clone();
         // 1. Every running sequence needs KV for what it has yet to process (one slot when
         // decoding, the rest of its context when prefilling); preempt the newest until that
         // fits, so a step never runs out of cache half-way.
@@ -354,25 +554,30 @@ impl Engine {
         };
         while self.kv_used + need(&self.running) > p.kv_capacity_tokens {
             let mut s = self.running.pop().expect("a lone request always fits");
-            self.kv_used -= s.computed as u64;
-            s.computed = 0;
+            self.release(&mut s);
             self.waiting.push_front(s);
             self.totals.preemptions += 1;
         }
-        // 2. FIFO admission: the head's whole context must fit next to what runs.
+        // 2. FIFO admission: the head's whole context must fit next to what runs; its cached
+        // blocks are there already, but taking evictable ones makes them count.
         let mut reserved = self.kv_used + need(&self.running);
         while self.running.len() < p.max_num_seqs {
             let Some(head) = self.waiting.front() else {
                 break;
             };
-            let need = head.context() as u64;
+            let (hit, revived) = self.cache_hit(head);
+            let need = (head.context() - BLOCK_TOKENS * hit as u32) as u64
+                + BLOCK_TOKENS as u64 * revived as u64;
             if reserved + need > p.kv_capacity_tokens {
                 break;
             }
             reserved += need;
-            let s = self.waiting.pop_front().expect("head exists");
+            let mut s = self.waiting.pop_front().expect("head exists");
+            self.take_cached(&mut s, hit);
             self.running.push(s);
         }
+        // Room for what the running sequences will process comes out of the cached blocks.
+        self.evict_for(need(&self.running));
         if self.running.is_empty() {
             return None;
         }
@@ -442,10 +647,13 @@ impl Engine {
                 }
                 s.last_token_s = Some(end_s);
                 if s.generated >= s.max_tokens {
-                    events.push(Event::Finished { id: s.id });
-                    self.kv_used -= s.computed as u64;
+                    events.push(Event::Finished {
+                        id: s.id,
+                        cached_tokens: s.cached.unwrap_or(0),
+                    });
                     self.totals.finished += 1;
-                    self.running.remove(i);
+                    let mut s = self.running.remove(i);
+                    self.release(&mut s);
                     processed.remove(i);
                     continue;
                 }
@@ -474,6 +682,11 @@ impl Engine {
 
     pub fn kv_used_tokens(&self) -> u64 {
         self.kv_used
+    }
+
+    /// Tokens in cached blocks that no running sequence holds: free KV that still hits.
+    pub fn evictable_tokens(&self) -> u64 {
+        self.lru.len() as u64 * BLOCK_TOKENS as u64
     }
 
     /// 0..=1.
@@ -540,7 +753,10 @@ mod tests {
                 Event::Token { id: 1, index: 1 },
                 Event::Token { id: 1, index: 2 },
                 Event::Token { id: 1, index: 3 },
-                Event::Finished { id: 1 },
+                Event::Finished {
+                    id: 1,
+                    cached_tokens: 0
+                },
             ]
         );
         // Prefill: 1400 tokens at 14000/s = 100 ms, plus one step's base, sequence and KV terms.
@@ -616,7 +832,13 @@ mod tests {
         assert_eq!(chunks, vec![2048, 2048, 904]);
         assert_eq!(
             steps[2].events,
-            vec![Event::Token { id: 1, index: 1 }, Event::Finished { id: 1 }]
+            vec![
+                Event::Token { id: 1, index: 1 },
+                Event::Finished {
+                    id: 1,
+                    cached_tokens: 0
+                }
+            ]
         );
     }
 
@@ -686,7 +908,7 @@ mod tests {
         let ev = run(&mut e, &mut now, 1000.0);
         let done0 = ev
             .iter()
-            .find(|(_, e)| *e == Event::Finished { id: 0 })
+            .find(|(_, e)| matches!(e, Event::Finished { id: 0, .. }))
             .unwrap()
             .0;
         let (t1, t2) = (first_token_time(&ev, 1), first_token_time(&ev, 2));
@@ -777,6 +999,150 @@ mod tests {
             })
         );
         assert_eq!(e.submit(5, 10, 0, 0.0), Err(Reject::NoOutput));
+    }
+
+    /// Token ids `from..from + n`: distinct runs for distinct `from`s.
+    fn ids(from: u64, n: u64) -> Vec<TokenId> {
+        (from..from + n).collect()
+    }
+
+    /// Submits `prompt` with `out` tokens of answer and runs the engine until idle; returns
+    /// its TTFT (from submission) and the cached tokens its `Finished` event reports.
+    fn serve(e: &mut Engine, now: &mut f64, id: SeqId, prompt: &[TokenId], out: u64) -> (f64, u32) {
+        let start = *now;
+        e.submit_tokens(id, prompt, &ids(1 << 40, out), start)
+            .unwrap();
+        let ev = run(e, now, start + 1000.0);
+        let cached = ev
+            .iter()
+            .find_map(|(_, ev)| match ev {
+                Event::Finished {
+                    id: i,
+                    cached_tokens,
+                } if *i == id => Some(*cached_tokens),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("request {id} did not finish"));
+        (first_token_time(&ev, id) - start, cached)
+    }
+
+    #[test]
+    fn a_shared_prefix_skips_the_prefill_of_its_full_blocks() {
+        // A conversation's first turn: 1000 prompt tokens, a 40-token answer.
+        let first = ids(0, 1000);
+        let answer = ids(1 << 40, 40);
+        let mut e = Engine::new(Params::default()).unwrap();
+        let mut now = 0.0;
+        let (_, cached) = serve(&mut e, &mut now, 1, &first, 40);
+        assert_eq!(cached, 0, "an empty cache hits nothing");
+        // Its next turn: the same prompt, the answer, 30 new tokens (1070). The first turn
+        // computed 1039 tokens (the last answer token is never processed): 64 full blocks.
+        let next = [first.clone(), answer, ids(5000, 30)].concat();
+        let (ttft_hit, cached) = serve(&mut e, &mut now, 2, &next, 5);
+        assert_eq!(cached, 64 * 16);
+        // The same shape with another first token: every chained block hash differs.
+        let mut other = next.clone();
+        other[0] = 99_999;
+        let (ttft_miss, cached) = serve(&mut e, &mut now, 3, &other, 5);
+        assert_eq!(cached, 0);
+        // Both are one step reading the same KV: the hit saves exactly the prefill of the
+        // 1024 shared tokens.
+        let saved = ttft_miss - ttft_hit;
+        assert!((saved - 1024.0 / 14_000.0).abs() < 1e-9, "saved {saved}");
+        let t = e.totals();
+        assert_eq!(
+            (t.prefix_cache_queries, t.prefix_cache_hits),
+            (1000 + 1070 + 1070, 1024)
+        );
+        // Cached blocks are free KV: the idle engine holds none, yet remembers them.
+        assert_eq!(e.kv_used_tokens(), 0);
+        assert!(e.evictable_tokens() >= 1024);
+    }
+
+    #[test]
+    fn a_prompt_fully_cached_still_computes_its_last_token() {
+        let mut e = Engine::new(Params::default()).unwrap();
+        let mut now = 0.0;
+        let prompt = ids(0, 1024);
+        serve(&mut e, &mut now, 1, &prompt, 1);
+        // 64 blocks cached, but the last one holds the last prompt token: 63 are reused.
+        let (ttft, cached) = serve(&mut e, &mut now, 2, &prompt, 1);
+        assert_eq!(cached, 63 * 16);
+        let want = 16.0 / 14_000.0 + (17.7 + 0.1 + 0.14 * 1.024) / 1000.0;
+        assert!((ttft - want).abs() < 1e-9, "{ttft} {want}");
+        // A request given as a count has no content: no hit, nothing cached.
+        let before = e.evictable_tokens();
+        e.submit(3, 1024, 1, now).unwrap();
+        let until = now + 100.0;
+        let ev = run(&mut e, &mut now, until);
+        assert!(ev.contains(&(
+            ev.last().unwrap().0,
+            Event::Finished {
+                id: 3,
+                cached_tokens: 0
+            }
+        )));
+        assert_eq!(e.evictable_tokens(), before);
+        assert_eq!(e.totals().prefix_cache_hits, 63 * 16);
+        assert_eq!(e.totals().prefix_cache_queries, 3 * 1024);
+    }
+
+    #[test]
+    fn cached_blocks_are_evicted_lru_and_never_block_admission() {
+        // 4096 KV tokens. A (2000) then B (1000) finish: 125 + 62 blocks stay cached.
+        let mut e = Engine::new(small()).unwrap();
+        let mut now = 0.0;
+        let (a, b, c) = (ids(0, 2000), ids(10_000, 1000), ids(20_000, 3000));
+        serve(&mut e, &mut now, 1, &a, 1);
+        serve(&mut e, &mut now, 2, &b, 1);
+        assert_eq!((e.kv_used_tokens(), e.evictable_tokens()), (0, 2992));
+        // C needs 3009 tokens: admitted at once, and the room comes out of the cache, least
+        // recently freed first (A's), the last block of a sequence first.
+        e.submit_tokens(3, &c, &ids(1 << 40, 10), now).unwrap();
+        now += e.step(now).unwrap().duration_s;
+        assert_eq!((e.running(), e.waiting()), (1, 0));
+        assert_eq!(e.evictable_tokens(), 68 * 16, "1096 tokens left free");
+        let until = now + 100.0;
+        run(&mut e, &mut now, until);
+        // B's blocks all stayed; of A's only the first 6 did.
+        assert_eq!(serve(&mut e, &mut now, 4, &b, 1).1, 62 * 16);
+        let (_, a_hit) = serve(&mut e, &mut now, 5, &a, 1);
+        assert!(a_hit > 0 && a_hit <= 6 * 16, "{a_hit}");
+        assert_eq!(e.totals().preemptions, 0);
+        assert!(e.kv_used_tokens() + e.evictable_tokens() <= 4096);
+    }
+
+    #[test]
+    fn a_preempted_sequence_recomputes_from_its_cached_blocks() {
+        // As a_full_cache_preempts_the_newest_and_it_recomputes, with token ids: the
+        // preempted sequence's blocks stay cached and its recompute hits them.
+        let p = Params {
+            kv_capacity_tokens: 1000,
+            ..small()
+        };
+        let mut e = Engine::new(p).unwrap();
+        e.submit_tokens(0, &ids(0, 400), &ids(1 << 40, 300), 0.0)
+            .unwrap();
+        e.submit_tokens(1, &ids(5000, 400), &ids(1 << 41, 300), 0.0)
+            .unwrap();
+        let mut now = 0.0;
+        let ev = run(&mut e, &mut now, 1000.0);
+        assert!(e.totals().preemptions >= 1);
+        let tokens = |id| {
+            ev.iter()
+                .filter(|(_, e)| matches!(e, Event::Token { id: i, .. } if *i == id))
+                .count()
+        };
+        assert_eq!((tokens(0), tokens(1)), (300, 300));
+        // Only first admissions count: both prompts queried once, neither hit then.
+        assert_eq!(
+            (
+                e.totals().prefix_cache_queries,
+                e.totals().prefix_cache_hits
+            ),
+            (800, 0)
+        );
+        assert_eq!(e.kv_used_tokens(), 0);
     }
 
     #[test]

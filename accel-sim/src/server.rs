@@ -58,8 +58,14 @@ pub struct Config {
 
 /// What a response waits for.
 enum Out {
-    Token { index: u32, last: bool },
-    Done,
+    Token {
+        index: u32,
+        last: bool,
+    },
+    /// The end; `cached_tokens` of the prompt came from the prefix cache.
+    Done {
+        cached_tokens: u32,
+    },
 }
 
 struct Waiter {
@@ -137,6 +143,8 @@ impl Shared {
             "utilisation": st.recent.utilisation(now),
             "finished": st.engine.totals().finished,
             "preemptions": st.engine.totals().preemptions,
+            "prefix_cache_queries": st.engine.totals().prefix_cache_queries,
+            "prefix_cache_hits": st.engine.totals().prefix_cache_hits,
         })
     }
 }
@@ -167,7 +175,7 @@ pub async fn run(cfg: Config, ready: impl FnOnce(&[SocketAddr], SocketAddr)) -> 
             format!(
                 "GPU-{:08x}-{i:04x}-4000-8000-{:012x}",
                 cfg.seed as u32,
-                fnv(&cfg.name) & 0xffff_ffff_ffff
+                openai::fnv(&cfg.name) & 0xffff_ffff_ffff
             )
         })
         .collect();
@@ -195,13 +203,6 @@ pub async fn run(cfg: Config, ready: impl FnOnce(&[SocketAddr], SocketAddr)) -> 
     tokio::spawn(accept_loop(control, shared.clone(), true));
     engine_loop(shared).await;
     Ok(())
-}
-
-/// FNV-1a, for a stable per-name GPU UUID.
-fn fnv(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    })
 }
 
 async fn accept_loop(listener: TcpListener, sh: Arc<Shared>, control: bool) {
@@ -331,13 +332,26 @@ async fn completion(req: Request<Incoming>, sh: &Arc<Shared>, api: Api) -> Resp 
         }
     };
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let id = {
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let model = job.model.as_deref().unwrap_or(&sh.cfg.model);
+    let (id, writer) = {
         let mut st = sh.lock();
         let id = st.next_id;
-        if let Err(e) = st
-            .engine
-            .submit(id, job.prompt_tokens, job.max_tokens, sh.now_s())
-        {
+        let writer = Writer::new(api, &sh.cfg.name, id, model, created, sh.cfg.seed);
+        // With content, the engine learns the answer's tokens too: its blocks stay cached
+        // for the next turn, which sends the answer back.
+        let submitted = match &job.prompt_ids {
+            Some(ids) => {
+                let output = writer.token_ids(job.max_tokens);
+                st.engine.submit_tokens(id, ids, &output, sh.now_s())
+            }
+            None => st
+                .engine
+                .submit(id, job.prompt_tokens, job.max_tokens, sh.now_s()),
+        };
+        if let Err(e) = submitted {
             return json_resp(
                 StatusCode::BAD_REQUEST,
                 &openai::error(&e.to_string(), "invalid_request_error"),
@@ -351,20 +365,17 @@ async fn completion(req: Request<Incoming>, sh: &Arc<Shared>, api: Api) -> Resp 
                 max_tokens: job.max_tokens,
             },
         );
-        id
+        (id, writer)
     };
     sh.wake.notify_one();
-    let created = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let model = job.model.as_deref().unwrap_or(&sh.cfg.model);
-    let writer = Writer::new(api, &sh.cfg.name, id, model, created, sh.cfg.seed);
     let guard = CancelOnDrop { sh: sh.clone(), id };
     if job.stream {
         let mut r = Response::new(
             SseBody {
                 rx,
                 writer,
+                usage: job.stream_usage.then_some(job.prompt_tokens),
+                tokens: 0,
                 done: false,
                 _guard: guard,
             }
@@ -375,15 +386,21 @@ async fn completion(req: Request<Incoming>, sh: &Arc<Shared>, api: Api) -> Resp 
         h.insert("cache-control", HeaderValue::from_static("no-cache"));
         return r;
     }
-    let mut tokens = 0;
+    let (mut tokens, mut cached) = (0, 0);
     while let Some(out) = rx.recv().await {
         match out {
             Out::Token { index, .. } => tokens = index,
-            Out::Done => break,
+            Out::Done { cached_tokens } => {
+                cached = cached_tokens;
+                break;
+            }
         }
     }
     drop(guard);
-    json_resp(StatusCode::OK, &writer.whole(job.prompt_tokens, tokens))
+    json_resp(
+        StatusCode::OK,
+        &writer.whole(job.prompt_tokens, tokens, cached),
+    )
 }
 
 /// Takes a request out of the engine when its answer is dropped before the end (the client
@@ -408,6 +425,10 @@ impl Drop for CancelOnDrop {
 struct SseBody {
     rx: mpsc::UnboundedReceiver<Out>,
     writer: Writer,
+    /// The prompt's tokens, when the usage chunk is asked for.
+    usage: Option<u32>,
+    /// Tokens sent so far.
+    tokens: u32,
     done: bool,
     _guard: CancelOnDrop,
 }
@@ -425,8 +446,14 @@ impl Body for SseBody {
         }
         let mut text = String::new();
         let mut add = |this: &mut SseBody, out: Out| match out {
-            Out::Token { index, last } => text.push_str(&this.writer.chunk(index, last)),
-            Out::Done => {
+            Out::Token { index, last } => {
+                this.tokens = index;
+                text.push_str(&this.writer.chunk(index, last));
+            }
+            Out::Done { cached_tokens } => {
+                if let Some(prompt) = this.usage {
+                    text.push_str(&this.writer.usage_chunk(prompt, this.tokens, cached_tokens));
+                }
                 text.push_str(openai::DONE);
                 this.done = true;
             }
@@ -581,9 +608,9 @@ async fn engine_loop(sh: Arc<Shared>) {
                         st.engine.cancel(id);
                     }
                 }
-                Event::Finished { id } => {
+                Event::Finished { id, cached_tokens } => {
                     if let Some(w) = st.waiters.remove(&id) {
-                        let _ = w.tx.send(Out::Done);
+                        let _ = w.tx.send(Out::Done { cached_tokens });
                     }
                 }
             }

@@ -158,6 +158,21 @@ pub fn vllm_page(s: &Snapshot) -> String {
         "Cumulative number of preemption from the engine.",
         s.totals.preemptions as f64,
     );
+    // vLLM V1's prefix cache counters (vllm/v1/metrics/loggers.py, PrometheusStatLogger:
+    // `Counter(name="vllm:prefix_cache_queries")` and `"vllm:prefix_cache_hits"`, which
+    // prometheus_client exposes with `_total`), in tokens.
+    metric(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        s.totals.prefix_cache_queries as f64,
+    );
+    metric(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        s.totals.prefix_cache_hits as f64,
+    );
     metric(
         "vllm:prompt_tokens_total",
         "counter",
@@ -400,6 +415,14 @@ mod tests {
         assert_eq!(got.queue_depth, Some(8.0));
         assert_eq!(got.kv_cache, Some(s.kv_fraction));
         assert!(s.kv_fraction > 0.5, "{}", s.kv_fraction);
+        // Prefix cache counters, in tokens: every prompt was queried.
+        let counter = |name: &str| page.get(name).map(|x| x.value).next();
+        assert_eq!(
+            counter("vllm:prefix_cache_queries_total"),
+            Some(s.totals.prefix_cache_queries as f64)
+        );
+        assert!(s.totals.prefix_cache_queries > 0);
+        assert_eq!(counter("vllm:prefix_cache_hits_total"), Some(0.0));
         // The histogram is cumulative and ends at the count.
         let buckets: Vec<f64> = page
             .get("vllm:time_to_first_token_seconds_bucket")

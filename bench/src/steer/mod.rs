@@ -264,7 +264,7 @@ struct CellOut {
 fn print_cell(c: &Value) {
     println!(
         "   ttft p50 {} p99 {} ms; itl p99 {} ms; goodput {} tok/s; completed {} broken {}; \
-         affinity {}; weight changes {}",
+         affinity {}; prefix cache hit rate {}; weight changes {}",
         c["ttft_ms"]["p50"],
         c["ttft_ms"]["p99"],
         c["itl_ms"]["p99"],
@@ -272,6 +272,7 @@ fn print_cell(c: &Value) {
         c["sessions"]["completed"],
         c["sessions"]["broken"],
         c["affinity_kept"],
+        c["prefix_cache"]["hit_rate"],
         c["weight_changes"]
     );
 }
@@ -463,6 +464,14 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         .filter(|(k, _)| k.contains("shed"))
         .filter_map(|(k, v)| Some((k.clone(), v.as_u64()?)))
         .collect();
+    // The prefix cache counters, summed over the accelerators (a killed one reads nothing).
+    let (mut cache_queries, mut cache_hits) = (0, 0);
+    for i in 0..n {
+        if let Ok((200, v)) = lab.accel_request(i, "GET", "/state", None) {
+            cache_queries += v["prefix_cache_queries"].as_u64().unwrap_or(0);
+            cache_hits += v["prefix_cache_hits"].as_u64().unwrap_or(0);
+        }
+    }
     drop(lab);
 
     let killed = scenario.killed().map(|i| names[i].clone());
@@ -527,6 +536,8 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         },
         "imbalance": (stats::imbalance(&kv_samples) * 1000.0).round() / 1000.0,
         "affinity_kept": stats::affinity_kept(&records, &faulty),
+        // What affinity saves: prompt tokens served from the accelerators' prefix caches.
+        "prefix_cache": stats::prefix_cache(cache_queries, cache_hits, &records),
         "affinity_lost": stats::affinity_lost(&records, &faulty, &names, &flags, AFFINITY_SECS),
         "weight_changes": total_changes,
         "weight_changes_per_backend": changes,

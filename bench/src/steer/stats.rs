@@ -19,6 +19,9 @@ pub struct Record {
     pub ttft_ms: Option<f64>,
     /// Answer tokens received.
     pub tokens: u64,
+    /// Prompt tokens sent, and those the accelerator said came from its prefix cache.
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
     /// `None`: completed.
     pub broken: Option<String>,
     /// When its last attempt refused before any response byte started (a retried request
@@ -37,10 +40,29 @@ impl Record {
             backend: s("backend").filter(|b| !b.is_empty()),
             ttft_ms: v["ttft_ms"].as_f64(),
             tokens: v["tokens"].as_u64().unwrap_or(0),
+            prompt_tokens: v["prompt_tokens"].as_u64().unwrap_or(0),
+            cached_tokens: v["cached_tokens"].as_u64().unwrap_or(0),
             broken: s("broken"),
             last_refused_ms: v["last_refused_ms"].as_f64(),
         }
     }
+}
+
+/// The prefix cache's figures: the accelerators' counters (tokens queried and hit, summed at
+/// the end of the cell) and their ratio, and the records' cached and prompt tokens.
+pub fn prefix_cache(queries: u64, hits: u64, records: &[Record]) -> Value {
+    let ratio =
+        |num: u64, den: u64| (den > 0).then(|| (num as f64 / den as f64 * 1000.0).round() / 1000.0);
+    let prompt: u64 = records.iter().map(|r| r.prompt_tokens).sum();
+    let cached: u64 = records.iter().map(|r| r.cached_tokens).sum();
+    json!({
+        "queried_tokens": queries,
+        "hit_tokens": hits,
+        "hit_rate": ratio(hits, queries),
+        "records_prompt_tokens": prompt,
+        "records_cached_tokens": cached,
+        "records_cached_fraction": ratio(cached, prompt),
+    })
 }
 
 /// Nearest-rank percentile (`q` in 0..=100) of an unsorted sample; 0 when empty.
@@ -357,8 +379,25 @@ mod tests {
             ttft_ms: backend.map(|_| 100.0 + start_ms),
             tokens: 10,
             broken: broken.map(Into::into),
-            last_refused_ms: None,
+            ..Record::default()
         }
+    }
+
+    #[test]
+    fn prefix_cache_hit_rate_and_the_records_cached_share() {
+        let r = |prompt, cached| Record {
+            prompt_tokens: prompt,
+            cached_tokens: cached,
+            ..Record::default()
+        };
+        let v = prefix_cache(4000, 1000, &[r(100, 0), r(300, 160)]);
+        assert_eq!(v["hit_rate"], 0.25);
+        assert_eq!(v["records_cached_tokens"], 160);
+        assert_eq!(v["records_cached_fraction"], 0.4);
+        // A cell that queried nothing has no rate.
+        assert_eq!(prefix_cache(0, 0, &[])["hit_rate"], Value::Null);
+        let parsed = Record::parse(&json!({"prompt_tokens": 70, "cached_tokens": 48}));
+        assert_eq!((parsed.prompt_tokens, parsed.cached_tokens), (70, 48));
     }
 
     #[test]

@@ -28,6 +28,11 @@ pub struct Outcome {
     pub gaps_ms: Vec<f64>,
     pub e2e_ms: Option<f64>,
     pub tokens: u32,
+    /// The answer's text as received (the tokens' text, in order).
+    pub text: String,
+    /// Prompt tokens the server took from its prefix cache (`usage.prompt_tokens_details.
+    /// cached_tokens` of the usage chunk); None when it sent none.
+    pub cached_tokens: Option<u32>,
     pub broken: Option<&'static str>,
     /// Connections tried: 1, plus one per retry.
     pub attempts: u32,
@@ -74,12 +79,17 @@ pub struct SseReader {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Chunk {
     pub tokens: u32,
+    /// The tokens' text: a completion choice's `text` or a chat choice's `delta.content`.
+    pub text: String,
+    /// From a usage chunk (`stream_options.include_usage`).
+    pub cached_tokens: Option<u32>,
     pub done: bool,
 }
 
 impl SseReader {
     /// Feeds bytes; counts the complete `data:` events among them (each is one token, apart
-    /// from `data: [DONE]`). Events after `[DONE]` are ignored.
+    /// from `data: [DONE]` and the usage chunk, which has no choices). Events after `[DONE]`
+    /// are ignored.
     pub fn feed(&mut self, bytes: &[u8]) -> Chunk {
         self.buf.extend_from_slice(bytes);
         let mut out = Chunk::default();
@@ -96,9 +106,23 @@ impl SseReader {
                 let data = data.trim_ascii();
                 if data == b"[DONE]" {
                     out.done = true;
-                } else if !data.is_empty() {
-                    out.tokens += 1;
+                    continue;
+                } else if data.is_empty() {
+                    continue;
                 }
+                let v: serde_json::Value = serde_json::from_slice(data).unwrap_or_default();
+                let choices = &v["choices"];
+                if choices.as_array().is_some_and(Vec::is_empty) && v["usage"].is_object() {
+                    out.cached_tokens = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                        .as_u64()
+                        .and_then(|n| u32::try_from(n).ok());
+                    continue;
+                }
+                out.tokens += 1;
+                let text = choices[0]["text"]
+                    .as_str()
+                    .or_else(|| choices[0]["delta"]["content"].as_str());
+                out.text.push_str(text.unwrap_or_default());
             }
         }
         out
@@ -219,6 +243,10 @@ async fn attempt(
             }
             last = Some(now);
             out.tokens += chunk.tokens;
+            out.text.push_str(&chunk.text);
+        }
+        if chunk.cached_tokens.is_some() {
+            out.cached_tokens = chunk.cached_tokens;
         }
         if chunk.done {
             out.e2e_ms = Some(ms(now));
@@ -297,7 +325,7 @@ mod tests {
             r.feed(b"data: {\"a\":1}\n\nda"),
             Chunk {
                 tokens: 1,
-                done: false
+                ..Chunk::default()
             }
         );
         assert_eq!(r.feed(b"ta: {\"a\":2}\n"), Chunk::default());
@@ -305,7 +333,8 @@ mod tests {
             r.feed(b"\ndata: {\"a\":3}\n\ndata: [DONE]\n\ndata: late\n\n"),
             Chunk {
                 tokens: 2,
-                done: true
+                done: true,
+                ..Chunk::default()
             }
         );
         // Comments, other fields and empty data are not tokens.
@@ -313,7 +342,32 @@ mod tests {
         assert_eq!(
             r.feed(b": keep-alive\n\nevent: x\ndata:\n\nid: 3\ndata:[DONE]\n\n"),
             Chunk {
-                tokens: 0,
+                done: true,
+                ..Chunk::default()
+            }
+        );
+    }
+
+    #[test]
+    fn sse_text_and_the_usage_chunk() {
+        let mut r = SseReader::default();
+        let got = r.feed(
+            br#"data: {"choices":[{"index":0,"text":" Sluice","finish_reason":null}]}
+
+data: {"choices":[{"index":0,"delta":{"content":" steers"}}]}
+
+data: {"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":16}}}
+
+data: [DONE]
+
+"#,
+        );
+        assert_eq!(
+            got,
+            Chunk {
+                tokens: 2,
+                text: " Sluice steers".into(),
+                cached_tokens: Some(16),
                 done: true
             }
         );

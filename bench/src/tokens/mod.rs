@@ -6,7 +6,10 @@
 //! way (a later turn waits for the previous answer and the think time). Closed loop (`--users N`): N
 //! users each run one conversation after another. Every turn of a conversation is a new TCP
 //! connection from the conversation's source address (sources are dealt round robin), so a
-//! source-affinity VIP keeps a conversation on one accelerator. A connection refused or
+//! source-affinity VIP keeps a conversation on one accelerator. Each turn's prompt is text:
+//! the previous turn's prompt, the answer as received and the new message (seeded words, one
+//! token each to sluice-accel), so the accelerator that served the previous turn finds it in
+//! its prefix cache; the records carry the `cached_tokens` it reports. A connection refused or
 //! reset before any response byte is tried again from the same address, up to `--retries`
 //! times with the OpenAI Python SDK's backoff ([`client::retry_delay`]); a stream that broke
 //! after its first byte is never retried. The run starts no request after `--duration` or
@@ -33,7 +36,7 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use rand::{rngs::StdRng, SeedableRng};
+use rand::{rngs::StdRng, RngExt, SeedableRng};
 use serde::Serialize;
 use serde_json::json;
 use sluice::telemetry::{http::Client as PageClient, target::HttpUrl};
@@ -66,6 +69,9 @@ pub struct Record {
     pub itl_ms_max: Option<f64>,
     pub e2e_ms: Option<f64>,
     pub tokens: u32,
+    /// Prompt tokens the accelerator took from its prefix cache (the usage chunk's
+    /// `prompt_tokens_details.cached_tokens`); null when it said nothing.
+    pub cached_tokens: Option<u32>,
     /// null, or why the stream broke: connect, reset, timeout, no_done, status.
     pub broken: Option<String>,
     /// Connections tried: 1, plus one per retry of a refusal.
@@ -268,10 +274,24 @@ fn sub_seed(seed: u64, n: u64) -> u64 {
     seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
+/// Words of the users' messages: a stream of its own per conversation (apart from the
+/// workload's and the backoff's streams, so that the text changes neither).
+const WORDS_STREAM: u64 = 0x776f_7264;
+
+/// A user message of `n` words (one token each to the simulator's tokenizer), drawn from
+/// `rng`: random 32-bit hex words, so conversations share no prefix.
+fn message(rng: &mut StdRng, n: u32) -> impl Iterator<Item = String> + '_ {
+    (0..n).map(|_| format!("{:08x}", rng.random::<u32>()))
+}
+
 async fn conversation(run: Arc<Run>, id: u64, turns: Vec<Turn>) {
     let cfg = &run.cfg;
     let source = (!cfg.sources.is_empty()).then(|| cfg.sources[id as usize % cfg.sources.len()]);
     let target = cfg.targets[id as usize % cfg.targets.len()];
+    let mut words = StdRng::seed_from_u64(sub_seed(cfg.seed ^ WORDS_STREAM, id));
+    // The conversation so far, as a chat client resends it: the previous turn's prompt,
+    // then the answer's text as received.
+    let mut history: Vec<String> = Vec::new();
     for (k, turn) in turns.iter().enumerate() {
         if turn.think_ms > 0.0 {
             let wake = Instant::now() + Duration::from_secs_f64(turn.think_ms / 1000.0);
@@ -283,15 +303,26 @@ async fn conversation(run: Arc<Run>, id: u64, turns: Vec<Turn>) {
         if !run.claim() {
             return;
         }
+        // History plus the new message, the oldest words dropped past the workload's cap:
+        // then the prefix changes and hits nothing, as when a front end truncates.
+        let mut prompt = std::mem::take(&mut history);
+        prompt.extend(message(&mut words, turn.message_tokens));
+        let cut = prompt.len().saturating_sub(turn.prompt_tokens as usize);
+        prompt.drain(..cut);
+        let text = prompt.join(" ");
         let start_ms = run.ms_since_start();
-        let body = json!({
+        let mut body = json!({
             "model": "sluice-sim",
-            "messages": [{"role": "user", "content": format!("conversation {id} turn {k}")}],
-            "prompt_tokens": turn.prompt_tokens,
             "max_tokens": turn.max_tokens,
             "stream": true,
-        })
-        .to_string();
+            "stream_options": {"include_usage": true},
+        });
+        if cfg.path.ends_with("/chat/completions") {
+            body["messages"] = json!([{"role": "user", "content": text}]);
+        } else {
+            body["prompt"] = json!(text);
+        }
+        let body = body.to_string();
         let ask = Ask {
             target,
             source,
@@ -312,11 +343,14 @@ async fn conversation(run: Arc<Run>, id: u64, turns: Vec<Turn>) {
         };
         run.done.fetch_add(1, Ordering::Relaxed);
         run.broken.fetch_add(broken as u64, Ordering::Relaxed);
-        let _ = run.tx.send((record, out.gaps_ms));
         if broken {
+            let _ = run.tx.send((record, out.gaps_ms));
             // A user whose answer broke does not go on with that conversation.
             return;
         }
+        history = prompt;
+        history.extend(out.text.split_whitespace().map(str::to_owned));
+        let _ = run.tx.send((record, out.gaps_ms));
     }
 }
 
@@ -335,6 +369,7 @@ fn record(start_ms: f64, source: Option<IpAddr>, conv: u64, turn: u32, out: &Out
         itl_ms_max: gaps.last().copied().map(r3),
         e2e_ms: out.e2e_ms.map(r3),
         tokens: out.tokens,
+        cached_tokens: out.cached_tokens,
         broken: out.broken.map(str::to_owned),
         attempts: out.attempts,
         last_refused_ms: out.last_refused_ms.map(|t| r3(start_ms + t)),
@@ -774,6 +809,26 @@ mod tests {
                     (want_src, Some(want_backend))
                 );
             }
+            // Each later turn resends the conversation so far to the accelerator that served
+            // it: its prefix cache holds the earlier prompt and answer.
+            let (first, later): (Vec<&Record>, Vec<&Record>) =
+                report.records.iter().partition(|r| r.turn == 0);
+            assert!(
+                first.iter().all(|r| r.cached_tokens == Some(0)),
+                "{first:?}"
+            );
+            for r in &later {
+                // The previous turn computed its prompt and all but the last answer token;
+                // its full blocks of 16 are reused.
+                let prev = report
+                    .records
+                    .iter()
+                    .find(|p| p.conversation == r.conversation && p.turn + 1 == r.turn)
+                    .unwrap();
+                let want = (prev.prompt_tokens + prev.max_tokens - 1) / 16 * 16;
+                assert_eq!(r.cached_tokens, Some(want), "{prev:?} {r:?}");
+            }
+            assert!(later.iter().any(|r| r.cached_tokens > Some(0)), "{later:?}");
             assert!(s.affinity.later_turns > 0);
             assert_eq!(s.affinity.fraction, Some(1.0));
             assert_eq!(s.backends.len(), 2);

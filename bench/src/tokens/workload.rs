@@ -111,6 +111,8 @@ impl Shape {
 pub struct Turn {
     /// Prompt tokens sent: history plus the new message.
     pub prompt_tokens: u32,
+    /// The new message's tokens (the end of the prompt; all of it when the cap cut in).
+    pub message_tokens: u32,
     pub max_tokens: u32,
     /// Think time before this turn (0 for the first), ms.
     pub think_ms: f64,
@@ -163,6 +165,7 @@ impl Generator {
             };
             turns.push(Turn {
                 prompt_tokens,
+                message_tokens: message.min(prompt_tokens),
                 max_tokens: answer,
                 think_ms,
             });
