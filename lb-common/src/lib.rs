@@ -86,7 +86,8 @@ pub struct VipMeta {
     pub ring_size: u32,
     /// Which of the VIP's two rings is live (0 or 1).
     pub active_ring: u32,
-    /// Client-affinity window in seconds; 0 disables the affinity table for this VIP.
+    /// Client-affinity window in seconds, counted from the client's last packet to the
+    /// entry's backend; 0 disables the affinity table for this VIP.
     pub affinity_secs: u32,
 }
 
@@ -121,14 +122,22 @@ pub const BACKEND_DRAINING: u8 = 2;
 /// Takes no new flows; its established flows are re-steered to the table's current choice.
 pub const BACKEND_DOWN: u8 = 3;
 
-/// `BackendEntry::flags`: at its session cap or saturated; new flows probe past it.
+/// `BackendEntry::flags`: at its session cap or saturated; new flows probe past it. A
+/// client's fresh affinity entry still brings it a new session unless it is also
+/// `BACKEND_F_CAPPED`: a conversation's next turn finds its prefix cached there, and being
+/// busy steers new clients away, not the next turn.
 pub const BACKEND_F_FULL: u8 = 1 << 0;
 /// `BackendEntry::flags`: the backend runs `sluice_decap`, so it is sent GUE (which names the
 /// flow's previous backend for second-chance forwarding) instead of IPIP.
 pub const BACKEND_F_GUE: u8 = 1 << 1;
-/// `Backend::flags`: weight 0, or moved away by the policy (at weight 0 or a reduced one):
-/// a client's affinity entry brings it no new session; only its ring slots do.
+/// `Backend::flags`: weight 0 by the operator, down, moved away by the policy for a fault
+/// (throttled, congested, slow; at weight 0 or a reduced one), or requests wait in its
+/// queue: a client's affinity entry brings it no new session; only its ring slots do. A
+/// saturation move is no fault.
 pub const BACKEND_F_NO_AFFINITY: u8 = 1 << 2;
+/// `BackendEntry::flags`: at the session cap the operator set (`max_sessions`); always with
+/// `BACKEND_F_FULL`. Affinity yields to it: the cap is a hard limit.
+pub const BACKEND_F_CAPPED: u8 = 1 << 3;
 
 /// UDP destination port of GUE tunnel packets (the port Linux's GUE examples use).
 pub const GUE_PORT: u16 = 6080;
@@ -273,6 +282,8 @@ pub struct AffinityKey {
 pub struct AffinityEntry {
     pub backend: u32,
     pub _pad: u32,
+    /// `bpf_ktime_get_coarse_ns` of the client's last new session, or of its last packet
+    /// to `backend` (refreshed once a second).
     pub last_seen_ns: u64,
 }
 
@@ -523,6 +534,9 @@ pub mod stat {
         /// A client acknowledgement not above the highest seen (a duplicate or reordered
         /// ACK, e.g. one carrying SACK blocks): no progress counted.
         INBAND_ACK_STALE = "inband_ack_stale", Event;
+        /// Of `AFFINITY_HIT`: a new session on a backend that is full by saturation, not at
+        /// its cap, kept there by the client's affinity entry (new clients probe past it).
+        AFFINITY_HIT_SATURATED = "affinity_hit_saturated", Event;
     }
 }
 

@@ -6,7 +6,7 @@ use lb_common::{
     hash,
     stat::{self, Counter},
     AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FlowKey, InbandFlow, LbConfig, VipKey,
-    VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE,
+    VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_CAPPED, BACKEND_F_FULL, BACKEND_F_GUE,
     BACKEND_F_NO_AFFINITY, LB_F_WILDCARD_VIPS, MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_HISTORY,
     RING_SIZE_MAX, VIP_F_ADMISSION, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SRC_HASH,
 };
@@ -119,6 +119,14 @@ pub fn decide(
                 // The coarse clock moves once a tick: most packets leave the line clean.
                 unsafe {
                     if (*e).last_seen_ns != now {
+                        // Once a second per flow: the affinity window counts from the
+                        // client's last packet, not its last new session, so a conversation's
+                        // next turn, a think time after a long answer, still finds its entry.
+                        if vip.affinity_secs != 0
+                            && (*e).last_seen_ns / NS_PER_SEC != now / NS_PER_SEC
+                        {
+                            refresh_affinity(key, vip, id, now);
+                        }
                         (*e).last_seen_ns = now;
                     }
                 }
@@ -208,12 +216,27 @@ fn takes(b: &BackendEntry, new_session: bool) -> bool {
     }
 }
 
+/// A client's affinity entry brings its backend this flow: for a new session, the backend is
+/// active and not at the operator's cap, full by saturation or not (the conversation's next
+/// turn finds its prefix cached there; busy steers new clients away, not the next turn); and
+/// it is not flagged `BACKEND_F_NO_AFFINITY` (one moved away for a fault or at weight 0 keeps
+/// its sessions, not its clients).
+#[inline(always)]
+fn keeps_affinity(b: &BackendEntry, new_session: bool) -> bool {
+    let open = if new_session {
+        b.state == BACKEND_ACTIVE && b.flags & BACKEND_F_CAPPED == 0
+    } else {
+        takes(b, false)
+    };
+    open && b.flags & BACKEND_F_NO_AFFINITY == 0
+}
+
 /// A backend for a flow without one: the client's affinity entry while it is fresh and its
-/// backend is not flagged `BACKEND_F_NO_AFFINITY` (one moved away or at weight 0 keeps its
-/// sessions, not its clients: a conversation's next turn goes where the ring says), otherwise the first of the flow's probe positions in the live ring whose backend takes
-/// it, with the slot's previous backends for a GUE backend (see [`second_hops`]). A new
-/// session finding only full backends is shed where the VIP has admission control, and
-/// otherwise goes to the first active one (full is a preference, not a refusal, there).
+/// backend keeps it ([`keeps_affinity`]), otherwise the first of the flow's probe positions
+/// in the live ring whose backend takes it, with the slot's previous backends for a GUE
+/// backend (see [`second_hops`]). A new session finding only full backends is shed where the
+/// VIP has admission control, and otherwise goes to the first active one (full is a
+/// preference, not a refusal, there).
 #[inline(always)]
 fn choose(
     key: &FlowKey,
@@ -230,8 +253,11 @@ fn choose(
         if let Some(a) = unsafe { AFFINITY.get(akey) } {
             if now.wrapping_sub(a.last_seen_ns) < vip.affinity_secs as u64 * NS_PER_SEC {
                 if let Some(b) = backend(a.backend, vip) {
-                    if takes(&b, new_session) && b.flags & BACKEND_F_NO_AFFINITY == 0 {
+                    if keeps_affinity(&b, new_session) {
                         count(stat::AFFINITY_HIT);
+                        if new_session && b.flags & BACKEND_F_FULL != 0 {
+                            count(stat::AFFINITY_HIT_SATURATED);
+                        }
                         let id = a.backend;
                         remember(&akey, id, now);
                         return Ok((id, b, NO_SECOND_HOPS));
@@ -333,6 +359,23 @@ fn second_hops(b: &BackendEntry, previous: [u16; RING_HISTORY], vip: &VipMeta) -
         }
     }
     out
+}
+
+/// Keeps the client's affinity entry fresh while a flow to the entry's backend is live; an
+/// entry naming another backend (the client's newer session went elsewhere) is left alone.
+#[inline(always)]
+fn refresh_affinity(key: &FlowKey, vip: &VipMeta, id: u32, now: u64) {
+    let akey = AffinityKey {
+        addr: key.src,
+        vip: vip.id,
+    };
+    if let Some(a) = AFFINITY.get_ptr_mut(&akey) {
+        unsafe {
+            if (*a).backend == id {
+                (*a).last_seen_ns = now;
+            }
+        }
+    }
 }
 
 #[inline(always)]

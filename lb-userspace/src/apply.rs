@@ -5,8 +5,8 @@
 use anyhow::{Context, Result};
 use lb_common::{
     maps, BackendEntry, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
-    BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, VIP_F_ADMISSION, VIP_F_INBAND,
-    VIP_F_SHED, VIP_F_SHED_RST,
+    BACKEND_F_CAPPED, BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, VIP_F_ADMISSION,
+    VIP_F_INBAND, VIP_F_SHED, VIP_F_SHED_RST,
 };
 
 use crate::{
@@ -43,12 +43,18 @@ fn backend_flags(vip: &Vip, b: &Backend, overlay: &Overlay) -> u8 {
     if overlay.full.contains(&b.id) {
         f |= BACKEND_F_FULL;
     }
+    if overlay.capped.contains(&b.id) {
+        f |= BACKEND_F_FULL | BACKEND_F_CAPPED;
+    }
     // A second-chance VIP's backends run the backend program: they are sent GUE, which
     // names the flow's previous backend.
     if vip.spec.flow_state == FlowState::SecondChance {
         f |= BACKEND_F_GUE;
     }
-    if overlay.weight(b) == 0 || overlay.moved.contains(&b.id) {
+    // Weight 0 by the operator, or what the policy says breaks affinity (down, a fault, a
+    // queue); its weight 0 for saturation keeps its clients' next turns (`BACKEND_F_FULL`
+    // steers new clients away).
+    if b.spec.weight == 0 || overlay.moved.contains(&b.id) {
         f |= BACKEND_F_NO_AFFINITY;
     }
     f
@@ -310,11 +316,29 @@ mod tests {
             BACKEND_F_GUE | BACKEND_F_FULL | BACKEND_F_NO_AFFINITY
         );
         o.moved.clear();
+        // The policy's weight 0 without a fault (a saturation move): its clients' next turns
+        // still find it; the operator's weight 0 sends them where the ring says.
         o.weights.insert(3, 0);
+        assert_eq!(backend_flags(&vip, &b, &o), BACKEND_F_GUE | BACKEND_F_FULL);
+        let mut off = b.clone();
+        off.spec.weight = 0;
         assert_eq!(
-            backend_flags(&vip, &b, &o),
+            backend_flags(&vip, &off, &o),
             BACKEND_F_GUE | BACKEND_F_FULL | BACKEND_F_NO_AFFINITY
         );
+        // At the operator's cap: full, and capped (affinity yields to the cap).
+        o.capped.insert(3);
+        assert_eq!(
+            backend_flags(&vip, &b, &o),
+            BACKEND_F_GUE | BACKEND_F_FULL | BACKEND_F_CAPPED
+        );
+        o.full.clear();
+        assert_eq!(
+            backend_flags(&vip, &b, &o),
+            BACKEND_F_GUE | BACKEND_F_FULL | BACKEND_F_CAPPED,
+            "capped implies full"
+        );
+        o.capped.clear();
         vip.spec.flow_state = FlowState::Table;
         vip.spec.inband = true;
         assert_eq!(vip_flags(&vip, &o), VIP_F_INBAND);

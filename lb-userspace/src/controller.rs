@@ -31,8 +31,13 @@ pub struct Overlay {
     pub weights: BTreeMap<u32, u32>,
     /// Backends at their session cap or saturated: new sessions probe past them.
     pub full: std::collections::BTreeSet<u32>,
-    /// Backends the policy moved away (to weight 0, or a reduced weight when the others
-    /// have no headroom): affinity entries bring them no new sessions.
+    /// Of `full`, those at the operator's session cap: affinity entries bring them no new
+    /// sessions either (a saturated backend keeps its clients' next turns).
+    #[serde(default)]
+    pub capped: std::collections::BTreeSet<u32>,
+    /// Backends down, moved away by the policy for a fault (to weight 0, or a reduced
+    /// weight when the others have no headroom), or with requests waiting in their queue:
+    /// affinity entries bring them no new sessions. A saturation move is not one.
     pub moved: std::collections::BTreeSet<u32>,
     /// VIPs whose new sessions are shed (their priority class is below what the
     /// overloaded pool admits).

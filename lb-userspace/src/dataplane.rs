@@ -586,6 +586,24 @@ impl Dataplane {
         m.insert(key, e, 0).context("writing a connection entry")
     }
 
+    /// A client's affinity entry for one VIP.
+    pub fn affinity(&mut self, key: &AffinityKey) -> Result<Option<AffinityEntry>> {
+        let m: HashMap<&mut MapData, AffinityKey, AffinityEntry> =
+            HashMap::try_from(self.map(maps::AFFINITY)?)?;
+        match m.get(key, 0) {
+            Ok(v) => Ok(Some(v)),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Writes one affinity entry (tests age a client's entry with it).
+    pub fn set_affinity(&mut self, key: &AffinityKey, e: &AffinityEntry) -> Result<()> {
+        let mut m: HashMap<&mut MapData, AffinityKey, AffinityEntry> =
+            HashMap::try_from(self.map(maps::AFFINITY)?)?;
+        m.insert(key, e, 0).context("writing an affinity entry")
+    }
+
     /// Every connection-table entry (a snapshot; entries may change while it is taken).
     pub fn conns(&mut self) -> Result<Vec<(FlowKey, ConnEntry)>> {
         let fd = self.conns_fd()?;

@@ -592,6 +592,8 @@ mod tests {
                 reason: Some(crate::policy::Reason::Congestion),
                 cooldown_left: std::time::Duration::from_secs(20),
                 full: false,
+                capped: false,
+                breaks_affinity: true,
                 score: 0.75,
                 sessions: 4,
                 max_sessions: 0,
@@ -684,6 +686,10 @@ mod tests {
         assert_eq!(
             f("padding_trimmed"),
             (Dataplane::Events, "padding_trimmed".into())
+        );
+        assert_eq!(
+            f("affinity_hit_saturated"),
+            (Dataplane::Events, "affinity_hit_saturated".into())
         );
         // A shed session is an event (why) followed by one outcome: a drop, or a RST sent.
         // Its drops are in the drops family, where a dashboard of drops finds them.

@@ -237,10 +237,16 @@ pub fn decide<P: Plane>(
     let overlay = Overlay {
         weights: d.weights(),
         full: d.backends.iter().filter(|b| b.full).map(|b| b.id).collect(),
+        capped: d
+            .backends
+            .iter()
+            .filter(|b| b.capped)
+            .map(|b| b.id)
+            .collect(),
         moved: d
             .backends
             .iter()
-            .filter(|b| b.moved_away)
+            .filter(|b| b.breaks_affinity)
             .map(|b| b.id)
             .collect(),
         shed: state

@@ -5,9 +5,10 @@
 use std::net::IpAddr;
 
 use lb_common::{
-    stat, BACKEND_DOWN, BACKEND_DRAINING, BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY,
-    PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_ADMISSION,
-    VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
+    stat, AffinityEntry, AffinityKey, BACKEND_DOWN, BACKEND_DRAINING, BACKEND_F_CAPPED,
+    BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP,
+    PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_ADMISSION, VIP_F_SECOND_CHANCE, VIP_F_SHED,
+    VIP_F_SHED_RST, VIP_F_SRC_HASH,
 };
 use sluice::dataplane::PROG_DECAP;
 use sluice_tests::{flow, frames::*, run_prog, Lab, FALLBACK_MAC};
@@ -390,6 +391,78 @@ fn affinity_window_keeps_a_reconnecting_client_on_its_backend_after_a_table_chan
     assert_eq!(lab.stat(stat::AFFINITY_HIT), 10);
 }
 
+/// The affinity window counts from the client's last packet, not its last new session: a
+/// stream longer than the window keeps its client's entry fresh (a packet a second does), so
+/// the conversation's next turn still finds the backend, through a table change too; an
+/// entry that names another backend (the client's newer session) is left as it is.
+#[test]
+fn affinity_window_counts_from_the_clients_last_packet_not_its_last_new_session() {
+    const SEC: u64 = 1_000_000_000;
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, 0, 10);
+    lab.backends(&vip, &BACKENDS4);
+    let (a, _) = lab.run(&on_wire(&v4_tcp(CLIENT4, 1000, VIP4, 443, SYN, 0)));
+    assert_eq!(a, XDP_TX);
+    let first = flow(CLIENT4, 1000, VIP4, 443, PROTO_TCP);
+    let mut conn = lab.dp.conn(&first).unwrap().unwrap();
+    let b = conn.backend;
+    let akey = AffinityKey {
+        addr: first.src,
+        vip: 0, // the id `lab.vip` was given
+    };
+    let mut entry = lab
+        .dp
+        .affinity(&akey)
+        .unwrap()
+        .expect("the SYN wrote an entry");
+    assert_eq!(entry.backend, b);
+    // The stream began 20 s ago, twice the window, and is still sending.
+    conn.last_seen_ns -= 20 * SEC;
+    entry.last_seen_ns -= 20 * SEC;
+    lab.dp.set_conn(&first, &conn).unwrap();
+    lab.dp.set_affinity(&akey, &entry).unwrap();
+    let h = lab.flow_hash(&first, false);
+    assert_steered(&mut lab, &v4_tcp(CLIENT4, 1000, VIP4, 443, ACK, 0), b, h);
+    let fresh = lab.dp.affinity(&akey).unwrap().unwrap();
+    assert!(
+        fresh.last_seen_ns >= entry.last_seen_ns + 20 * SEC,
+        "the stream's packet did not refresh its client's entry ({} -> {})",
+        entry.last_seen_ns,
+        fresh.last_seen_ns
+    );
+    // The next turn, after a table change, returns to `b`.
+    lab.backends(
+        &vip,
+        &[
+            (1, "10.1.0.1", 1),
+            (2, "10.1.0.2", 1),
+            (3, "10.1.0.3", 1),
+            (4, "10.1.0.4", 1),
+            (5, "10.1.0.5", 1),
+        ],
+    );
+    let port = (2000..60000)
+        .find(|&p| lab.ring_choice(&vip, &flow(CLIENT4, p, VIP4, 443, PROTO_TCP), false) != b)
+        .expect("some port maps elsewhere");
+    let next = flow(CLIENT4, port, VIP4, 443, PROTO_TCP);
+    let h = lab.flow_hash(&next, false);
+    assert_steered(&mut lab, &v4_tcp(CLIENT4, port, VIP4, 443, SYN, 0), b, h);
+    assert_eq!(lab.stat(stat::AFFINITY_HIT), 1);
+    // An entry naming another backend is not the old stream's to refresh.
+    let other = AffinityEntry {
+        backend: if b == 1 { 2 } else { 1 },
+        _pad: 0,
+        last_seen_ns: fresh.last_seen_ns - 20 * SEC,
+    };
+    lab.dp.set_affinity(&akey, &other).unwrap();
+    let mut conn = lab.dp.conn(&first).unwrap().unwrap();
+    conn.last_seen_ns -= 20 * SEC;
+    lab.dp.set_conn(&first, &conn).unwrap();
+    let h = lab.flow_hash(&first, false);
+    assert_steered(&mut lab, &v4_tcp(CLIENT4, 1000, VIP4, 443, ACK, 0), b, h);
+    assert_eq!(lab.dp.affinity(&akey).unwrap().unwrap(), other);
+}
+
 #[test]
 fn affinity_entry_brings_no_new_session_to_a_backend_moved_to_weight_zero() {
     let mut lab = Lab::new();
@@ -424,6 +497,74 @@ fn affinity_entry_brings_no_new_session_to_a_backend_moved_to_weight_zero() {
     // The established flow stays where it was.
     let h = lab.flow_hash(&first, false);
     assert_steered(&mut lab, &v4_tcp(CLIENT4, 1000, VIP4, 443, ACK, 0), b, h);
+}
+
+/// A conversation's next turn (a new session from the same client) finds its prefix cached
+/// on the backend of its earlier turns: a backend only saturated (full) keeps it, while new
+/// clients probe past; the operator's cap and a fault (no affinity) send it where the ring
+/// says.
+#[test]
+fn affinity_entry_stands_on_a_saturated_backend_but_not_at_its_cap_or_after_a_fault() {
+    for (flags, stays) in [
+        (BACKEND_F_FULL, true),
+        (BACKEND_F_FULL | BACKEND_F_CAPPED, false),
+        (BACKEND_F_FULL | BACKEND_F_NO_AFFINITY, false),
+        (BACKEND_F_NO_AFFINITY, false),
+    ] {
+        let mut lab = Lab::new();
+        let vip = lab.vip(0, VIP4, 443, PROTO_TCP, 0, 600);
+        lab.backends(&vip, &BACKENDS4);
+        let (a, _) = lab.run(&on_wire(&v4_tcp(CLIENT4, 1000, VIP4, 443, SYN, 0)));
+        assert_eq!(a, XDP_TX);
+        let b = lab
+            .dp
+            .conn(&flow(CLIENT4, 1000, VIP4, 443, PROTO_TCP))
+            .unwrap()
+            .unwrap()
+            .backend;
+        lab.set_flags(b, flags);
+        // Full: a port whose first probe is `b`, so the turn that leaves it is probed past
+        // it. Not full: one whose ring choice is another backend, where the turn goes.
+        let port = if flags & BACKEND_F_FULL != 0 {
+            port_on(&mut lab, &vip, b, 2000)
+        } else {
+            (2000..60000)
+                .find(|&p| {
+                    lab.ring_choice(&vip, &flow(CLIENT4, p, VIP4, 443, PROTO_TCP), false) != b
+                })
+                .expect("some port maps elsewhere")
+        };
+        let key = flow(CLIENT4, port, VIP4, 443, PROTO_TCP);
+        let next = *lab.probes(&vip, &key).iter().find(|&&id| id != b).unwrap();
+        let h = lab.flow_hash(&key, false);
+        let want = if stays { b } else { next };
+        assert_steered(&mut lab, &v4_tcp(CLIENT4, port, VIP4, 443, SYN, 0), want, h);
+        let hits = u64::from(stays);
+        assert_eq!(
+            (
+                lab.stat(stat::AFFINITY_HIT),
+                lab.stat(stat::AFFINITY_HIT_SATURATED)
+            ),
+            (hits, hits),
+            "flags {flags:#x}"
+        );
+        // A new client whose first probe is `b` probes past it while it is full.
+        if flags & BACKEND_F_FULL != 0 {
+            let client = (1..=250)
+                .map(|i| format!("192.0.2.{i}"))
+                .filter(|c| c != CLIENT4)
+                .find(|c| {
+                    let k = flow(c, 3000, VIP4, 443, PROTO_TCP);
+                    let p = lab.probes(&vip, &k);
+                    p[0] == b && p.iter().any(|&id| id != b)
+                })
+                .expect("some client probes `b` first");
+            let k = flow(&client, 3000, VIP4, 443, PROTO_TCP);
+            let past = *lab.probes(&vip, &k).iter().find(|&&id| id != b).unwrap();
+            let h = lab.flow_hash(&k, false);
+            assert_steered(&mut lab, &v4_tcp(&client, 3000, VIP4, 443, SYN, 0), past, h);
+        }
+    }
 }
 
 #[test]

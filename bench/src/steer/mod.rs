@@ -51,8 +51,13 @@ const DEFAULT_ACCEL_ARGS: &str = "--max-num-seqs 16 --kv-capacity-tokens 8192";
 /// health checks (interval 1 s, fall 2) mark it down within (fall + 1) intervals.
 const AVOID_BOUND_MS: f64 = 3000.0;
 
-/// The VIP's affinity window, seconds: well over the workload's 3 s mean think time.
-const AFFINITY_SECS: u32 = 60;
+/// The VIP's affinity window, seconds. It counts from the client's last packet, so it must
+/// outlast the think time between a conversation's turns: the workload's is exponential with
+/// a 3 s mean (scaled down to fit one-minute runs, as a real deployment's window in minutes
+/// is to its users' pauses), and exceeds 20 s for 0.13% of turns. A longer window would also
+/// pin the next conversation from the same address (the generator reuses an address about
+/// every 45 s), which is not the prefix a turn comes back for.
+const AFFINITY_SECS: u32 = 20;
 
 fn words(s: &str) -> Vec<String> {
     s.split_whitespace().map(str::to_owned).collect()
@@ -642,6 +647,8 @@ fn steering(lab: &DaemonLab, addrs: &[String], t: f64) -> Sample {
                 state,
                 kv: None,
                 full: b.is_some_and(|b| b["steering"]["full"] == true),
+                capped: b.is_some_and(|b| b["steering"]["capped"] == true),
+                no_affinity: b.is_some_and(|b| b["steering"]["breaks_affinity"] == true),
                 sessions: b.and_then(|b| b["steering"]["sessions"].as_u64()),
                 running: None,
                 waiting: None,

@@ -19,6 +19,10 @@ pub struct Point {
     pub kv: Option<f64>,
     /// Full for new sessions (at its cap, or KV or queue at the threshold): probed past.
     pub full: bool,
+    /// At the operator's session cap: probed past by an affinity entry's turn too.
+    pub capped: bool,
+    /// Down or moved away for a fault: an affinity entry brings it no new session.
+    pub no_affinity: bool,
     /// Active sessions as the daemon counts them (its connection table).
     pub sessions: Option<u64>,
     /// The engine's running and waiting requests.

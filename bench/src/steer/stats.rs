@@ -17,6 +17,8 @@ pub struct Record {
     pub turn: u64,
     pub backend: Option<String>,
     pub ttft_ms: Option<f64>,
+    /// From the first attempt's start to the stream's end (or break).
+    pub e2e_ms: Option<f64>,
     /// Answer tokens received.
     pub tokens: u64,
     /// Prompt tokens sent, and those the accelerator said came from its prefix cache.
@@ -39,6 +41,7 @@ impl Record {
             turn: v["turn"].as_u64().unwrap_or(0),
             backend: s("backend").filter(|b| !b.is_empty()),
             ttft_ms: v["ttft_ms"].as_f64(),
+            e2e_ms: v["e2e_ms"].as_f64(),
             tokens: v["tokens"].as_u64().unwrap_or(0),
             prompt_tokens: v["prompt_tokens"].as_u64().unwrap_or(0),
             cached_tokens: v["cached_tokens"].as_u64().unwrap_or(0),
@@ -153,19 +156,25 @@ pub fn affinity_kept(records: &[Record], faulty: &[&str]) -> Option<f64> {
 
 /// Why the later turns counted by [`affinity_kept`] left their first turn's backend, turn by
 /// turn. The data plane keeps one affinity entry per client address: the backend of its last
-/// new session, wherever that session went (also past a full backend). Replaying every
+/// new session, wherever that session went (also past a capped backend). An entry stands on
+/// a backend that is only saturated (full, moved away for saturation). Replaying every
 /// address's sessions in start order with the daemon's steering state at each start
 /// (`steering`, sampled about every 100 ms) gives what the entry named when a turn left:
-/// - `expired`: no session from the address within the affinity window (`window_secs`);
-/// - `full` / `moved`: it named the first backend, which was full (probed past) or out of
-///   rotation (moved away, down); `unseen`: neither showed in the nearest sample;
+/// - `expired`: no packet from the address to the entry's backend within the affinity window
+///   (`window_secs`; a session keeps the entry fresh until it ends, as the data plane's
+///   refresh from established packets does);
+/// - `capped` / `moved` / `queued`: it named the first backend, which was at its session cap
+///   (probed past), out of rotation for a fault (moved away for one, down), or in rotation
+///   with requests waiting in its queue (its affinity yields to a queue); `unseen`: none
+///   showed in the nearest sample;
 /// - `followed_own_turn`: an earlier turn of the same conversation had moved it (probed
 ///   past the first backend);
 /// - `followed_other_conversation`: another conversation from the same address had moved it.
 ///
 /// Also `turns_sharing_an_address` (later turns, kept or not, whose address opened another
 /// conversation's session since the conversation's first turn) and `kept_when_free`: the
-/// fraction kept of the later turns whose first backend was in rotation and not full.
+/// fraction kept of the later turns whose first backend was neither capped nor out for a
+/// fault.
 pub fn affinity_lost(
     records: &[Record],
     faulty: &[&str],
@@ -183,20 +192,22 @@ pub fn affinity_lost(
         s.points.get(i)
     };
     let out = |p: Option<&Point>| {
-        p.is_some_and(|p| {
-            !matches!(
-                p.state.as_deref(),
-                Some("active") | Some("slow-start") | Some("guarded")
-            )
+        p.is_some_and(|p| match p.state.as_deref() {
+            Some("active") | Some("slow-start") | Some("guarded") => false,
+            Some("moved-away") => p.no_affinity,
+            _ => true,
         })
     };
-    let full = |p: Option<&Point>| p.is_some_and(|p| p.full);
+    let capped = |p: Option<&Point>| p.is_some_and(|p| p.capped);
+    let queued = |p: Option<&Point>| p.is_some_and(|p| p.no_affinity) && !out(p);
     let window_ms = f64::from(window_secs) * 1000.0;
     let mut sorted: Vec<&Record> = records.iter().filter(|r| r.backend.is_some()).collect();
     sorted.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
     // Per address: the backend its entry names, when it was last refreshed and which
-    // conversation set it; and every session's (start, conversation).
+    // conversation set it; every session's (start, conversation); and its sessions'
+    // (backend, end), whose packets refresh an entry naming their backend.
     let mut entry: BTreeMap<&str, (&str, f64, u64)> = BTreeMap::new();
+    let mut live: BTreeMap<&str, Vec<(&str, f64)>> = BTreeMap::new();
     let mut opened: BTreeMap<&str, Vec<(f64, u64)>> = BTreeMap::new();
     let mut first: BTreeMap<(&str, u64), (&str, f64)> = BTreeMap::new();
     let mut n: BTreeMap<&str, u64> = BTreeMap::new();
@@ -204,7 +215,11 @@ pub fn affinity_lost(
     for r in sorted {
         let b = r.backend.as_deref().unwrap_or_default();
         let (c, conv, t) = (r.client.as_str(), r.conversation, r.start_ms);
-        let fresh = entry.get(c).copied().filter(|e| t - e.1 < window_ms);
+        let fresh = entry.get(c).copied().filter(|&(e, since, _)| {
+            let last = live.get(c).into_iter().flatten().filter(|s| s.0 == e);
+            let last = last.fold(since, |m, s| m.max(s.1.min(t)));
+            t - last < window_ms
+        });
         let sessions = opened.entry(c).or_default();
         match first.get(&(c, conv)) {
             None => {
@@ -213,7 +228,7 @@ pub fn affinity_lost(
             Some(&(f, _)) if faulty.contains(&f) => {}
             Some(&(f, since)) => {
                 let p = at(f, t);
-                if !out(p) && !full(p) {
+                if !out(p) && !capped(p) && !queued(p) {
                     free += 1;
                     free_kept += u64::from(f == b);
                 }
@@ -224,7 +239,8 @@ pub fn affinity_lost(
                     let why = match fresh {
                         None => "expired",
                         Some((e, ..)) if e == f && out(p) => "moved",
-                        Some((e, ..)) if e == f && full(p) => "full",
+                        Some((e, ..)) if e == f && capped(p) => "capped",
+                        Some((e, ..)) if e == f && queued(p) => "queued",
                         Some((e, ..)) if e == f => "unseen",
                         Some((.., by)) if by == conv => "followed_own_turn",
                         Some(_) => "followed_other_conversation",
@@ -234,6 +250,9 @@ pub fn affinity_lost(
             }
         }
         sessions.push((t, conv));
+        live.entry(c)
+            .or_default()
+            .push((b, t + r.e2e_ms.unwrap_or(0.0)));
         // A hit refreshes the entry (still the conversation's that set it); else it follows.
         let next = match fresh {
             Some((e, _, by)) if e == b => (e, t, by),
@@ -244,8 +263,9 @@ pub fn affinity_lost(
     let count = |k: &str| n.get(k).copied().unwrap_or(0);
     json!({
         "expired": count("expired"),
-        "full": count("full"),
+        "capped": count("capped"),
         "moved": count("moved"),
+        "queued": count("queued"),
         "unseen": count("unseen"),
         "followed_own_turn": count("followed_own_turn"),
         "followed_other_conversation": count("followed_other_conversation"),
@@ -377,6 +397,7 @@ mod tests {
             turn,
             backend: backend.map(Into::into),
             ttft_ms: backend.map(|_| 100.0 + start_ms),
+            e2e_ms: None,
             tokens: 10,
             broken: broken.map(Into::into),
             ..Record::default()
@@ -447,11 +468,12 @@ mod tests {
         // Conversation 2 started on the faulty b1: not counted. Conversation 1: 1 of 2 kept.
         assert_eq!(affinity_kept(&rs, &["b1"]), Some(0.5));
         assert_eq!(affinity_kept(&rs, &[]), Some(2.0 / 3.0));
-        // Conversation 1's third turn left b0 while b0 was full.
+        // Conversation 1's third turn left b0 while b0 was at its cap.
         let names: Vec<String> = ["b0", "b1", "b2"].map(String::from).to_vec();
-        let point = |full| Point {
+        let point = |capped| Point {
             state: Some("active".into()),
-            full,
+            full: capped,
+            capped,
             ..Point::default()
         };
         let timeline = [
@@ -465,7 +487,7 @@ mod tests {
             },
         ];
         assert_eq!(
-            affinity_lost(&rs, &["b1"], &names, &timeline, 60)["full"],
+            affinity_lost(&rs, &["b1"], &names, &timeline, 60)["capped"],
             json!(1)
         );
         assert_eq!(
@@ -499,16 +521,18 @@ mod tests {
             ..rec(conv, turn, ms, Some(b), None)
         };
         let names: Vec<String> = ["b0", "b1", "b2"].map(String::from).to_vec();
-        let at = |t, b0_full, b1_state: &str| Sample {
+        let at = |t, b0_capped, b1_state: &str| Sample {
             t,
             points: vec![
                 Point {
                     state: Some("active".into()),
-                    full: b0_full,
+                    full: b0_capped,
+                    capped: b0_capped,
                     ..Point::default()
                 },
                 Point {
                     state: Some(b1_state.into()),
+                    no_affinity: b1_state != "active",
                     ..Point::default()
                 },
                 Point {
@@ -523,9 +547,15 @@ mod tests {
             at(2.0, false, "active"),
             at(3.0, false, "moved-away"),
             at(4.0, false, "active"),
+            // b1 in rotation with requests waiting: its affinity yields.
+            {
+                let mut s = at(5.0, false, "active");
+                s.points[1].no_affinity = true;
+                s
+            },
         ];
         let rs = vec![
-            // Probed past full b0 to b2, which the entry follows, so the next turn too.
+            // Probed past capped b0 to b2, which the entry follows, so the next turn too.
             turn("a", 1, 0, 500.0, "b0"),
             turn("a", 1, 1, 1000.0, "b2"),
             turn("a", 1, 2, 2000.0, "b2"),
@@ -539,15 +569,25 @@ mod tests {
             // 70 s of silence: past the window.
             turn("c", 5, 0, 0.0, "b1"),
             turn("c", 5, 1, 70_000.0, "b2"),
+            // A 65 s answer keeps its entry fresh to its end: its next turn 15 s later finds
+            // b2 named and in rotation (so `unseen`, not `expired`).
+            Record {
+                e2e_ms: Some(65_000.0),
+                ..turn("d", 6, 0, 0.0, "b2")
+            },
+            turn("d", 6, 1, 80_000.0, "b0"),
+            turn("e", 7, 0, 4600.0, "b1"),
+            turn("e", 7, 1, 5000.0, "b2"),
         ];
         assert_eq!(affinity_kept(&rs, &[]), Some(0.0));
         assert_eq!(
             affinity_lost(&rs, &[], &names, &steering, 60),
             json!({
                 "expired": 1,
-                "full": 1,
+                "capped": 1,
                 "moved": 1,
-                "unseen": 0,
+                "queued": 1,
+                "unseen": 1,
                 "followed_own_turn": 2,
                 "followed_other_conversation": 1,
                 "turns_sharing_an_address": 1,

@@ -40,7 +40,7 @@ pub fn full(
     telemetry: Option<&BackendTelemetry>,
     cfg: &PolicyConfig,
 ) -> bool {
-    let capped = max_sessions > 0 && self::sessions(sessions, telemetry) >= u64::from(max_sessions);
+    let capped = capped(sessions, max_sessions, telemetry);
     let saturated = telemetry.filter(|t| !t.stale).is_some_and(|t| {
         let s = &t.sample;
         s.queue_depth
@@ -48,6 +48,12 @@ pub fn full(
             || s.kv_cache.is_some_and(|kv| kv >= cfg.kv_cache_high)
     });
     capped || saturated
+}
+
+/// Whether the backend is at the session cap the operator set: full, and a client's
+/// affinity entry brings it no new session either (saturation alone does not stop one).
+pub fn capped(sessions: u64, max_sessions: u32, telemetry: Option<&BackendTelemetry>) -> bool {
+    max_sessions > 0 && self::sessions(sessions, telemetry) >= u64::from(max_sessions)
 }
 
 /// The sessions a backend's cap counts: the connection table's `table` count, or the

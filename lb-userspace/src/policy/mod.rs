@@ -108,6 +108,12 @@ pub struct BackendDecision {
     pub cooldown_left: Duration,
     /// The data plane probes past full backends.
     pub full: bool,
+    /// At the operator's session cap (also full): affinity entries bring it no new session.
+    pub capped: bool,
+    /// Down, moved away for a fault ([`Reason::is_fault`]), or requests wait in its queue:
+    /// its clients' affinity entries bring it no new session. Saturation alone (a full KV
+    /// cache that still admits at once) only steers new clients away.
+    pub breaks_affinity: bool,
     /// Smoothed load score (0 idle .. 1 at a threshold).
     pub score: f64,
     pub sessions: u64,
@@ -662,6 +668,14 @@ impl Policy {
             // reach would otherwise take every new session they refuse.
             full: admission::full(input.sessions, input.max_sessions, input.telemetry, cfg)
                 || (reduced && queued(input.telemetry)),
+            capped: admission::capped(input.sessions, input.max_sessions, input.telemetry),
+            // A cached prefix saves its prefill (tens of ms for a chat history, 0.4 s for
+            // 5000 tokens at the lab's H100 pace); a place in the queue costs the wait for a
+            // running request to finish (seconds). So affinity stands on a busy backend
+            // only while nothing waits there.
+            breaks_affinity: !input.healthy
+                || (state == SteerState::MovedAway && reason.is_some_and(Reason::is_fault))
+                || queued(input.telemetry),
             score: m.score.value(),
             sessions: input.sessions,
             max_sessions: input.max_sessions,

@@ -50,6 +50,14 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// A fault, not load: a backend moved away for it loses its clients' affinity too (their
+    /// next turn goes where the ring says). Saturation passes as load moves elsewhere and
+    /// stale telemetry is no evidence, so a conversation's next turn still finds its prefix
+    /// cached on such a backend.
+    pub fn is_fault(self) -> bool {
+        matches!(self, Reason::Congestion | Reason::Throttling | Reason::Slow)
+    }
+
     /// How strongly the reason argues against new sessions: a throttled accelerator is slow
     /// whatever its load; congestion slows its collectives; saturation passes as load moves
     /// elsewhere; stale telemetry is no evidence at all.

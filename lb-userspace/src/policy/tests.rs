@@ -975,3 +975,54 @@ fn a_backend_back_from_a_throttle_forgets_the_speed_it_showed_under_it() {
     sim.run_until(sim.now + cfg.slow_start + S);
     assert_eq!(sim.step().backends[0].weight, 100);
 }
+
+/// Issue 7's affinity: a conversation's next turn carries its whole prefix, cached on the
+/// backend of its earlier turns. The steer benchmark lost 13-21% of later turns to busy but
+/// healthy backends (full by saturation, or moved away for it). The operator's cap, a fault,
+/// a down backend or a queue breaks affinity; a full KV cache alone only steers new clients
+/// away.
+#[test]
+fn saturation_keeps_a_conversations_affinity_and_the_cap_faults_down_and_a_queue_break_it() {
+    let mut sim = Sim::new(PolicyConfig::default(), 5);
+    for i in 0..5 {
+        sim.sample(i).kv_cache = Some(0.3);
+    }
+    sim.run_until(10 * S);
+    // Saturated while the others have room: full at once, moved away (weight 0, new clients
+    // go elsewhere) after two scrapes, and its clients' next turns still find it while it
+    // admits at once.
+    sim.sample(0).kv_cache = Some(0.9);
+    sim.sample(0).queue_depth = Some(0.0);
+    let full = &sim.step().backends[0];
+    assert!(
+        full.full && !full.capped && !full.breaks_affinity,
+        "{full:?}"
+    );
+    let moved = &sim.step().backends[0];
+    assert_eq!(
+        (moved.state, moved.reason, moved.weight),
+        (SteerState::MovedAway, Some(Reason::Saturation), 0)
+    );
+    assert!(moved.full && !moved.capped && !moved.breaks_affinity);
+    // Once requests wait there, a next turn would wait too: it goes where the ring says.
+    sim.sample(0).queue_depth = Some(2.0);
+    let queued = &sim.step().backends[0];
+    assert!(queued.full && queued.breaks_affinity, "{queued:?}");
+    sim.sample(0).queue_depth = Some(0.0);
+    // Throttled (a fault), at the operator's cap of 10, down.
+    sim.sample(1).throttle = Some(0x40);
+    sim.backends[2].max_sessions = 10;
+    sim.backends[2].sessions = 10;
+    sim.backends[3].healthy = false;
+    let d = sim.step();
+    let b = &d.backends;
+    assert_eq!(b[1].state, SteerState::MovedAway);
+    assert!(b[1].breaks_affinity);
+    assert!(
+        b[2].full && b[2].capped && !b[2].breaks_affinity,
+        "{:?}",
+        b[2]
+    );
+    assert!(b[3].breaks_affinity);
+    assert!(!b[4].full && !b[4].capped && !b[4].breaks_affinity);
+}
