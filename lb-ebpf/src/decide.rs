@@ -369,7 +369,7 @@ fn refresh_affinity(key: &FlowKey, vip: &VipMeta, id: u32, now: u64) {
         addr: key.src,
         vip: vip.id,
     };
-    if let Some(a) = AFFINITY.get_ptr_mut(&akey) {
+    if let Some(a) = AFFINITY.get_ptr_mut(akey) {
         unsafe {
             if (*a).backend == id {
                 (*a).last_seen_ns = now;
