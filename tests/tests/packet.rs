@@ -27,6 +27,14 @@ const CLIENT4: &str = "192.0.2.10";
 const CLIENT6: &str = "2001:db8:c::10";
 const BACKENDS4: [(u32, &str, u32); 3] =
     [(1, "10.1.0.1", 1), (2, "10.1.0.2", 1), (3, "10.1.0.3", 1)];
+/// `BACKENDS4` and two more: a table change that moves many flows' ring choice.
+const BACKENDS4_GROWN: [(u32, &str, u32); 5] = [
+    (1, "10.1.0.1", 1),
+    (2, "10.1.0.2", 1),
+    (3, "10.1.0.3", 1),
+    (4, "10.1.0.4", 1),
+    (5, "10.1.0.5", 1),
+];
 const BACKENDS6: [(u32, &str, u32); 3] = [
     (11, "fd00:1::1", 1),
     (12, "fd00:1::2", 1),
@@ -372,16 +380,7 @@ fn affinity_window_keeps_a_reconnecting_client_on_its_backend_after_a_table_chan
     assert_eq!(a, XDP_TX);
     let b = lab.dp.conn(&first).unwrap().unwrap().backend;
     // More backends: most new 5-tuples would hash elsewhere, yet the client returns to `b`.
-    lab.backends(
-        &vip,
-        &[
-            (1, "10.1.0.1", 1),
-            (2, "10.1.0.2", 1),
-            (3, "10.1.0.3", 1),
-            (4, "10.1.0.4", 1),
-            (5, "10.1.0.5", 1),
-        ],
-    );
+    lab.backends(&vip, &BACKENDS4_GROWN);
     for sport in 2000..2010 {
         let (a, _) = lab.run(&on_wire(&v4_tcp(CLIENT4, sport, VIP4, 443, SYN, 0)));
         assert_eq!(a, XDP_TX);
@@ -431,16 +430,7 @@ fn affinity_window_counts_from_the_clients_last_packet_not_its_last_new_session(
         fresh.last_seen_ns
     );
     // The next turn, after a table change, returns to `b`.
-    lab.backends(
-        &vip,
-        &[
-            (1, "10.1.0.1", 1),
-            (2, "10.1.0.2", 1),
-            (3, "10.1.0.3", 1),
-            (4, "10.1.0.4", 1),
-            (5, "10.1.0.5", 1),
-        ],
-    );
+    lab.backends(&vip, &BACKENDS4_GROWN);
     let port = (2000..60000)
         .find(|&p| lab.ring_choice(&vip, &flow(CLIENT4, p, VIP4, 443, PROTO_TCP), false) != b)
         .expect("some port maps elsewhere");
