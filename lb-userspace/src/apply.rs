@@ -54,7 +54,7 @@ fn backend_flags(vip: &Vip, b: &Backend, overlay: &Overlay) -> u8 {
     // Weight 0 by the operator, or what the policy says breaks affinity (down, a fault, a
     // queue); its weight 0 for saturation keeps its clients' next turns (`BACKEND_F_FULL`
     // steers new clients away).
-    if b.spec.weight == 0 || overlay.moved.contains(&b.id) {
+    if b.spec.weight == 0 || overlay.no_affinity.contains(&b.id) {
         f |= BACKEND_F_NO_AFFINITY;
     }
     f
@@ -310,12 +310,12 @@ mod tests {
         assert_eq!(backend_flags(&vip, &b, &o), BACKEND_F_GUE | BACKEND_F_FULL);
         // Moved away (weight 0, or reduced): its clients' affinity entries must not bring
         // new sessions.
-        o.moved.insert(3);
+        o.no_affinity.insert(3);
         assert_eq!(
             backend_flags(&vip, &b, &o),
             BACKEND_F_GUE | BACKEND_F_FULL | BACKEND_F_NO_AFFINITY
         );
-        o.moved.clear();
+        o.no_affinity.clear();
         // The policy's weight 0 without a fault (a saturation move): its clients' next turns
         // still find it; the operator's weight 0 sends them where the ring says.
         o.weights.insert(3, 0);

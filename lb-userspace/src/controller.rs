@@ -37,8 +37,11 @@ pub struct Overlay {
     pub capped: std::collections::BTreeSet<u32>,
     /// Backends down, moved away by the policy for a fault (to weight 0, or a reduced
     /// weight when the others have no headroom), or with requests waiting in their queue:
-    /// affinity entries bring them no new sessions. A saturation move is not one.
-    pub moved: std::collections::BTreeSet<u32>,
+    /// affinity entries bring them no new sessions. A saturation move is not one. Named
+    /// `moved` in the fleet's shared document, as before (hosts of both versions read it
+    /// the same way: their clients' affinity yields there).
+    #[serde(rename = "moved")]
+    pub no_affinity: std::collections::BTreeSet<u32>,
     /// VIPs whose new sessions are shed (their priority class is below what the
     /// overloaded pool admits).
     pub shed: std::collections::BTreeSet<String>,

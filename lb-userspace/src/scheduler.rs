@@ -243,7 +243,7 @@ pub fn decide<P: Plane>(
             .filter(|b| b.capped)
             .map(|b| b.id)
             .collect(),
-        moved: d
+        no_affinity: d
             .backends
             .iter()
             .filter(|b| b.breaks_affinity)
