@@ -4,7 +4,8 @@
 //! within `flap_window` of its last return (a flap): then it is twice the previous cooldown,
 //! capped at `cooldown_max`. The previous cooldown decays back to `cooldown_base` once the
 //! backend has stayed in rotation for `stable_period`. A backend returns only when its
-//! cooldown is over and no condition holds, and then ramps up over `slow_start`, unless it
+//! cooldown is over (a saturation move's ends early once its load has passed:
+//! [`MoveAway::end_saturation`]) and no condition holds, and then ramps up over `slow_start`, unless it
 //! was out for saturation: its hardware is fine and its queue has drained, and in the steer
 //! benchmark 30-second ramps after saturation moves kept a loaded fleet short of capacity
 //! until the others saturated in turn.
@@ -131,6 +132,20 @@ impl MoveAway {
                 Some(Change::Cleared)
             }
             _ => None,
+        }
+    }
+
+    /// A saturation move whose load has passed: its cooldown ends now, so the next update
+    /// returns it (see [`Policy::trigger`](super::Policy) for when). A move for any other
+    /// reason keeps its cooldown: a fault's clear reading from an emptied backend is no
+    /// evidence.
+    pub fn end_saturation(&mut self, now: Duration) {
+        if let Phase::MovedAway {
+            until,
+            reason: Reason::Saturation,
+        } = &mut self.phase
+        {
+            *until = (*until).min(now);
         }
     }
 

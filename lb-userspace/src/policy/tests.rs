@@ -1026,3 +1026,53 @@ fn saturation_keeps_a_conversations_affinity_and_the_cap_faults_down_and_a_queue
     assert!(b[3].breaks_affinity);
     assert!(!b[4].full && !b[4].capped && !b[4].breaks_affinity);
 }
+
+/// Seed 7's healthy steer cell: b2 was moved away at KV 0.98 and kept weight 0 for its
+/// whole 10 s cooldown though its KV use was 0.34 after 3 s, while b1 took its share and
+/// filled. A saturation move lasts while the backend is over a threshold or more loaded
+/// than the others in rotation, and no longer.
+#[test]
+fn a_saturation_move_ends_when_its_backend_is_no_more_loaded_than_the_others() {
+    let cfg = PolicyConfig::default();
+    let mut sim = Sim::new(cfg.clone(), 4);
+    let load = |sim: &mut Sim, kv: [f64; 4]| {
+        for (i, kv) in kv.into_iter().enumerate() {
+            let s = sim.sample(i);
+            s.gpu_util = Some(1.0);
+            s.kv_cache = Some(kv);
+            s.queue_depth = Some(0.0);
+        }
+    };
+    load(&mut sim, [0.4; 4]);
+    sim.run_until(5 * S);
+    load(&mut sim, [0.95, 0.4, 0.4, 0.4]);
+    let out = [sim.step(), sim.step()];
+    assert_eq!(out[1].backends[0].state, SteerState::MovedAway);
+    assert_eq!(out[1].backends[0].reason, Some(Reason::Saturation));
+    let moved_at = sim.now - S;
+    // Under its threshold but still more loaded than the others: it stays out.
+    load(&mut sim, [0.6, 0.5, 0.5, 0.5]);
+    let d = sim.step();
+    assert_eq!(
+        (d.backends[0].state, d.backends[0].weight),
+        (SteerState::MovedAway, 0)
+    );
+    // As loaded as the others, 3 s into a 10 s cooldown: back at full weight (no ramp
+    // after saturation).
+    load(&mut sim, [0.5, 0.55, 0.5, 0.5]);
+    let d = sim.step();
+    assert!(sim.now - moved_at < cfg.cooldown_base);
+    assert_eq!(
+        (d.backends[0].state, d.backends[0].weight),
+        (SteerState::Active, 100),
+        "a saturation move outlasted its load"
+    );
+    assert!(kinds(&d, 1).contains(&EventKind::Recover));
+    // A fault's move keeps its cooldown whatever the load reads.
+    sim.sample(1).throttle = Some(0x40);
+    assert_eq!(sim.step().backends[1].state, SteerState::MovedAway);
+    sim.sample(1).throttle = Some(0);
+    load(&mut sim, [0.5, 0.1, 0.5, 0.5]);
+    let d = sim.step();
+    assert_eq!(d.backends[1].state, SteerState::MovedAway);
+}
