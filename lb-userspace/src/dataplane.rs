@@ -19,7 +19,7 @@ use aya::{
         xdp::XdpLink,
         Xdp, XdpMode,
     },
-    Ebpf, EbpfLoader,
+    Ebpf, EbpfLoader, Pod,
 };
 use lb_common::{
     maps, stat, AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FloodWindow, FlowKey,
@@ -425,19 +425,28 @@ impl Dataplane {
                 self.max_vips
             );
         }
-        let mut m: HashMap<&mut MapData, VipKey, VipMeta> =
-            HashMap::try_from(self.map(maps::VIPS)?)?;
-        m.insert(key, meta, 0).context("writing VIPS")?;
-        Ok(())
+        self.hash_set(maps::VIPS, key, meta)
     }
 
     pub fn vip(&mut self, key: &VipKey) -> Result<Option<VipMeta>> {
-        let m: HashMap<&mut MapData, VipKey, VipMeta> = HashMap::try_from(self.map(maps::VIPS)?)?;
+        self.hash_get(maps::VIPS, key)
+    }
+
+    /// One entry of the hash map `name`; `None` where the key is absent.
+    fn hash_get<K: Pod, V: Pod>(&mut self, name: &str, key: &K) -> Result<Option<V>> {
+        let m: HashMap<&mut MapData, K, V> = HashMap::try_from(self.map(name)?)?;
         match m.get(key, 0) {
             Ok(v) => Ok(Some(v)),
             Err(aya::maps::MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e).with_context(|| format!("reading {name}")),
         }
+    }
+
+    /// Writes one entry of the hash map `name`.
+    fn hash_set<K: Pod, V: Pod>(&mut self, name: &str, key: &K, value: &V) -> Result<()> {
+        let mut m: HashMap<&mut MapData, K, V> = HashMap::try_from(self.map(name)?)?;
+        m.insert(key, value, 0)
+            .with_context(|| format!("writing {name}"))
     }
 
     pub fn remove_vip(&mut self, key: &VipKey) -> Result<()> {
@@ -570,38 +579,22 @@ impl Dataplane {
     }
 
     pub fn conn(&mut self, key: &FlowKey) -> Result<Option<ConnEntry>> {
-        let m: HashMap<&mut MapData, FlowKey, ConnEntry> =
-            HashMap::try_from(self.map(maps::CONNS)?)?;
-        match m.get(key, 0) {
-            Ok(v) => Ok(Some(v)),
-            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
+        self.hash_get(maps::CONNS, key)
     }
 
     /// Writes one connection-table entry (tests age a flow's in-band times with it).
     pub fn set_conn(&mut self, key: &FlowKey, e: &ConnEntry) -> Result<()> {
-        let mut m: HashMap<&mut MapData, FlowKey, ConnEntry> =
-            HashMap::try_from(self.map("CONNS")?)?;
-        m.insert(key, e, 0).context("writing a connection entry")
+        self.hash_set(maps::CONNS, key, e)
     }
 
     /// A client's affinity entry for one VIP.
     pub fn affinity(&mut self, key: &AffinityKey) -> Result<Option<AffinityEntry>> {
-        let m: HashMap<&mut MapData, AffinityKey, AffinityEntry> =
-            HashMap::try_from(self.map(maps::AFFINITY)?)?;
-        match m.get(key, 0) {
-            Ok(v) => Ok(Some(v)),
-            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
+        self.hash_get(maps::AFFINITY, key)
     }
 
     /// Writes one affinity entry (tests age a client's entry with it).
     pub fn set_affinity(&mut self, key: &AffinityKey, e: &AffinityEntry) -> Result<()> {
-        let mut m: HashMap<&mut MapData, AffinityKey, AffinityEntry> =
-            HashMap::try_from(self.map(maps::AFFINITY)?)?;
-        m.insert(key, e, 0).context("writing an affinity entry")
+        self.hash_set(maps::AFFINITY, key, e)
     }
 
     /// Every connection-table entry (a snapshot; entries may change while it is taken).
