@@ -559,6 +559,8 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             "state": s.points.iter().map(|p| p.state.clone()).collect::<Vec<_>>(),
             "kv": s.points.iter().map(|p| p.kv.map(|k| (k * 1000.0).round() / 1000.0)).collect::<Vec<_>>(),
             "full": s.points.iter().map(|p| p.full).collect::<Vec<_>>(),
+            "waiting": s.points.iter().map(|p| p.waiting).collect::<Vec<_>>(),
+            "telemetry_age_s": s.points.iter().map(|p| p.telemetry_age_s.map(|a| (a * 1000.0).round() / 1000.0)).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
         // Admission: the shed level's changes (s into the cell) and the data plane's
         // refusals, by priority class (the whole VIP) or for want of a backend with room.
@@ -650,6 +652,7 @@ fn steering(lab: &DaemonLab, addrs: &[String], t: f64) -> Sample {
                 capped: b.is_some_and(|b| b["steering"]["capped"] == true),
                 no_affinity: b.is_some_and(|b| b["steering"]["breaks_affinity"] == true),
                 sessions: b.and_then(|b| b["steering"]["sessions"].as_u64()),
+                telemetry_age_s: b.and_then(|b| b["steering"]["telemetry_age_s"].as_f64()),
                 running: None,
                 waiting: None,
             }

@@ -25,6 +25,9 @@ pub struct Point {
     pub no_affinity: bool,
     /// Active sessions as the daemon counts them (its connection table).
     pub sessions: Option<u64>,
+    /// Age of the telemetry the daemon's last policy step decided on, in seconds: how late
+    /// its view of the engine (and so `full`) is.
+    pub telemetry_age_s: Option<f64>,
     /// The engine's running and waiting requests.
     pub running: Option<u64>,
     pub waiting: Option<u64>,
