@@ -649,7 +649,23 @@ mod tests {
         }
     }
 
-    fn tmp() -> PathBuf {
+    /// A test's own directory, removed when the test ends (also when it fails).
+    struct TmpDir(PathBuf);
+
+    impl std::ops::Deref for TmpDir {
+        type Target = std::path::Path;
+        fn deref(&self) -> &std::path::Path {
+            &self.0
+        }
+    }
+
+    impl Drop for TmpDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn tmp() -> TmpDir {
         let d = std::env::temp_dir().join(format!(
             "sluice-ctl-{}-{:?}",
             std::process::id(),
@@ -657,11 +673,11 @@ mod tests {
         ));
         let _ = fs::remove_dir_all(&d);
         fs::create_dir_all(&d).unwrap();
-        d
+        TmpDir(d)
     }
 
     /// A controller over an empty fake plane, persisting into a fresh directory.
-    fn fresh() -> (PathBuf, Controller<FakePlane>) {
+    fn fresh() -> (TmpDir, Controller<FakePlane>) {
         let d = tmp();
         let c = Controller::new(
             State::default(),
@@ -717,7 +733,7 @@ mod tests {
 
     #[test]
     fn a_second_chance_tcp_vip_drains_until_its_deadline_whatever_the_lbs_table_counts() {
-        let (_, mut c) = fresh();
+        let (_dir, mut c) = fresh();
         let Op::AddVip { mut vip, backends } = add_chat() else {
             unreachable!()
         };
@@ -752,7 +768,7 @@ mod tests {
 
     #[test]
     fn drains_complete_at_zero_flows_or_at_the_deadline() {
-        let (_, mut c) = fresh();
+        let (_dir, mut c) = fresh();
         c.submit(add_chat(), Peer::default(), 0).unwrap();
         let a: IpAddr = "10.1.0.1".parse().unwrap();
         let b: IpAddr = "10.1.0.2".parse().unwrap();
