@@ -8,7 +8,7 @@ use std::{
     hash::{Hash, Hasher},
     path::{Path, PathBuf},
     sync::Arc,
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -282,6 +282,7 @@ fn start_scraper(
     cfg: &Arc<Config>,
     targets: Vec<telemetry::target::Target>,
     hub: &Arc<std::sync::Mutex<Hub>>,
+    epoch: Instant,
 ) -> Restartable {
     {
         let mut h = hub.lock().expect("telemetry hub lock");
@@ -293,7 +294,7 @@ fn start_scraper(
         }
     }
     let (hub, tcfg) = (hub.clone(), cfg.telemetry.clone());
-    Restartable::spawn(move |stop| telemetry::scrape::run(targets, hub, tcfg, stop))
+    Restartable::spawn(move |stop| telemetry::scrape::run(targets, hub, tcfg, epoch, stop))
 }
 
 fn start_health(
@@ -320,28 +321,40 @@ fn start_ticker(
         let mut policy = Policy::new(cfg.policy.clone());
         let mut inband = telemetry::inband::Tracker::default();
         let mut rst = cfg.policy.shed == Some(config::ShedMode::Rst);
-        // The first step comes one interval after the start, not at once: by then the
-        // scrapers' first round (bounded by scrape_timeout < scrape_interval) has reported.
-        // Stepping at once would see every scraped backend as stale ("never scraped") and
-        // move half of each pool away for a cooldown and a slow start at every daemon start
-        // and restart.
+        // Steps tick with the scrape rounds ([`telemetry::scrape::round_at`]) and each
+        // waits for its round to report (at most scrape_timeout), so the policy decides on
+        // telemetry milliseconds old. Stepping on the tick raced the round's scrapes and lost:
+        // the steer benchmark's policy decided on telemetry 0.997-1.0 s old in every sample.
+        // The first step is on the first round after the start, not at once: stepping before
+        // any round would see every scraped backend as stale ("never scraped") and move half
+        // of each pool away for a cooldown and a slow start at every daemon start.
+        let rounds = |period: Duration| {
+            let first = telemetry::scrape::round_at(epoch, period, Instant::now());
+            let mut every = tokio::time::interval_at(first.into(), period);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            every
+        };
         let mut period = cfg.telemetry.scrape_interval;
-        let mut every = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut timeout = cfg.telemetry.scrape_timeout;
+        let mut every = rounds(period);
         loop {
-            tokio::select! {
-                _ = every.tick() => {}
+            let round = tokio::select! {
+                t = every.tick() => t.into_std(),
                 _ = &mut stop => break,
-            }
+            };
             if settings.has_changed().unwrap_or(false) {
                 let cfg = settings.borrow_and_update().clone();
                 policy.set_config(cfg.policy.clone());
                 rst = cfg.policy.shed == Some(config::ShedMode::Rst);
+                timeout = cfg.telemetry.scrape_timeout;
                 if cfg.telemetry.scrape_interval != period {
                     period = cfg.telemetry.scrape_interval;
-                    every = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-                    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    every = rounds(period);
                 }
+            }
+            tokio::select! {
+                _ = round_in(&hub, round, round + timeout) => {}
+                _ = &mut stop => break,
             }
             let started = Instant::now();
             if let Err(e) = ctl.lock().await.tick(now_ms()) {
@@ -357,6 +370,21 @@ fn start_ticker(
                 .store(took, std::sync::atomic::Ordering::Relaxed);
         }
     })
+}
+
+/// Until the scrape round that began at `round` has reported ([`Hub::reported_since`]), or
+/// `deadline`, when its slowest scrape has timed out. Polls: a round reports within
+/// milliseconds, and the hub stays a plain structure behind its lock.
+async fn round_in(hub: &std::sync::Mutex<Hub>, round: Instant, deadline: Instant) {
+    const POLL: Duration = Duration::from_millis(2);
+    while Instant::now() < deadline
+        && !hub
+            .lock()
+            .expect("telemetry hub lock")
+            .reported_since(round)
+    {
+        tokio::time::sleep(POLL).await;
+    }
 }
 
 pub async fn run(config_path: &Path) -> Result<()> {
@@ -538,7 +566,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let epoch = Instant::now();
     let (settings_tx, settings_rx) = watch::channel(cfg.clone());
     let mut live = Live {
-        scraper: start_scraper(&cfg, targets, &hub),
+        scraper: start_scraper(&cfg, targets, &hub, epoch),
         health: start_health(&cfg, &ctl, epoch),
         settings: settings_tx,
         cfg: cfg.clone(),
@@ -748,7 +776,7 @@ async fn reload(
     }
     if telemetry_changed {
         scraper.stop().await;
-        scraper = start_scraper(&running, targets, hub);
+        scraper = start_scraper(&running, targets, hub, epoch);
         if running.telemetry != old.telemetry {
             applied.push("telemetry");
         }

@@ -153,6 +153,22 @@ impl Hub {
         }
     }
 
+    /// Every configured scraped source has reported, a part or an error, at or after `t`:
+    /// the scrape round that began at `t` is in. Pushes come when they come; no round waits
+    /// for them.
+    pub fn reported_since(&self, t: Instant) -> bool {
+        self.backends.values().all(|b| {
+            b.configured
+                .iter()
+                .filter(|s| **s != Source::Push)
+                .all(|s| {
+                    let since = |at: &Instant| *at >= t;
+                    b.parts.get(s).is_some_and(|(_, at)| since(at))
+                        || b.errors.get(s).is_some_and(|(_, at)| since(at))
+                })
+        })
+    }
+
     /// Every backend the hub knows, configured or pushed to.
     pub fn keys(&self) -> impl Iterator<Item = &BackendKey> {
         self.backends.keys()
@@ -233,6 +249,30 @@ mod tests {
         let mut hub = Hub::new(STALE);
         hub.configure(key("10.1.0.1"), sources.iter().copied().collect());
         hub
+    }
+
+    #[test]
+    fn a_round_is_in_when_every_scraped_source_reported_a_part_or_an_error_since_it_began() {
+        let t0 = Instant::now();
+        let round = secs(t0, 1.0);
+        let (a, b) = (key("10.1.0.1"), key("10.1.0.2"));
+        let mut hub = Hub::new(STALE);
+        hub.configure(a.clone(), BTreeSet::from([Source::Dcgm, Source::Engine]));
+        hub.configure(b.clone(), BTreeSet::from([Source::Roce]));
+        // The round before: all in, but older than the round.
+        hub.update(&a, Source::Dcgm, gpu(0.5), t0);
+        hub.update(&a, Source::Engine, engine(1.0), t0);
+        hub.update(&b, Source::Roce, Sample::default(), t0);
+        assert!(hub.reported_since(t0));
+        assert!(!hub.reported_since(round), "nothing of the round yet");
+        hub.update(&a, Source::Dcgm, gpu(0.6), secs(t0, 1.01));
+        hub.record_error(&b, Source::Roce, "connection refused", secs(t0, 1.02));
+        assert!(!hub.reported_since(round), "a's engine has not reported");
+        hub.update(&a, Source::Engine, engine(2.0), secs(t0, 1.03));
+        assert!(hub.reported_since(round), "a failure reports too");
+        // A backend that pushes is not waited for.
+        hub.push(&key("10.1.0.3"), gpu(0.1), t0);
+        assert!(hub.reported_since(round));
     }
 
     #[test]

@@ -1,19 +1,23 @@
 //! The scrape loop: every `scrape_interval`, fetch each endpoint (at most
 //! `max_concurrent_scrapes` at once, each within `scrape_timeout`), read every target's part
 //! from it and hand the parts, or the errors, to the hub. Failures are recorded, never fatal.
+//!
+//! Rounds start on one schedule for the daemon's life ([`round_at`]): the policy ticker keeps
+//! it too and steps once the round has reported, on telemetry milliseconds old, not a round
+//! old.
 
 use std::{
     collections::BTreeMap,
     future::Future,
     path::PathBuf,
     sync::{Arc, Mutex, PoisonError},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use tokio::{
     sync::Semaphore,
     task::JoinSet,
-    time::{interval, MissedTickBehavior},
+    time::{interval_at, MissedTickBehavior},
 };
 use tracing::{debug, info, warn};
 
@@ -27,11 +31,22 @@ use super::{
 };
 use crate::config::TelemetryConfig;
 
-/// Polls `targets` until `shutdown` completes. Targets sharing an endpoint share its fetch.
+/// The first scrape round at or after `now`: rounds start at `epoch` + a whole number of
+/// `period`s, so a restarted scraper (a reload) keeps the schedule the ticker steps on.
+pub fn round_at(epoch: Instant, period: Duration, now: Instant) -> Instant {
+    let since = now.saturating_duration_since(epoch).as_nanos();
+    let period_ns = period.as_nanos().max(1);
+    let rounds = since.div_ceil(period_ns);
+    epoch + Duration::from_nanos((rounds * period_ns) as u64)
+}
+
+/// Polls `targets` on the rounds of [`round_at`] until `shutdown` completes. Targets sharing
+/// an endpoint share its fetch.
 pub async fn run(
     targets: Vec<Target>,
     hub: Arc<Mutex<Hub>>,
     cfg: TelemetryConfig,
+    epoch: Instant,
     shutdown: impl Future<Output = ()>,
 ) {
     let permits = Arc::new(Semaphore::new(cfg.max_concurrent_scrapes as usize));
@@ -46,6 +61,7 @@ pub async fn run(
             targets,
             hub.clone(),
             cfg.clone(),
+            epoch,
             permits.clone(),
         ));
     }
@@ -77,6 +93,7 @@ async fn poll(
     targets: Vec<Target>,
     hub: Arc<Mutex<Hub>>,
     cfg: TelemetryConfig,
+    epoch: Instant,
     permits: Arc<Semaphore>,
 ) {
     let mut fetch = match &endpoint {
@@ -92,7 +109,9 @@ async fn poll(
             failing: false,
         })
         .collect();
-    let mut ticker = interval(cfg.scrape_interval);
+    let first = round_at(epoch, cfg.scrape_interval, Instant::now());
+    let mut ticker = interval_at(first.into(), cfg.scrape_interval);
+    // Skip keeps a late round's successors on the schedule (Delay would shift them).
     ticker.set_missed_tick_behavior(MissedTickBehavior::Skip);
     loop {
         ticker.tick().await;
@@ -327,7 +346,7 @@ mod tests {
         }
         let hub = Arc::new(Mutex::new(hub));
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(run(targets, hub.clone(), cfg, async {
+        let task = tokio::spawn(run(targets, hub.clone(), cfg, Instant::now(), async {
             let _ = stopped.await;
         }));
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -347,6 +366,20 @@ mod tests {
             .expect("run stops on shutdown")
             .unwrap();
         views
+    }
+
+    #[test]
+    fn rounds_keep_one_schedule_from_the_epoch() {
+        let (epoch, p) = (Instant::now(), Duration::from_secs(1));
+        let ms = |n: u64| epoch + Duration::from_millis(n);
+        assert_eq!(round_at(epoch, p, epoch), epoch);
+        assert_eq!(round_at(epoch, p, ms(1)), ms(1000));
+        assert_eq!(round_at(epoch, p, ms(1000)), ms(1000));
+        assert_eq!(round_at(epoch, p, ms(2500)), ms(3000));
+        assert_eq!(
+            round_at(epoch, Duration::from_millis(300), ms(1000)),
+            ms(1200)
+        );
     }
 
     #[tokio::test]
