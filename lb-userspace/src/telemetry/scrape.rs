@@ -17,7 +17,7 @@ use std::{
 use tokio::{
     sync::Semaphore,
     task::JoinSet,
-    time::{interval_at, MissedTickBehavior},
+    time::{interval_at, Interval, MissedTickBehavior},
 };
 use tracing::{debug, info, warn};
 
@@ -38,6 +38,14 @@ pub fn round_at(epoch: Instant, period: Duration, now: Instant) -> Instant {
     let period_ns = period.as_nanos().max(1);
     let rounds = since.div_ceil(period_ns);
     epoch + Duration::from_nanos((rounds * period_ns) as u64)
+}
+
+/// A ticker on the rounds of [`round_at`], from the first one at or after now. Skip keeps a
+/// late round's successors on the schedule (Delay would shift them).
+pub fn rounds(epoch: Instant, period: Duration) -> Interval {
+    let mut every = interval_at(round_at(epoch, period, Instant::now()).into(), period);
+    every.set_missed_tick_behavior(MissedTickBehavior::Skip);
+    every
 }
 
 /// Polls `targets` on the rounds of [`round_at`] until `shutdown` completes. Targets sharing
@@ -109,10 +117,7 @@ async fn poll(
             failing: false,
         })
         .collect();
-    let first = round_at(epoch, cfg.scrape_interval, Instant::now());
-    let mut ticker = interval_at(first.into(), cfg.scrape_interval);
-    // Skip keeps a late round's successors on the schedule (Delay would shift them).
-    ticker.set_missed_tick_behavior(MissedTickBehavior::Skip);
+    let mut ticker = rounds(epoch, cfg.scrape_interval);
     loop {
         ticker.tick().await;
         let fetched = {
