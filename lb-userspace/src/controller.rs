@@ -637,6 +637,7 @@ pub mod fake {
 mod tests {
     use super::{fake::FakePlane, *};
     use crate::state::testing::{be, vip};
+    use crate::test_dir::TestDir;
 
     fn settings(dir: &std::path::Path) -> Settings {
         Settings {
@@ -649,36 +650,10 @@ mod tests {
         }
     }
 
-    /// A test's own directory, removed when the test ends (also when it fails).
-    struct TmpDir(PathBuf);
-
-    impl std::ops::Deref for TmpDir {
-        type Target = std::path::Path;
-        fn deref(&self) -> &std::path::Path {
-            &self.0
-        }
-    }
-
-    impl Drop for TmpDir {
-        fn drop(&mut self) {
-            let _ = fs::remove_dir_all(&self.0);
-        }
-    }
-
-    fn tmp() -> TmpDir {
-        let d = std::env::temp_dir().join(format!(
-            "sluice-ctl-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        let _ = fs::remove_dir_all(&d);
-        fs::create_dir_all(&d).unwrap();
-        TmpDir(d)
-    }
-
-    /// A controller over an empty fake plane, persisting into a fresh directory.
-    fn fresh() -> (TmpDir, Controller<FakePlane>) {
-        let d = tmp();
+    /// A controller over an empty fake plane, persisting into a fresh directory of its
+    /// test's thread.
+    fn fresh() -> (TestDir, Controller<FakePlane>) {
+        let d = TestDir::new(&format!("ctl-{:?}", std::thread::current().id()));
         let c = Controller::new(
             State::default(),
             &State::default(),

@@ -52,4 +52,6 @@ pub mod ring_store;
 pub mod scheduler;
 pub mod state;
 pub mod telemetry;
+#[cfg(test)]
+mod test_dir;
 pub mod trace;

@@ -201,10 +201,10 @@ pub fn errors(rates: &Rates) -> Vec<(&'static str, f64)> {
 
 #[cfg(test)]
 mod tests {
-    use std::{fs, path::PathBuf, time::Duration};
+    use std::{fs, time::Duration};
 
     use super::*;
-    use crate::telemetry::prom::parse;
+    use crate::{telemetry::prom::parse, test_dir::TestDir};
 
     const NODE_EXPORTER: &str = include_str!(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -212,27 +212,17 @@ mod tests {
     ));
 
     /// A fake `hw_counters` directory, removed on drop.
-    struct Tree(PathBuf);
+    struct Tree(TestDir);
 
     impl Tree {
         fn new(name: &str) -> Tree {
-            let dir =
-                std::env::temp_dir().join(format!("sluice-roce-{name}-{}", std::process::id()));
-            let _ = fs::remove_dir_all(&dir);
-            fs::create_dir_all(&dir).unwrap();
-            Tree(dir)
+            Tree(TestDir::new(&format!("roce-{name}")))
         }
 
         fn set(&self, counters: &[(&str, &str)]) {
             for (n, v) in counters {
                 fs::write(self.0.join(n), format!("{v}\n")).unwrap();
             }
-        }
-    }
-
-    impl Drop for Tree {
-        fn drop(&mut self) {
-            let _ = fs::remove_dir_all(&self.0);
         }
     }
 
