@@ -34,9 +34,11 @@ fn throttled_adaptive_moves_sessions_off_the_throttled_accelerator_and_breaks_no
         .expect("running sluice-bench steer");
     let text =
         String::from_utf8_lossy(&run.stdout).into_owned() + &String::from_utf8_lossy(&run.stderr);
-    assert!(run.status.success(), "sluice-bench steer failed:\n{text}");
-    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    // Read before the directory goes, which it does also when the run failed.
+    let json = std::fs::read_to_string(&out);
     let _ = std::fs::remove_dir_all(&dir);
+    assert!(run.status.success(), "sluice-bench steer failed:\n{text}");
+    let doc: Value = serde_json::from_str(&json.unwrap()).unwrap();
     let cell = |p: &str| {
         doc["cells"]
             .as_array()

@@ -647,17 +647,14 @@ async fn status<P: Plane>(api: &Api<P>) -> Value {
 pub(crate) mod testing {
     //! An admin server over a FakePlane on a temporary socket, run on its own thread so
     //! tests can call it with the blocking client.
-    use std::{
-        path::PathBuf,
-        sync::atomic::{AtomicUsize, Ordering},
-        time::Duration,
-    };
+    use std::{path::PathBuf, time::Duration};
 
     use super::*;
     use crate::{
         client::Client,
         controller::{fake::FakePlane, Settings},
         state::{Limits, State},
+        test_dir::TestDir,
     };
 
     pub(crate) fn controller() -> Controller<FakePlane> {
@@ -693,25 +690,14 @@ pub(crate) mod testing {
         }
     }
 
-    pub(crate) fn temp_dir(what: &str) -> PathBuf {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "sluice-{what}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
     pub(crate) struct TestServer {
-        pub dir: PathBuf,
         pub socket: PathBuf,
         pub ctl: Arc<Mutex<Controller<FakePlane>>>,
         pub info: Arc<DaemonInfo>,
         stop: Option<tokio::sync::oneshot::Sender<()>>,
         thread: Option<std::thread::JoinHandle<()>>,
+        // Last: removed after Drop below has stopped the server's thread.
+        pub dir: TestDir,
     }
 
     impl TestServer {
@@ -720,7 +706,7 @@ pub(crate) mod testing {
         }
 
         pub(crate) fn start_with(limits: ListenerLimits) -> TestServer {
-            let dir = temp_dir("admin");
+            let dir = TestDir::new("admin");
             let info = Arc::new(info());
             // A directory that does not exist yet: bind creates it.
             let socket = dir.join("run/admin.sock");
@@ -774,7 +760,6 @@ pub(crate) mod testing {
         fn drop(&mut self) {
             let _ = self.stop.take().unwrap().send(());
             let _ = self.thread.take().unwrap().join();
-            let _ = fs::remove_dir_all(&self.dir);
         }
     }
 }

@@ -39,7 +39,7 @@ mod tests {
 
     #[test]
     fn every_visible_command_gets_a_page() {
-        let dir = std::env::temp_dir().join(format!("sluice-man-{}", std::process::id()));
+        let dir = crate::test_dir::TestDir::new("man");
         let mut listed = Vec::new();
         write(crate::cli::Cli::command(), &dir, &mut listed).unwrap();
         let listed = String::from_utf8(listed).unwrap();
@@ -62,6 +62,5 @@ mod tests {
             !dir.join("sluice-manpages.1").exists(),
             "hidden commands get no page"
         );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -57,16 +57,13 @@ mod tests {
 
     #[test]
     fn a_datagram_reaches_a_path_socket() {
-        let dir = std::env::temp_dir().join(format!("sluice-notify-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::test_dir::TestDir::new("notify");
         let path = dir.join("notify.sock");
-        let _ = std::fs::remove_file(&path);
         let rx = UnixDatagram::bind(&path).unwrap();
         send(path.to_str().unwrap(), "READY=1\nSTATUS=up").unwrap();
         let mut buf = [0u8; 64];
         let n = rx.recv(&mut buf).unwrap();
         assert_eq!(&buf[..n], b"READY=1\nSTATUS=up");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -51,7 +51,7 @@ mod tests {
 
     #[test]
     fn created_and_existing_files_end_up_0600() {
-        let dir = crate::admin::testing::temp_dir("private");
+        let dir = crate::test_dir::TestDir::new("private");
         let (a, b) = (dir.join("state.json"), dir.join("audit.jsonl"));
         write(&a, b"{}").unwrap();
         writeln!(append(&b).unwrap(), "x").unwrap();
@@ -75,6 +75,5 @@ mod tests {
             );
         }
         assert_eq!(fs::read_to_string(&b).unwrap(), "x\ny\n");
-        fs::remove_dir_all(dir).unwrap();
     }
 }

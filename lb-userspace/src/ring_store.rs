@@ -132,6 +132,7 @@ impl Reader<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_dir::TestDir;
 
     fn rings() -> Rings {
         let key = VipKey {
@@ -155,28 +156,19 @@ mod tests {
         vec![(key, slots), (VipKey::default(), Vec::new())]
     }
 
-    /// A directory of this test's own, emptied first.
-    fn dir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("sluice-rings-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
     #[test]
     fn saved_rings_read_back_the_same() {
-        let dir = dir("same");
+        let dir = TestDir::new("rings-same");
         let path = path_for(&dir.join("state.json"));
         assert_eq!(path, dir.join("state.rings"));
         assert!(load(&path).unwrap().is_none(), "no file: nothing to seed");
         save(&path, &rings()).unwrap();
         assert_eq!(load(&path).unwrap().unwrap(), rings());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn a_cut_or_foreign_file_is_refused_whole() {
-        let dir = dir("refused");
+        let dir = TestDir::new("rings-refused");
         let path = dir.join("state.rings");
         save(&path, &rings()).unwrap();
         let good = std::fs::read(&path).unwrap();
@@ -197,6 +189,5 @@ mod tests {
                 "{what}: {err}"
             );
         }
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

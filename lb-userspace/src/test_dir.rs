@@ -4,15 +4,22 @@ use std::{
     fs,
     ops::Deref,
     path::{Path, PathBuf},
+    sync::atomic::{AtomicUsize, Ordering},
 };
 
 pub struct TestDir(PathBuf);
 
 impl TestDir {
-    /// `sluice-{name}-{pid}` in the system's temporary directory, emptied first: what a
-    /// killed run left there is not read back.
+    /// `sluice-{name}-{pid}-{n}` in the system's temporary directory, `n` counting this
+    /// process's directories (tests run in parallel), emptied first: what a killed run left
+    /// there is not read back.
     pub fn new(name: &str) -> TestDir {
-        let dir = std::env::temp_dir().join(format!("sluice-{name}-{}", std::process::id()));
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "sluice-{name}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
         TestDir(dir)

@@ -168,7 +168,7 @@ mod tests {
     use std::os::unix::fs::MetadataExt;
 
     use super::*;
-    use crate::admin::testing::temp_dir;
+    use crate::test_dir::TestDir;
 
     #[test]
     fn bind_replaces_only_a_dead_socket() {
@@ -177,7 +177,7 @@ mod tests {
             .build()
             .unwrap();
         let _guard = rt.enter();
-        let dir = temp_dir("bind");
+        let dir = TestDir::new("bind");
         let sock = AdminSocket {
             path: dir.join("a.sock"),
             mode: 0o600,
@@ -215,7 +215,6 @@ mod tests {
             e.contains("group \"no-such-group-sluice\" does not exist: create it"),
             "{e}"
         );
-        fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

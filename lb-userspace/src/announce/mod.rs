@@ -356,9 +356,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_shell_reconfigures_bird_on_changes_only_and_follows_a_drain() {
-        let dir = std::env::temp_dir().join(format!("sluice-announce-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::test_dir::TestDir::new("announce");
         let cfg = BgpConfig {
             control_socket: dir.join("bird.ctl"),
             routes_file: dir.join("routes.conf"),
@@ -428,7 +426,6 @@ mod tests {
             1,
             "{k:?}"
         );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -546,17 +546,16 @@ mod tests {
 
     #[tokio::test]
     async fn sysfs_counters_become_rates() {
-        let dir = std::env::temp_dir().join(format!("sluice-scrape-roce-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::test_dir::TestDir::new("scrape-roce");
         std::fs::write(dir.join("np_ecn_marked_roce_packets"), "0\n").unwrap();
         std::fs::write(dir.join("np_cnp_sent"), "0\n").unwrap();
         let targets = vec![Target {
             key: key(1),
-            endpoint: Endpoint::Sysfs(dir.clone()),
+            endpoint: Endpoint::Sysfs(dir.to_path_buf()),
             reader: Reader::RoceSysfs,
         }];
         // Counters that keep growing: each round sees a positive rate once the writer moves.
-        let writer_dir = dir.clone();
+        let writer_dir = dir.to_path_buf();
         let writer = tokio::spawn(async move {
             for i in 1..=100u64 {
                 tokio::time::sleep(Duration::from_millis(25)).await;
@@ -571,7 +570,6 @@ mod tests {
         })
         .await;
         writer.abort();
-        let _ = std::fs::remove_dir_all(&dir);
         let s = &views[0].sample;
         assert!(s.ecn_rate.is_some_and(|r| r > 0.0), "{s:?}");
         assert_eq!(s.cnp_rate, Some(0.0));
