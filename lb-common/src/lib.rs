@@ -12,7 +12,7 @@ pub mod trace;
 /// Bumped whenever a map's key or value layout changes, or the counter list does (`STATS`
 /// is read by index); pinned maps carry it so a newer program refuses to reuse maps it
 /// cannot read.
-pub const LAYOUT_VERSION: u32 = 4;
+pub const LAYOUT_VERSION: u32 = 5;
 
 pub const MAX_VIPS: u32 = 128;
 /// Backend ids index the backend array; id 0 is the "unset" sentinel (a ring slot or
@@ -537,6 +537,10 @@ pub mod stat {
         /// Of `AFFINITY_HIT`: a new session on a backend that is full by saturation, not at
         /// its cap, kept there by the client's affinity entry (new clients probe past it).
         AFFINITY_HIT_SATURATED = "affinity_hit_saturated", Event;
+        /// A TCP SYN whose 5-tuple still has a connection entry, to a backend that no longer
+        /// keeps its clients (draining, moved away, down or gone): steered as a new session
+        /// (shed, affinity, ring) and the entry rewritten. Not also counted as a miss.
+        CONN_REOPEN_RESTEER = "conn_reopen_resteer", Event;
     }
 }
 

@@ -114,8 +114,14 @@ pub fn decide(
     if let Some(e) = CONNS.get_ptr_mut(key) {
         let id = unsafe { (*e).backend };
         let h = unsafe { (*e).hash };
+        // A SYN on a 5-tuple whose entry outlived its connection (the client reused the
+        // port) opens a new session. The entry brings it its old backend as an affinity
+        // entry would, only while that backend keeps its clients: one draining, moved away
+        // or down gets no new session from a stale entry. (A retransmitted SYN whose backend
+        // left meanwhile moves too; its half-open connection there times out.)
+        let reopens = opens && track && key.proto == PROTO_TCP;
         if let Some(b) = backend(id, vip) {
-            if b.state == BACKEND_ACTIVE || b.state == BACKEND_DRAINING {
+            if takes(&b, false) && (!reopens || keeps_affinity(&b, true)) {
                 // The coarse clock moves once a tick: most packets leave the line clean.
                 unsafe {
                     if (*e).last_seen_ns != now {
@@ -142,26 +148,32 @@ pub fn decide(
                 });
             }
         }
-        // Its backend is down (or gone): re-steer to the table's current choice and keep
-        // the flow pinned there from now on.
-        count(stat::CONN_RESTEER_DOWN);
-        let (id, b, previous) = choose(key, vip, h, now, false)?;
-        unsafe {
-            (*e).backend = id;
-            (*e).last_seen_ns = now;
+        if !reopens {
+            // Its backend is down (or gone): re-steer to the table's current choice and
+            // keep the flow pinned there from now on.
+            count(stat::CONN_RESTEER_DOWN);
+            let (id, b, previous) = choose(key, vip, h, now, false)?;
+            unsafe {
+                (*e).backend = id;
+                (*e).last_seen_ns = now;
+            }
+            return Ok(Decision {
+                backend_id: id,
+                backend: b,
+                new_flow: true,
+                hash: h,
+                now,
+                previous,
+                conn: None,
+            });
         }
-        return Ok(Decision {
-            backend_id: id,
-            backend: b,
-            new_flow: true,
-            hash: h,
-            now,
-            previous,
-            conn: None,
-        });
+        // The stale entry goes, and the SYN is steered as a miss is.
+        count(stat::CONN_REOPEN_RESTEER);
+        let _ = CONNS.remove(key);
+    } else {
+        count(stat::CONN_MISS);
     }
 
-    count(stat::CONN_MISS);
     let h = steering_hash(key, vip, cfg);
     let opens = opens && track;
     if opens && vip.flags & VIP_F_SHED != 0 {

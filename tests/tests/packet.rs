@@ -576,6 +576,43 @@ fn draining_backend_takes_no_new_flow_but_keeps_its_established_one() {
     assert!(lab.stat(stat::PROBE_SKIP) >= 1);
 }
 
+/// A client that reuses a 5-tuple opens a new connection while the old one's entry is still
+/// in the table. Its SYN follows the entry only while the backend keeps its clients (a
+/// retransmitted SYN stays); to a draining backend, or one moved away (out of the ring,
+/// `BACKEND_F_NO_AFFINITY`), it goes where a new session would, and the entry goes with it.
+#[test]
+fn a_syn_reusing_the_5_tuple_of_a_draining_or_moved_away_backend_is_a_new_session() {
+    type Leave = fn(&mut Lab, &lb_common::VipKey);
+    let cases: [(&str, Leave); 2] = [
+        ("draining", |lab, _| lab.set_state(2, BACKEND_DRAINING)),
+        ("moved away", |lab, vip| {
+            lab.backends(vip, &[BACKENDS4[0], BACKENDS4[2]]);
+            lab.set_flags(2, BACKEND_F_NO_AFFINITY);
+        }),
+    ];
+    for (what, leave) in cases {
+        let (mut lab, vip) = lab_v4();
+        let p = port_on(&mut lab, &vip, 2, 1000);
+        let key = flow(CLIENT4, p, VIP4, 443, PROTO_TCP);
+        let h = lab.flow_hash(&key, false);
+        let syn = v4_tcp(CLIENT4, p, VIP4, 443, SYN, 0);
+        let ack = v4_tcp(CLIENT4, p, VIP4, 443, ACK, 0);
+        assert_steered(&mut lab, &syn, 2, h);
+        assert_steered(&mut lab, &syn, 2, h);
+        assert_eq!(lab.stat(stat::CONN_HIT), 1, "{what}: the retransmitted SYN");
+        leave(&mut lab, &vip);
+        // The old connection's packets stay; the new connection's SYN moves.
+        assert_steered(&mut lab, &ack, 2, h);
+        let next = *lab.probes(&vip, &key).iter().find(|&&id| id != 2).unwrap();
+        assert_steered(&mut lab, &syn, next, h);
+        assert_eq!(lab.stat(stat::CONN_REOPEN_RESTEER), 1, "{what}");
+        assert_eq!(lab.stat(stat::CONN_MISS), 1, "{what}: only the first SYN");
+        assert_eq!(lab.dp.conn(&key).unwrap().unwrap().backend, next, "{what}");
+        assert_steered(&mut lab, &ack, next, h);
+        assert_eq!(lab.dp.backend_stats(next).unwrap().new_flows, 1, "{what}");
+    }
+}
+
 #[test]
 fn down_backend_flow_is_resteered_to_the_current_table_choice() {
     let (mut lab, vip) = lab_v4();
