@@ -8,7 +8,7 @@ use std::{
     hash::{Hash, Hasher},
     path::{Path, PathBuf},
     sync::Arc,
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -348,7 +348,7 @@ fn start_ticker(
                 }
             }
             tokio::select! {
-                _ = round_in(&hub, round, round + timeout) => {}
+                _ = telemetry::scrape::round_in(&hub, round, round + timeout) => {}
                 _ = &mut stop => break,
             }
             let started = Instant::now();
@@ -365,21 +365,6 @@ fn start_ticker(
                 .store(took, std::sync::atomic::Ordering::Relaxed);
         }
     })
-}
-
-/// Until the scrape round that began at `round` has reported ([`Hub::reported_since`]), or
-/// `deadline`, when its slowest scrape has timed out. Polls: a round reports within
-/// milliseconds, and the hub stays a plain structure behind its lock.
-async fn round_in(hub: &std::sync::Mutex<Hub>, round: Instant, deadline: Instant) {
-    const POLL: Duration = Duration::from_millis(2);
-    while Instant::now() < deadline
-        && !hub
-            .lock()
-            .expect("telemetry hub lock")
-            .reported_since(round)
-    {
-        tokio::time::sleep(POLL).await;
-    }
 }
 
 pub async fn run(config_path: &Path) -> Result<()> {
@@ -570,8 +555,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
         let ctl = ctl.clone();
         Restartable::spawn(move |stop| crate::announce::run(a, ctl, stop))
     });
-    // In a fleet, the steering round (lease, report, the leader's policy step and drain
-    // completion) replaces the local ticker, and a follower applies the fleet's table sets.
+    // In a fleet, the steering rounds (lease and report; the leader's policy step and drain
+    // completion) replace the local ticker, and a follower applies the fleet's table sets.
     let (ticker, follower) = match &fleet {
         None => (start_ticker(settings_rx, &ctl, &hub, &info, epoch), None),
         Some(f) => {
@@ -582,6 +567,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
                 inband: telemetry::inband::Tracker::default(),
                 shed_rst: cfg.policy.shed == Some(config::ShedMode::Rst),
                 scrape_interval: cfg.telemetry.scrape_interval,
+                scrape_timeout: cfg.telemetry.scrape_timeout,
                 epoch,
             };
             let (f1, f2, c) = (f.clone(), f.clone(), ctl.clone());

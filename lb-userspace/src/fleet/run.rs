@@ -1,5 +1,5 @@
 //! The fleet's daemon tasks: following the table set (read, then watch), and the steering
-//! round (lease, host report, and on the leader the policy step and drain completion).
+//! rounds (lease and host report; on the leader, the policy step and drain completion).
 
 use std::{
     collections::BTreeMap,
@@ -23,7 +23,7 @@ use crate::{
     policy::Policy,
     scheduler,
     state::Op,
-    telemetry::{inband::Tracker, Hub},
+    telemetry::{self, inband::Tracker, Hub},
 };
 
 /// Wait between two attempts to reach etcd after a failure.
@@ -189,64 +189,85 @@ impl Campaign {
     }
 }
 
-/// Everything the steering round needs from the daemon.
+/// Everything the steering rounds need from the daemon.
 pub struct Steering<P: Plane> {
     pub ctl: Arc<Mutex<Controller<P>>>,
     pub hub: Arc<std::sync::Mutex<Hub>>,
     pub policy: Policy,
-    /// This host's in-band windows (see the round).
+    /// This host's in-band windows (see [`step`]).
     pub inband: Tracker,
     pub shed_rst: bool,
     pub scrape_interval: Duration,
+    pub scrape_timeout: Duration,
     pub epoch: Instant,
 }
 
-/// One round, every `lease_ttl / 3`: lease and leadership, this host's report, and on the
-/// leader (at most once per scrape interval) the policy step on the fleet's sessions and
-/// drain completion, each published as a new table-set version.
+/// Two rounds. Every `lease_ttl / 3`: lease and leadership, and this host's report
+/// ([`lease_round`]). On the leader, at every scrape round once it has reported, as the
+/// single host's ticker does (`daemon::start_ticker`): the policy step on the fleet's
+/// sessions and drain completion, each published as a new table-set version ([`step`]). A
+/// step on the lease rounds decided on telemetry up to a scrape interval old.
 pub async fn steer<S: Store, P: Plane>(
     fleet: Arc<Fleet<S>>,
     mut s: Steering<P>,
     stop: impl Future<Output = ()>,
 ) {
-    tokio::pin!(stop);
-    let period = fleet.cfg.lease_ttl / 3;
-    let mut every = tokio::time::interval(period);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut campaign = Campaign::default();
-    let mut last_step: Option<Instant> = None;
-    loop {
-        tokio::select! {
-            _ = every.tick() => {}
-            _ = &mut stop => return,
+    let ctl = s.ctl.clone();
+    let leases = async {
+        let mut every = tokio::time::interval(fleet.cfg.lease_ttl / 3);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut campaign = Campaign::default();
+        loop {
+            every.tick().await;
+            let (now, mut events) = (now_ms(), vec![]);
+            let r = lease_round(&fleet, &ctl, &mut campaign, now, &mut events).await;
+            observed(&fleet, &ctl, r, now, events).await;
         }
-        let mut events = vec![];
-        let now = now_ms();
-        let r = round(
-            &fleet,
-            &mut s,
-            &mut campaign,
-            &mut last_step,
-            now,
-            &mut events,
-        )
-        .await;
-        if let Err(e) = &r {
-            tracing::warn!(error = %e, "fleet steering round");
-            fleet.set_leader(fleet.status().leader, false);
+    };
+    let steps = async {
+        let mut every = telemetry::scrape::rounds(s.epoch, s.scrape_interval);
+        loop {
+            let round = every.tick().await.into_std();
+            if !fleet.status().is_leader {
+                continue;
+            }
+            telemetry::scrape::round_in(&s.hub, round, round + s.scrape_timeout).await;
+            let (now, mut events) = (now_ms(), vec![]);
+            let r = step(&fleet, &mut s, now, &mut events).await;
+            observed(&fleet, &s.ctl, r, now, events).await;
         }
-        events.extend(fleet.observed(r.as_ref().map(drop), now));
-        let mut c = s.ctl.lock().await;
-        fleet.refresh_digests(&c);
-        log_events(&mut c, events);
+    };
+    tokio::select! {
+        _ = leases => {}
+        _ = steps => {}
+        _ = stop => {}
     }
 }
 
-pub(super) async fn round<S: Store, P: Plane>(
+/// After a round: a failure gives up leadership until the next lease round; etcd's
+/// reachability, the digests and the round's events are recorded.
+async fn observed<S: Store, P: Plane>(
     fleet: &Fleet<S>,
-    s: &mut Steering<P>,
+    ctl: &Mutex<Controller<P>>,
+    r: Result<(), StoreError>,
+    now: u64,
+    mut events: Vec<Event>,
+) {
+    if let Err(e) = &r {
+        tracing::warn!(error = %e, "fleet steering round");
+        fleet.set_leader(fleet.status().leader, false);
+    }
+    events.extend(fleet.observed(r.as_ref().map(drop), now));
+    let mut c = ctl.lock().await;
+    fleet.refresh_digests(&c);
+    log_events(&mut c, events);
+}
+
+/// Lease and leadership, and this host's report (its active flows per backend).
+pub(super) async fn lease_round<S: Store, P: Plane>(
+    fleet: &Fleet<S>,
+    ctl: &Mutex<Controller<P>>,
     campaign: &mut Campaign,
-    last_step: &mut Option<Instant>,
     now: u64,
     events: &mut Vec<Event>,
 ) -> Result<(), StoreError> {
@@ -267,8 +288,7 @@ pub(super) async fn round<S: Store, P: Plane>(
             reason: format!("steering leader: {}", leader.as_deref().unwrap_or("none")),
         });
     }
-    let flows = s
-        .ctl
+    let flows = ctl
         .lock()
         .await
         .active_flows()
@@ -281,10 +301,17 @@ pub(super) async fn round<S: Store, P: Plane>(
     let key = fleet.keys.host(&fleet.cfg.host);
     let body = serde_json::to_vec(&report).expect("a report serializes");
     fleet.store.put(&key, body, campaign.lease).await?;
-    if !is_leader || last_step.is_some_and(|t| t.elapsed() < s.scrape_interval) {
-        return Ok(());
-    }
-    *last_step = Some(Instant::now());
+    Ok(())
+}
+
+/// The leader's step: the policy on the fleet's sessions (the hosts' reports summed),
+/// published as the next version, then the drains whose streams have ended completed.
+pub(super) async fn step<S: Store, P: Plane>(
+    fleet: &Fleet<S>,
+    s: &mut Steering<P>,
+    now: u64,
+    events: &mut Vec<Event>,
+) -> Result<(), StoreError> {
     let reports: BTreeMap<String, HostReport> = fleet
         .store
         .list(&fleet.keys.hosts)

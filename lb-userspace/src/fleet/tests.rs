@@ -457,10 +457,11 @@ async fn the_leaders_policy_step_sees_in_band_signals() {
         policy: Policy::new(PolicyConfig::default()),
         inband: Tracker::default(),
         shed_rst: false,
-        scrape_interval: Duration::ZERO,
+        scrape_interval: Duration::from_secs(1),
+        scrape_timeout: Duration::from_millis(500),
         epoch: Instant::now(),
     };
-    let (mut campaign, mut last_step) = (Campaign::default(), None);
+    let mut campaign = Campaign::default();
     // Cumulative aggregates: a baseline, then a second of streaming per backend, the third
     // delivering a quarter of what the others do.
     for (round, bytes) in [(0, [0, 0, 0]), (1, [4000, 4000, 1000])] {
@@ -478,16 +479,11 @@ async fn the_leaders_policy_step_sees_in_band_signals() {
                 );
             }
         }
-        run::round(
-            &a.fleet,
-            &mut s,
-            &mut campaign,
-            &mut last_step,
-            2_000 + round,
-            &mut vec![],
-        )
-        .await
-        .unwrap();
+        let now = 2_000 + round;
+        run::lease_round(&a.fleet, &a.ctl, &mut campaign, now, &mut vec![])
+            .await
+            .unwrap();
+        run::step(&a.fleet, &mut s, now, &mut vec![]).await.unwrap();
     }
     assert!(a.fleet.status().is_leader);
     let c = a.ctl.lock().await;

@@ -48,6 +48,21 @@ pub fn rounds(epoch: Instant, period: Duration) -> Interval {
     every
 }
 
+/// Until the scrape round that began at `round` has reported ([`Hub::reported_since`]), or
+/// `deadline`, when its slowest scrape has timed out. Polls: a round reports within
+/// milliseconds, and the hub stays a plain structure behind its lock.
+pub async fn round_in(hub: &Mutex<Hub>, round: Instant, deadline: Instant) {
+    const POLL: Duration = Duration::from_millis(2);
+    while Instant::now() < deadline
+        && !hub
+            .lock()
+            .expect("telemetry hub lock")
+            .reported_since(round)
+    {
+        tokio::time::sleep(POLL).await;
+    }
+}
+
 /// Polls `targets` on the rounds of [`round_at`] until `shutdown` completes. Targets sharing
 /// an endpoint share its fetch.
 pub async fn run(
