@@ -538,8 +538,9 @@ pub mod stat {
         /// its cap, kept there by the client's affinity entry (new clients probe past it).
         AFFINITY_HIT_SATURATED = "affinity_hit_saturated", Event;
         /// A TCP SYN whose 5-tuple still has a connection entry, to a backend that no longer
-        /// keeps its clients (draining, moved away, down or gone): steered as a new session
-        /// (shed, affinity, ring) and the entry rewritten. Not also counted as a miss.
+        /// keeps its clients (draining, moved away, down or gone): the entry is removed and
+        /// the SYN steered as a miss is (shedding, affinity, ring, a new entry unless the
+        /// flood guard holds). Not also counted as a miss.
         CONN_REOPEN_RESTEER = "conn_reopen_resteer", Event;
     }
 }

@@ -19,7 +19,12 @@
 //! 20 s on a doubled cooldown and returned 15 s after its fabric had cleared), and a
 //! probation without congestion ends at full weight (no ramp: it has been serving). A
 //! second failed probation in a row doubles the cooldown as a flap does: the fabric was
-//! seen congested with traffic on it, so probing it again soon would only churn.
+//! seen congested with traffic on it, so probing it again soon would only churn. A backend
+//! that kept a reduced share while out (its VIP had no headroom: [`super::HEADROOM`]) was
+//! never emptied: its clear reading is evidence, and it returns at full weight without
+//! probation (the steer benchmark's seed-7 congested backend read clear with traffic on it
+//! at 41 s and then served a quarter of its weight on probation until 48 s while the others
+//! queued).
 
 use std::time::Duration;
 
@@ -84,10 +89,12 @@ impl MoveAway {
         }
     }
 
+    /// `carrying`: it took new sessions at its last step (a reduced share while out).
     pub fn update(
         &mut self,
         now: Duration,
         trigger: Option<Reason>,
+        carrying: bool,
         cfg: &PolicyConfig,
     ) -> Option<Change> {
         match (&self.phase, trigger) {
@@ -118,9 +125,10 @@ impl MoveAway {
                 })
             }
             (Phase::MovedAway { until, reason }, None) if now >= *until => {
-                let probation = *reason == Reason::Congestion;
+                let probation = *reason == Reason::Congestion && !carrying;
                 self.phase = Phase::InRotation {
-                    ramp_from: (!probation && *reason != Reason::Saturation).then_some(now),
+                    ramp_from: (!matches!(reason, Reason::Congestion | Reason::Saturation))
+                        .then_some(now),
                 };
                 self.probation = probation.then_some(now + PROBATION);
                 self.returned_at = Some(now);
@@ -211,13 +219,13 @@ mod tests {
         let mut t = Duration::ZERO;
         let mut served = Vec::new();
         for _ in 0..8 {
-            match st.update(t, Some(Reason::Throttling), &cfg) {
+            match st.update(t, Some(Reason::Throttling), false, &cfg) {
                 Some(Change::Moved { cooldown, .. }) => served.push(cooldown.as_secs()),
                 other => panic!("{other:?}"),
             }
             t += st.cooldown_left(t);
             assert_eq!(
-                st.update(t, None, &cfg),
+                st.update(t, None, false, &cfg),
                 Some(Change::Returned { probation: false })
             );
             t += S;
@@ -225,14 +233,14 @@ mod tests {
         assert_eq!(served, [10, 20, 40, 80, 160, 320, 600, 600]);
         // Stable for stable_period but within flap_window: decays to base, then doubles.
         t += cfg.stable_period;
-        st.update(t, Some(Reason::Stale), &cfg);
+        st.update(t, Some(Reason::Stale), false, &cfg);
         assert_eq!(st.cooldown_left(t), 2 * cfg.cooldown_base);
         t += st.cooldown_left(t);
-        st.update(t, None, &cfg);
+        st.update(t, None, false, &cfg);
         // Past flap_window: not a flap.
         t += cfg.flap_window + S;
         assert_eq!(
-            st.update(t, Some(Reason::Saturation), &cfg),
+            st.update(t, Some(Reason::Saturation), false, &cfg),
             Some(Change::Moved {
                 cooldown: cfg.cooldown_base,
                 flap: false
@@ -244,13 +252,16 @@ mod tests {
     fn stays_away_until_cooldown_ends_and_signals_are_fine() {
         let cfg = PolicyConfig::default();
         let mut st = MoveAway::new(None);
-        st.update(Duration::ZERO, Some(Reason::Throttling), &cfg);
+        st.update(Duration::ZERO, Some(Reason::Throttling), false, &cfg);
         assert!(st.wants_out(5 * S, None));
-        assert_eq!(st.update(5 * S, None, &cfg), None);
-        assert_eq!(st.update(10 * S, Some(Reason::Throttling), &cfg), None);
+        assert_eq!(st.update(5 * S, None, false, &cfg), None);
+        assert_eq!(
+            st.update(10 * S, Some(Reason::Throttling), false, &cfg),
+            None
+        );
         assert!(!st.wants_out(11 * S, None));
         assert_eq!(
-            st.update(11 * S, None, &cfg),
+            st.update(11 * S, None, false, &cfg),
             Some(Change::Returned { probation: false })
         );
     }
@@ -259,9 +270,9 @@ mod tests {
     fn no_ramp_after_saturation() {
         let cfg = PolicyConfig::default();
         let mut st = MoveAway::new(None);
-        st.update(Duration::ZERO, Some(Reason::Saturation), &cfg);
+        st.update(Duration::ZERO, Some(Reason::Saturation), false, &cfg);
         assert_eq!(
-            st.update(10 * S, None, &cfg),
+            st.update(10 * S, None, false, &cfg),
             Some(Change::Returned { probation: false })
         );
         assert!(!st.ramping());

@@ -585,7 +585,8 @@ impl Policy {
                 Phase::MovedAway { reason, .. } => Some(reason),
                 Phase::InRotation { .. } => None,
             };
-            match m.move_away.update(now, reason, cfg) {
+            let carrying = m.weight.is_some_and(|w| w > 0);
+            match m.move_away.update(now, reason, carrying, cfg) {
                 Some(Change::Moved { cooldown, flap }) => {
                     let detail = w.trigger.as_ref().map_or("", |t| &t.detail);
                     events.push(event(EventKind::Reroute, detail.to_owned()));
@@ -609,11 +610,13 @@ impl Policy {
                     }
                     let detail = if probation {
                         format!("cooldown over and signals fine: on probation for {PROBATION:?}")
-                    } else {
+                    } else if m.move_away.ramping() {
                         format!(
                             "cooldown over and signals fine: slow start over {:?}",
                             cfg.slow_start
                         )
+                    } else {
+                        "cooldown over and signals fine: full weight".to_owned()
                     };
                     events.push(event(EventKind::Recover, detail));
                 }

@@ -887,6 +887,48 @@ fn a_congested_backend_returns_on_probation_and_is_not_flapped_for_marks_it_cann
     }
 }
 
+/// Without headroom a congested backend keeps a quarter of its weight while out, so it
+/// carries traffic and its fabric's marks show: its clear reading at the end of its cooldown
+/// is evidence, and it returns at full weight at once, without probation. On probation it
+/// would serve a quarter for 5 s more while the others, with no headroom, queue (the steer
+/// benchmark's seed-7 congested cell: clear with traffic on it at 41 s, a quarter until
+/// 48 s).
+#[test]
+fn a_congested_backend_that_carried_traffic_while_out_returns_at_full_weight() {
+    let cfg = PolicyConfig::default(); // cooldown 10s, 8 levels
+    let mut sim = Sim::new(cfg.clone(), 4);
+    for i in 0..4 {
+        sim.sample(i).kv_cache = Some(0.6); // pressure 0.75: no headroom
+    }
+    sim.run_until(10 * S);
+    let (fault, clear) = (10 * S, 30 * S);
+    let mut weight = 100;
+    let mut decisions = Vec::new();
+    while sim.now < 45 * S {
+        let marked = (fault..clear).contains(&sim.now) && weight > 0;
+        sim.sample(0).ecn_rate = Some(if marked { 5000.0 } else { 0.0 });
+        let d = sim.step();
+        weight = d.backends[0].weight;
+        decisions.push(d);
+    }
+    for (t, d) in (10..).map(|s| s * S).zip(&decisions) {
+        let b = &d.backends[0];
+        if t > fault && t < clear {
+            assert_eq!((b.weight, b.state), (25, SteerState::MovedAway), "at {t:?}");
+        }
+        if t >= clear {
+            assert_eq!((b.weight, b.state), (100, SteerState::Active), "at {t:?}");
+        }
+    }
+    let recovered: Vec<&str> = decisions
+        .iter()
+        .flat_map(|d| &d.events)
+        .filter(|e| e.kind == EventKind::Recover)
+        .map(|e| e.reason.as_str())
+        .collect();
+    assert_eq!(recovered, ["cooldown over and signals fine: full weight"]);
+}
+
 /// Issue 7's `heterogeneous` fleet: a half-speed accelerator reports the same KV and queue as
 /// a busy healthy one, and only its time per output token tells them apart. It gets about
 /// half weight at the first scrape that shows it (not a move away), keeps it while it
