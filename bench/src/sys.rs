@@ -4,10 +4,34 @@ use std::{
     fs,
     os::fd::{AsRawFd, OwnedFd},
     process::Command,
+    sync::atomic::{AtomicBool, Ordering},
     time::{SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::{bail, Context, Result};
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// From now on SIGINT, SIGTERM and SIGHUP only raise a flag that [`interrupted`] reports: a
+/// benchmark that checks it returns an error, and its labs' drops tear down the namespaces,
+/// processes and pins they made, which the signals' default action would leave behind.
+pub fn catch_interrupts() {
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
+}
+
+/// An error once a signal caught by [`catch_interrupts`] has arrived.
+pub fn interrupted() -> Result<()> {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        bail!("interrupted by a signal: the lab is torn down");
+    }
+    Ok(())
+}
 
 pub fn require_root() -> Result<()> {
     if unsafe { libc::geteuid() } != 0 {

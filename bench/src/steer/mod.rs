@@ -166,6 +166,7 @@ impl Args {
 pub fn main(args: &[String]) -> Result<()> {
     let args = Args::parse(args)?;
     sys::require_root()?;
+    sys::catch_interrupts();
     let doc = run(&args)?;
     if let Some(dir) = args.out.parent() {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -206,6 +207,7 @@ pub fn run(args: &Args) -> Result<Value> {
     for &scenario in &args.scenarios {
         let mut cdfs = Vec::new();
         for &policy in &args.policies {
+            sys::interrupted()?;
             println!(
                 "== {} / {} ({:.0} s so far)",
                 scenario.name(),
@@ -425,6 +427,10 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         }
         if let Some(st) = lab.topo.try_wait(gen)? {
             break st;
+        }
+        if let Err(e) = sys::interrupted() {
+            lab.topo.signal(gen, libc::SIGKILL)?;
+            return Err(e);
         }
         if t > limit {
             lab.topo.signal(gen, libc::SIGKILL)?;
