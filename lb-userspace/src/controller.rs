@@ -650,10 +650,9 @@ mod tests {
         }
     }
 
-    /// A controller over an empty fake plane, persisting into a fresh directory of its
-    /// test's thread.
+    /// A controller over an empty fake plane, persisting into a fresh directory.
     fn fresh() -> (TestDir, Controller<FakePlane>) {
-        let d = TestDir::new(&format!("ctl-{:?}", std::thread::current().id()));
+        let d = TestDir::new("ctl");
         let c = Controller::new(
             State::default(),
             &State::default(),
