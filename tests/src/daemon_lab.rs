@@ -1055,13 +1055,29 @@ impl DaemonLab {
         tokens: u32,
         interval_ms: u32,
     ) -> Result<Running> {
+        self.stream_waiting(src, vip, tokens, interval_ms, Duration::from_secs(5))
+    }
+
+    /// [`DaemonLab::stream_from`] whose reads wait up to `read_timeout` for the next token
+    /// (5 s there). For streams across a gap in the data plane: the client's ACKs are lost
+    /// while nothing steers them, so the server, its window full, resends on its doubling
+    /// retransmission timer (from 200 ms: at 0.2, 0.6, 1.4, 3.0, 6.2, 12.6 s), and a gap of
+    /// a little over 3 s stalls the stream about 6 s, which is slow, not broken.
+    pub fn stream_waiting(
+        &self,
+        src: Option<IpAddr>,
+        vip: SocketAddr,
+        tokens: u32,
+        interval_ms: u32,
+        read_timeout: Duration,
+    ) -> Result<Running> {
         let s = TokenStream::open_from(
             &self.topo.client.ns,
             src,
             vip,
             tokens,
             interval_ms,
-            Duration::from_secs(5),
+            read_timeout,
         )?;
         let backend = s.backend.clone();
         let local = s.local;
