@@ -29,6 +29,7 @@ pub fn main(args: &[String]) -> Result<()> {
         _ => bail!("usage: sluice-bench failover [--rounds N] (default 5)"),
     };
     sys::require_root()?;
+    sys::catch_interrupts();
     let exe = std::env::current_exe()?;
     let server: PathBuf = exe.with_file_name("sluice-testsrv");
     if !server.is_file() {
@@ -40,6 +41,7 @@ pub fn main(args: &[String]) -> Result<()> {
     let mut to_event_ms = vec![];
     let mut apply_us = vec![];
     for round in 0..rounds {
+        sys::interrupted()?;
         let vip = VipDef::tcp(VIP, SocketAddr::new(VIP4.into(), TCP_PORT), 3);
         let mut lab = DaemonLab::start(DaemonLabOptions::new(&server, 3, vec![vip]))
             .context("starting the daemon lab")?;
@@ -47,6 +49,7 @@ pub fn main(args: &[String]) -> Result<()> {
             let ok = lab.backends(VIP).iter().all(|b| b["healthy"] == true);
             Ok(ok.then_some(()))
         })?;
+        sys::interrupted()?;
         let dead = lab.topo.backends[1].v4.to_string();
         let killed = now_ms();
         let t = Instant::now();
@@ -58,6 +61,7 @@ pub fn main(args: &[String]) -> Result<()> {
                 .into_iter()
                 .find(|e| e["kind"] == "down" && e["backend"] == dead.as_str()))
         })?;
+        sys::interrupted()?;
         let seen = t.elapsed();
         let reason = ev["reason"].as_str().unwrap_or_default();
         let us: f64 = reason

@@ -64,6 +64,7 @@ fn parse(args: &[String]) -> Result<Args> {
 pub fn main(args: &[String]) -> Result<()> {
     let a = parse(args)?;
     sys::require_root()?;
+    sys::catch_interrupts();
     // The revision measured: taken now, before any edit made while the bench runs.
     let (rev, dirty) = sys::git_state();
     let exe = std::env::current_exe()?;
@@ -89,6 +90,7 @@ pub fn main(args: &[String]) -> Result<()> {
         .ok_or_else(|| anyhow!("backend list without ids"))?;
     let t = Instant::now();
     fill(&lab, &ids, a.entries)?;
+    sys::interrupted()?;
     println!(
         "filled the connection table with {} entries in {:.1} s",
         a.entries,
@@ -107,11 +109,13 @@ pub fn main(args: &[String]) -> Result<()> {
             Ok((n >= u64::from(a.entries)).then_some(n))
         },
     )?;
+    sys::interrupted()?;
     println!("daemon counts {counted} active flows");
 
     let mut list_ms = vec![];
     let mut scrape_ms = vec![];
     for _ in 0..ROUNDS {
+        sys::interrupted()?;
         let t = Instant::now();
         lab.cli_ok(&["backend", "list", VIP]);
         list_ms.push(t.elapsed().as_secs_f64() * 1e3);
@@ -132,6 +136,7 @@ pub fn main(args: &[String]) -> Result<()> {
     let mut step_ms = vec![];
     let mut walk_ms = vec![];
     for s in 0..a.cpu_secs {
+        sys::interrupted()?;
         let page = scrape(&lab)?;
         if let Some(v) = metric(&page, "sluice_policy_step_duration_seconds") {
             step_ms.push(v * 1e3);
@@ -203,7 +208,10 @@ fn fill(lab: &DaemonLab, ids: &[u32], n: u32) -> Result<()> {
                         .with_context(|| format!("opening {}", path.display()))?;
                     let mut m: HashMap<MapData, FlowKey, ConnEntry> =
                         HashMap::try_from(Map::from_map_data(data)?)?;
-                    for i in (cpu..n).step_by(cpus as usize) {
+                    for (k, i) in (cpu..n).step_by(cpus as usize).enumerate() {
+                        if k % 65_536 == 0 {
+                            sys::interrupted()?;
+                        }
                         // Clients 10.200.0.0/16 with every source port: distinct 5-tuples.
                         let key = FlowKey {
                             src: [
