@@ -22,6 +22,8 @@
 //!   load sees every few minutes, each move costs affinity and two weight changes, and a
 //!   whole VIP saturated is admission control's business ([`Policy::trigger`]);
 //! - a down backend gets weight 0 ([`health`] tracks up/down);
+//! - while a backend is out for a fault, the markedly more loaded of the rest take none of
+//!   its share: their level is held to the share they had ([`Policy::hold_shares`]);
 //! - full backends and the VIP's shed level come from [`admission`], with `cooldown_base`
 //!   as the shed period.
 //!
@@ -55,7 +57,7 @@ pub use self::{
 use self::{
     admission::{ShedChange, Shedder},
     cooldown::{Change, MoveAway, Phase, PROBATION},
-    score::{Score, Speed, Trigger},
+    score::{Score, Speed, Trigger, LOAD_BAND},
 };
 use crate::{
     config::{PolicyConfig, ShedMode},
@@ -236,6 +238,8 @@ struct Memory {
     healthy: bool,
     /// Consecutive steps with a saturation condition.
     saturated: u32,
+    /// Takes none of a faulty backend's share ([`Policy::hold_shares`]).
+    holds_share: bool,
     /// The weight last decided; `None` before the first.
     weight: Option<u32>,
 }
@@ -301,6 +305,7 @@ impl Policy {
         self.respeed(&work);
         self.trigger(now, &mut work);
         let kept = self.guard(&work);
+        let caps = self.hold_shares(&work);
 
         let mut out = Decisions {
             backends: Vec::with_capacity(inputs.len()),
@@ -308,7 +313,8 @@ impl Policy {
             events,
         };
         for (i, w) in work.iter().enumerate() {
-            let d = self.decide(now, w, kept.contains(&i), &mut out.events);
+            let cap = caps.get(w.input.vip).copied();
+            let d = self.decide(now, w, kept.contains(&i), cap, &mut out.events);
             out.backends.push(d);
         }
         let mut done = BTreeSet::new();
@@ -333,6 +339,7 @@ impl Policy {
             move_away: MoveAway::new(ramp),
             healthy: input.healthy,
             saturated: 0,
+            holds_share: false,
             weight: None,
         });
         if input.healthy && !m.healthy {
@@ -530,6 +537,59 @@ impl Policy {
         sums
     }
 
+    /// While a VIP has a backend out for a fault (down, or moved away for throttling,
+    /// congestion or slowness), the level its hot backends may take: their share of the
+    /// whole ring, `weight_levels` times the configured weight still in rotation over all
+    /// of it, so the faulty backend's share goes to the backends with room. Maglev spreads a
+    /// removed backend's slots by weight, a third to each of three equal others: in the
+    /// steer benchmark's congested cell (seed 7) the backend its clients' source hash
+    /// already loaded most took a third of the congested one's share, reached KV 0.97 while
+    /// two others sat at 0.2-0.45, and started the cell's slowest first tokens.
+    ///
+    /// Hot is a score past [`LOAD_BAND`] over the mean of the VIP's backends in rotation
+    /// ([`score::hotter`]); a backend stays held until it is within half that band (an EWMA
+    /// that falls towards the others' level never reaches their mean), or until nothing of
+    /// its VIP is out. Saturation moves hold nothing: they
+    /// need the others to have room, and they end with their load. Decided on the phases of
+    /// the previous step, so every backend of the VIP sees the same set out.
+    fn hold_shares<'w>(&mut self, work: &[Work<'w>]) -> BTreeMap<&'w str, u32> {
+        let mut ring: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+        for w in work.iter().filter(|w| w.input.weight > 0) {
+            let m = &self.backends[&w.input.id];
+            let faulty = !w.input.healthy
+                || matches!(m.move_away.phase, Phase::MovedAway { reason, .. } if reason.is_fault());
+            let e = ring.entry(w.input.vip).or_default();
+            e.0 += u64::from(w.input.weight);
+            e.1 += if faulty { u64::from(w.input.weight) } else { 0 };
+        }
+        let caps: BTreeMap<&str, u32> = ring
+            .into_iter()
+            .filter(|(_, (_, out))| *out > 0)
+            .map(|(vip, (all, out))| {
+                let levels = u64::from(self.cfg.weight_levels);
+                (vip, ((levels * (all - out) / all) as u32).max(1))
+            })
+            .collect();
+        let means = self.vip_means(work, |m, _| m.score.value());
+        for w in work {
+            let m = self.backends.get_mut(&w.input.id).expect("observed");
+            let in_rotation = w.eligible && matches!(m.move_away.phase, Phase::InRotation { .. });
+            let mean = means.get(w.input.vip).map(|&(sum, n)| sum / f64::from(n));
+            m.holds_share = match mean.filter(|_| in_rotation && caps.contains_key(w.input.vip)) {
+                None => false,
+                Some(mean) => {
+                    let band = if m.holds_share {
+                        LOAD_BAND / 2.0
+                    } else {
+                        LOAD_BAND
+                    };
+                    score::hotter(m.score.value(), mean, band)
+                }
+            };
+        }
+        caps
+    }
+
     /// Indexes of backends the guard keeps in (see the module docs).
     fn guard(&self, work: &[Work]) -> BTreeSet<usize> {
         let mut by_vip: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
@@ -565,6 +625,7 @@ impl Policy {
         now: Duration,
         w: &Work,
         kept: bool,
+        cap: Option<u32>,
         events: &mut Vec<PolicyEvent>,
     ) -> BackendDecision {
         let cfg = &self.cfg;
@@ -640,14 +701,16 @@ impl Policy {
             );
         let reduced_level = (cfg.weight_levels / REDUCED_LEVEL_DIV).max(1);
         let own = m.score.level.min(m.speed.level);
+        let held = cap.filter(|&cap| m.holds_share && !moved && cap < own);
+        let rotating = held.unwrap_or(own);
         let level = match (input.healthy, moved, kept) {
             (false, ..) => 0,
             (true, true, false) if reduced => reduced_level,
             (true, true, false) => 0,
             (true, true, true) => own,
-            (true, false, _) if m.move_away.on_probation() => reduced_level.min(own),
-            (true, false, _) if w.crowded => m.move_away.skip_ramp(own),
-            (true, false, _) => m.move_away.ramp_level(now, own, cfg),
+            (true, false, _) if m.move_away.on_probation() => reduced_level.min(rotating),
+            (true, false, _) if w.crowded => m.move_away.skip_ramp(rotating),
+            (true, false, _) => m.move_away.ramp_level(now, rotating, cfg),
         };
         let state = if !input.healthy {
             SteerState::Down
@@ -662,8 +725,14 @@ impl Policy {
         };
         let weight = score::scaled(input.weight, level, cfg);
         if let Some(old) = m.weight.filter(|&old| old != weight) {
+            let hold = match held {
+                Some(cap) => {
+                    format!(", holding its share: at most {cap} while a faulty backend is out")
+                }
+                None => String::new(),
+            };
             let why = format!(
-                "{old} -> {weight} ({state:?}, score {:.2}, level {level}/{})",
+                "{old} -> {weight} ({state:?}, score {:.2}, level {level}/{}{hold})",
                 m.score.value(),
                 cfg.weight_levels
             );

@@ -187,6 +187,12 @@ pub fn pressure(s: &Sample, cfg: &PolicyConfig) -> Option<f64> {
     .reduce(f64::max)
 }
 
+/// A backend of score `score` is more loaded than others whose mean score is `mean` by more
+/// than `band` (a fraction of it), with the same floor as [`relative_level`].
+pub fn hotter(score: f64, mean: f64, band: f64) -> bool {
+    score + LOAD_FLOOR > (1.0 + band) * (mean + LOAD_FLOOR)
+}
+
 /// The level (unrounded, `0..=levels`) a backend of score `score` deserves beside others
 /// whose mean score is `mean`: full within the band, then in inverse proportion to the load.
 pub fn relative_level(score: f64, mean: f64, levels: u32) -> f64 {

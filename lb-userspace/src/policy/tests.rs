@@ -1118,3 +1118,63 @@ fn a_saturation_move_ends_when_its_backend_is_no_more_loaded_than_the_others() {
     let d = sim.step();
     assert_eq!(d.backends[1].state, SteerState::MovedAway);
 }
+
+/// The steer benchmark's congested cell (seed 7): the backend its clients' source hash
+/// loaded most took a third of the congested one's share, as Maglev spreads a removed
+/// backend's slots by weight, filled to KV 0.97 while two others sat at 0.2-0.45, and started
+/// the slowest first tokens. While a backend is out for a fault, a markedly more loaded one
+/// keeps the share it had, and takes its full weight back with the faulty one's return.
+#[test]
+fn a_faulty_backends_share_goes_to_the_backends_with_room() {
+    let mut sim = Sim::new(PolicyConfig::default(), 4);
+    for (i, kv) in [0.16, 0.36, 0.52, 0.16].into_iter().enumerate() {
+        sim.sample(i).kv_cache = Some(kv);
+    }
+    let weights = |d: &Decisions| d.backends.iter().map(|b| b.weight).collect::<Vec<_>>();
+    // Pressure 0.65 against a mean of 0.375 is within the level band: all at full weight.
+    let d = sim.run_until(10 * S).pop().unwrap();
+    assert_eq!(weights(&d), [100, 100, 100, 100]);
+    // Its streams in flight stay on it.
+    sim.sample(1).throttle = Some(0x48);
+    let out = sim.run_until(15 * S);
+    // Out at once; from the next step backend 2 (0.65 against a mean of 0.35 in rotation)
+    // holds 6 of 8 levels, 3 of the ring's 4 weights in rotation.
+    assert_eq!(weights(&out[0]), [100, 0, 100, 100]);
+    assert_eq!(weights(&out[1]), [100, 0, 75, 100]);
+    let change = out[1]
+        .events
+        .iter()
+        .find(|e| e.backend == Some(addr(3)) && e.kind == EventKind::WeightChange)
+        .expect("backend 2's weight change");
+    assert!(
+        change.reason.contains("holding its share: at most 6"),
+        "{}",
+        change.reason
+    );
+    // The throttle clears; backend 1 returns after its cooldown and backend 2 with it.
+    sim.sample(1).throttle = Some(0);
+    let back = sim.run_until(40 * S);
+    let returned = back
+        .iter()
+        .position(|d| d.backends[1].state != SteerState::MovedAway)
+        .expect("backend 1 returns after its cooldown");
+    let b2: Vec<u32> = out
+        .iter()
+        .chain(&back)
+        .map(|d| d.backends[2].weight)
+        .collect();
+    let changes = b2.windows(2).filter(|w| w[0] != w[1]).count();
+    assert_eq!(changes, 2, "held once, released once: {b2:?}");
+    assert_eq!(back[returned + 1].backends[2].weight, 100);
+    // A backend that cools while the fault lasts takes its weight back then.
+    let mut sim = Sim::new(PolicyConfig::default(), 4);
+    for (i, kv) in [0.16, 0.36, 0.52, 0.16].into_iter().enumerate() {
+        sim.sample(i).kv_cache = Some(kv);
+    }
+    sim.run_until(10 * S);
+    sim.sample(1).throttle = Some(0x48);
+    sim.run_until(13 * S);
+    sim.sample(2).kv_cache = Some(0.16);
+    let d = sim.run_until(25 * S).pop().unwrap();
+    assert_eq!(weights(&d), [100, 0, 100, 100]);
+}
