@@ -22,7 +22,7 @@
 //!   load sees every few minutes, each move costs affinity and two weight changes, and a
 //!   whole VIP saturated is admission control's business ([`Policy::trigger`]);
 //! - a down backend gets weight 0 ([`health`] tracks up/down);
-//! - while a backend is out for a fault, the markedly more loaded of the rest take none of
+//! - while a backend is moved away for a fault, the markedly more loaded of the rest take none of
 //!   its share: their level is held to the share they had ([`Policy::hold_shares`]);
 //! - full backends and the VIP's shed level come from [`admission`], with `cooldown_base`
 //!   as the shed period.
@@ -537,8 +537,8 @@ impl Policy {
         sums
     }
 
-    /// While a VIP has a backend out for a fault (down, or moved away for throttling,
-    /// congestion or slowness), the level its hot backends may take: their share of the
+    /// While a VIP has a backend moved away for a fault (throttling, congestion or
+    /// slowness), the level its hot backends may take: their share of the
     /// whole ring, `weight_levels` times the configured weight still in rotation over all
     /// of it, so the faulty backend's share goes to the backends with room. Maglev spreads a
     /// removed backend's slots by weight, a third to each of three equal others: in the
@@ -546,18 +546,22 @@ impl Policy {
     /// already loaded most took a third of the congested one's share, reached KV 0.97 while
     /// two others sat at 0.2-0.45, and started the cell's slowest first tokens.
     ///
-    /// Hot is a score past [`LOAD_BAND`] over the mean of the VIP's backends in rotation
-    /// ([`score::hotter`]); a backend stays held until it is within half that band (an EWMA
-    /// that falls towards the others' level never reaches their mean), or until nothing of
-    /// its VIP is out. Saturation moves hold nothing: they
-    /// need the others to have room, and they end with their load. Decided on the phases of
-    /// the previous step, so every backend of the VIP sees the same set out.
+    /// Hot is a score over [`HEADROOM`] (under it a backend has room for more) and past
+    /// [`LOAD_BAND`] over the mean of the VIP's backends in rotation ([`score::hotter`]); a
+    /// backend stays held until it is within half that band (an EWMA that falls towards the
+    /// others' level never reaches their mean), or until nothing of its VIP is out.
+    /// Saturation moves hold nothing: they need the others to have room, and they end with
+    /// their load. Nor does a down backend: it may stay down for hours, and holds following
+    /// the wandering load of a source-hashed VIP for that long would be the churn the level
+    /// dwell ([`score::LEVEL_DWELL`]) prevents; a fault move returns after its cooldown.
+    /// Decided on the phases of the previous step, so every backend of the VIP sees the
+    /// same set out.
     fn hold_shares<'w>(&mut self, work: &[Work<'w>]) -> BTreeMap<&'w str, u32> {
         let mut ring: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
         for w in work.iter().filter(|w| w.input.weight > 0) {
             let m = &self.backends[&w.input.id];
-            let faulty = !w.input.healthy
-                || matches!(m.move_away.phase, Phase::MovedAway { reason, .. } if reason.is_fault());
+            let faulty = w.input.healthy
+                && matches!(m.move_away.phase, Phase::MovedAway { reason, .. } if reason.is_fault());
             let e = ring.entry(w.input.vip).or_default();
             e.0 += u64::from(w.input.weight);
             e.1 += if faulty { u64::from(w.input.weight) } else { 0 };
@@ -577,13 +581,11 @@ impl Policy {
             let mean = means.get(w.input.vip).map(|&(sum, n)| sum / f64::from(n));
             m.holds_share = match mean.filter(|_| in_rotation && caps.contains_key(w.input.vip)) {
                 None => false,
+                Some(mean) if m.holds_share => {
+                    score::hotter(m.score.value(), mean, LOAD_BAND / 2.0)
+                }
                 Some(mean) => {
-                    let band = if m.holds_share {
-                        LOAD_BAND / 2.0
-                    } else {
-                        LOAD_BAND
-                    };
-                    score::hotter(m.score.value(), mean, band)
+                    m.score.value() > HEADROOM && score::hotter(m.score.value(), mean, LOAD_BAND)
                 }
             };
         }

@@ -1177,4 +1177,27 @@ fn a_faulty_backends_share_goes_to_the_backends_with_room() {
     sim.sample(2).kv_cache = Some(0.16);
     let d = sim.run_until(25 * S).pop().unwrap();
     assert_eq!(weights(&d), [100, 0, 100, 100]);
+    // Nothing is held for a backend that is down (it may stay down for hours, and holds
+    // would follow the load's wandering all that time), nor on one with room left.
+    for (kvs, down) in [
+        ([0.16, 0.36, 0.52, 0.16], true),
+        ([0.06, 0.2, 0.3, 0.06], false),
+    ] {
+        let mut sim = Sim::new(PolicyConfig::default(), 4);
+        for (i, kv) in kvs.into_iter().enumerate() {
+            sim.sample(i).kv_cache = Some(kv);
+        }
+        sim.run_until(10 * S);
+        if down {
+            sim.backends[1].healthy = false;
+        } else {
+            sim.sample(1).throttle = Some(0x48);
+        }
+        let d = sim.run_until(20 * S);
+        assert!(
+            d.iter().all(|d| weights(d) == [100, 0, 100, 100]),
+            "down {down}: {:?}",
+            d.iter().map(weights).collect::<Vec<_>>()
+        );
+    }
 }
