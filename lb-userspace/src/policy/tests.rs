@@ -1126,10 +1126,14 @@ fn a_saturation_move_ends_when_its_backend_is_no_more_loaded_than_the_others() {
 /// keeps the share it had, and takes its full weight back with the faulty one's return.
 #[test]
 fn a_faulty_backends_share_goes_to_the_backends_with_room() {
-    let mut sim = Sim::new(PolicyConfig::default(), 4);
-    for (i, kv) in [0.16, 0.36, 0.52, 0.16].into_iter().enumerate() {
-        sim.sample(i).kv_cache = Some(kv);
-    }
+    let fleet = |kvs: [f64; 4]| {
+        let mut sim = Sim::new(PolicyConfig::default(), 4);
+        for (i, kv) in kvs.into_iter().enumerate() {
+            sim.sample(i).kv_cache = Some(kv);
+        }
+        sim
+    };
+    let mut sim = fleet([0.16, 0.36, 0.52, 0.16]);
     let weights = |d: &Decisions| d.backends.iter().map(|b| b.weight).collect::<Vec<_>>();
     // Pressure 0.65 against a mean of 0.375 is within the level band: all at full weight.
     let d = sim.run_until(10 * S).pop().unwrap();
@@ -1167,10 +1171,7 @@ fn a_faulty_backends_share_goes_to_the_backends_with_room() {
     assert_eq!(changes, 2, "held once, released once: {b2:?}");
     assert_eq!(back[returned + 1].backends[2].weight, 100);
     // A backend that cools while the fault lasts takes its weight back then.
-    let mut sim = Sim::new(PolicyConfig::default(), 4);
-    for (i, kv) in [0.16, 0.36, 0.52, 0.16].into_iter().enumerate() {
-        sim.sample(i).kv_cache = Some(kv);
-    }
+    let mut sim = fleet([0.16, 0.36, 0.52, 0.16]);
     sim.run_until(10 * S);
     sim.sample(1).throttle = Some(0x48);
     sim.run_until(13 * S);
@@ -1183,10 +1184,7 @@ fn a_faulty_backends_share_goes_to_the_backends_with_room() {
         ([0.16, 0.36, 0.52, 0.16], true),
         ([0.06, 0.2, 0.3, 0.06], false),
     ] {
-        let mut sim = Sim::new(PolicyConfig::default(), 4);
-        for (i, kv) in kvs.into_iter().enumerate() {
-            sim.sample(i).kv_cache = Some(kv);
-        }
+        let mut sim = fleet(kvs);
         sim.run_until(10 * S);
         if down {
             sim.backends[1].healthy = false;
