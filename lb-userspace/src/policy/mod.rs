@@ -22,8 +22,8 @@
 //!   load sees every few minutes, each move costs affinity and two weight changes, and a
 //!   whole VIP saturated is admission control's business ([`Policy::trigger`]);
 //! - a down backend gets weight 0 ([`health`] tracks up/down);
-//! - while a backend is moved away for a fault, the markedly more loaded of the rest take none of
-//!   its share: their level is held to the share they had ([`Policy::hold_shares`]);
+//! - while a backend is moved away for a fault, the markedly more loaded of the rest take
+//!   none of its share: their level is held to the share they had ([`Policy::hold_shares`]);
 //! - full backends and the VIP's shed level come from [`admission`], with `cooldown_base`
 //!   as the shed period.
 //!
