@@ -232,12 +232,12 @@ pub async fn run(cfg: Config) -> Result<Report> {
     }
     // Every request has ended or been aborted: what they sent is all there is. (Not
     // `recv`, which would wait for the progress task to drop its sender.)
-    let (mut records, mut gaps) = (Vec::new(), Vec::new());
-    while let Ok((r, g)) = rx.try_recv() {
-        records.push(r);
-        gaps.extend(g);
+    let mut sent = Vec::new();
+    while let Ok(rg) = rx.try_recv() {
+        sent.push(rg);
     }
-    records.sort_by(|a, b| a.start_ms.total_cmp(&b.start_ms));
+    sent.sort_by(|(a, _), (b, _)| a.start_ms.total_cmp(&b.start_ms));
+    let (records, gaps): (Vec<Record>, Vec<Vec<f64>>) = sent.into_iter().unzip();
     let summary = stats::summarise(&records, &gaps, elapsed_s);
     let samples: Vec<Vec<f64>> = kv_samples.iter().map(|(_, v)| v.clone()).collect();
     Ok(Report {

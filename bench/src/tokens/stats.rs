@@ -112,6 +112,10 @@ pub struct BackendSummary {
     pub tokens: u64,
     pub tokens_per_s: f64,
     pub ttft_ms: Percentiles,
+    pub itl_ms: Percentiles,
+    /// Its streams' gaps longer than the run's p99 ITL: where the run's slowest 1% came
+    /// from (a slow accelerator's streams, or steps carrying prefill on a busy one).
+    pub itl_gaps_over_run_p99: usize,
 }
 
 /// The figures of a run, from its records and its wall time.
@@ -136,8 +140,8 @@ pub struct Summary {
     pub retries: u64,
 }
 
-/// `gaps` holds every stream's inter-chunk gaps (ms), `elapsed_s` the run's wall time.
-pub fn summarise(records: &[Record], gaps: &[f64], elapsed_s: f64) -> Summary {
+/// `gaps[i]` holds `records[i]`'s inter-chunk gaps (ms), `elapsed_s` the run's wall time.
+pub fn summarise(records: &[Record], gaps: &[Vec<f64>], elapsed_s: f64) -> Summary {
     let mut s = Summary {
         requests: records.len() as u64,
         ..Summary::default()
@@ -146,7 +150,8 @@ pub fn summarise(records: &[Record], gaps: &[f64], elapsed_s: f64) -> Summary {
     let mut e2e = Vec::new();
     let mut good_tokens = 0u64;
     let mut backend_ttft: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    for r in records {
+    let mut backend_gaps: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for (r, g) in records.iter().zip(gaps) {
         s.tokens += r.tokens as u64;
         let retries = u64::from(r.attempts.saturating_sub(1));
         s.requests_retried += u64::from(retries > 0);
@@ -179,8 +184,11 @@ pub fn summarise(records: &[Record], gaps: &[f64], elapsed_s: f64) -> Summary {
             if let Some(t) = r.ttft_ms {
                 backend_ttft.entry(b.clone()).or_default().push(t);
             }
+            backend_gaps.entry(b.clone()).or_default().extend(g);
         }
     }
+    let all_gaps: Vec<f64> = gaps.concat();
+    s.itl_ms = Percentiles::of(&all_gaps);
     let per_s = |n: u64| {
         if elapsed_s > 0.0 {
             r3(n as f64 / elapsed_s)
@@ -191,9 +199,11 @@ pub fn summarise(records: &[Record], gaps: &[f64], elapsed_s: f64) -> Summary {
     for (name, b) in s.backends.iter_mut() {
         b.tokens_per_s = per_s(b.tokens);
         b.ttft_ms = Percentiles::of(backend_ttft.get(name).map_or(&[][..], |v| v));
+        let g = backend_gaps.get(name).map_or(&[][..], |v| v);
+        b.itl_ms = Percentiles::of(g);
+        b.itl_gaps_over_run_p99 = s.itl_ms.p99.map_or(0, |p| g.iter().filter(|&&x| x > p).count());
     }
     s.ttft_ms = Percentiles::of(&ttft);
-    s.itl_ms = Percentiles::of(gaps);
     s.e2e_ms = Percentiles::of(&e2e);
     s.goodput_tokens_per_s = per_s(good_tokens);
     s.affinity = affinity(records);
@@ -292,7 +302,11 @@ mod tests {
                 ..rec(4, 0, None, Some("connect"))
             },
         ];
-        let s = summarise(&records, &[20.0, 30.0, 40.0], 2.0);
+        // 102 gaps: a's 98 of 20 ms, 90 and 95; b's 40 and 10. The p99 is the 101st: 90.
+        let mut a = vec![20.0; 98];
+        a.extend([90.0, 95.0]);
+        let gaps = [a, vec![40.0, 10.0], vec![], vec![]];
+        let s = summarise(&records, &gaps, 2.0);
         assert_eq!((s.requests, s.completed, s.broken), (4, 2, 2));
         assert_eq!((s.requests_retried, s.retries), (2, 3));
         assert_eq!(s.broken_by_reason["reset"], 1);
@@ -302,7 +316,11 @@ mod tests {
         assert_eq!(s.backends["b"].sessions, 2);
         assert_eq!(s.backends["b"].broken, 1);
         assert_eq!(s.backends["b"].tokens_per_s, 10.0);
-        assert_eq!(s.itl_ms.p50, Some(30.0));
+        assert_eq!((s.itl_ms.count, s.itl_ms.p50, s.itl_ms.p99), (102, Some(20.0), Some(90.0)));
+        assert_eq!(s.backends["a"].itl_ms.max, Some(95.0));
+        assert_eq!(s.backends["b"].itl_ms.count, 2);
+        assert_eq!(s.backends["a"].itl_gaps_over_run_p99, 1);
+        assert_eq!(s.backends["b"].itl_gaps_over_run_p99, 0);
         assert_eq!(s.ttft_ms.count, 3);
         assert_eq!(s.backends["a"].ttft_ms.p50, Some(101.0));
     }
