@@ -228,6 +228,9 @@ pub const HEADROOM_BAND: f64 = 0.1;
 /// `weight_levels / REDUCED_LEVEL_DIV` levels (at least one): a quarter of its weight, under
 /// the share a 0.4x accelerator can serve, instead of its whole share moved onto backends
 /// that have no room for it. A backend on probation after congestion takes the same level.
+/// Its sessions run slower per token, but switched off (weight 0) the steer benchmark's p99
+/// inter-token latency did not improve (the crowded others' steps were as slow) and its p99
+/// time to first token got worse in three cells of four (docs/benchmarks.md).
 pub const REDUCED_LEVEL_DIV: u32 = 4;
 
 /// What the policy remembers of a backend between steps.
