@@ -201,7 +201,10 @@ pub fn summarise(records: &[Record], gaps: &[Vec<f64>], elapsed_s: f64) -> Summa
         b.ttft_ms = Percentiles::of(backend_ttft.get(name).map_or(&[][..], |v| v));
         let g = backend_gaps.get(name).map_or(&[][..], |v| v);
         b.itl_ms = Percentiles::of(g);
-        b.itl_gaps_over_run_p99 = s.itl_ms.p99.map_or(0, |p| g.iter().filter(|&&x| x > p).count());
+        b.itl_gaps_over_run_p99 = s
+            .itl_ms
+            .p99
+            .map_or(0, |p| g.iter().filter(|&&x| x > p).count());
     }
     s.ttft_ms = Percentiles::of(&ttft);
     s.e2e_ms = Percentiles::of(&e2e);
@@ -316,7 +319,10 @@ mod tests {
         assert_eq!(s.backends["b"].sessions, 2);
         assert_eq!(s.backends["b"].broken, 1);
         assert_eq!(s.backends["b"].tokens_per_s, 10.0);
-        assert_eq!((s.itl_ms.count, s.itl_ms.p50, s.itl_ms.p99), (102, Some(20.0), Some(90.0)));
+        assert_eq!(
+            (s.itl_ms.count, s.itl_ms.p50, s.itl_ms.p99),
+            (102, Some(20.0), Some(90.0))
+        );
         assert_eq!(s.backends["a"].itl_ms.max, Some(95.0));
         assert_eq!(s.backends["b"].itl_ms.count, 2);
         assert_eq!(s.backends["a"].itl_gaps_over_run_p99, 1);
