@@ -24,6 +24,7 @@ pub mod stats;
 pub mod workload;
 
 use std::{
+    collections::BTreeMap,
     io::{IsTerminal, Write as _},
     net::{IpAddr, SocketAddr},
     path::PathBuf,
@@ -108,6 +109,8 @@ pub struct Config {
     /// KV imbalance; empty: no imbalance figure.
     pub state_urls: Vec<HttpUrl>,
     pub progress: bool,
+    /// A moment (ms from the start) whose streams in flight the report follows.
+    pub mark_ms: Option<f64>,
 }
 
 /// A run's outcome.
@@ -121,6 +124,8 @@ pub struct Report {
     pub imbalance: Option<f64>,
     /// KV use samples: (ms from start, one value per state URL).
     pub kv_samples: Vec<(f64, Vec<f64>)>,
+    /// With `mark_ms`: per backend, its streams in flight at the mark.
+    pub in_flight: Option<BTreeMap<String, stats::InFlight>>,
 }
 
 /// Shared by the tasks of a run.
@@ -239,6 +244,10 @@ pub async fn run(cfg: Config) -> Result<Report> {
     sent.sort_by(|(a, _), (b, _)| a.start_ms.total_cmp(&b.start_ms));
     let (records, gaps): (Vec<Record>, Vec<Vec<f64>>) = sent.into_iter().unzip();
     let summary = stats::summarise(&records, &gaps, elapsed_s);
+    let in_flight = run
+        .cfg
+        .mark_ms
+        .map(|mark| stats::in_flight(&records, &gaps, mark));
     let samples: Vec<Vec<f64>> = kv_samples.iter().map(|(_, v)| v.clone()).collect();
     Ok(Report {
         summary,
@@ -246,6 +255,7 @@ pub async fn run(cfg: Config) -> Result<Report> {
         elapsed_s: r3(elapsed_s),
         imbalance: stats::imbalance(&samples),
         kv_samples,
+        in_flight,
     })
 }
 
@@ -520,6 +530,11 @@ struct Cli {
     /// Draw a progress bar (drawn only when stderr is a terminal, which also turns it on).
     #[arg(long)]
     progress: bool,
+    /// Report, per backend, the streams in flight at this moment (ms from the start) and
+    /// the p99 inter-token latency their later gaps alone set (the steer benchmark passes
+    /// its first fault's start).
+    #[arg(long)]
+    mark_ms: Option<f64>,
 }
 
 fn config(cli: &Cli) -> Result<Config> {
@@ -574,6 +589,9 @@ fn config(cli: &Cli) -> Result<Config> {
         ..Shape::default()
     };
     shape.validate().map_err(anyhow::Error::msg)?;
+    if let Some(m) = cli.mark_ms.filter(|m| !(m.is_finite() && *m >= 0.0)) {
+        bail!("--mark-ms {m} must be a time >= 0 ms from the run's start");
+    }
     let state_urls = cli
         .states
         .iter()
@@ -592,6 +610,7 @@ fn config(cli: &Cli) -> Result<Config> {
         path: cli.path.clone(),
         state_urls,
         progress: cli.progress,
+        mark_ms: cli.mark_ms,
     })
 }
 
@@ -627,6 +646,10 @@ pub fn summary_json(cfg: &Config, report: &Report) -> serde_json::Value {
         "summary": report.summary,
         "imbalance": report.imbalance,
         "kv_samples": report.kv_samples,
+        "in_flight_at_mark": report.in_flight.as_ref().map(|b| json!({
+            "mark_ms": cfg.mark_ms,
+            "per_backend": b,
+        })),
     })
 }
 
@@ -784,6 +807,7 @@ mod tests {
                     .map(|c| HttpUrl::parse(&format!("http://{c}/state")).unwrap())
                     .collect(),
                 progress: false,
+                mark_ms: None,
             };
             let report = run(cfg).await.unwrap();
             let s = &report.summary;

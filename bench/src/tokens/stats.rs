@@ -213,6 +213,68 @@ pub fn summarise(records: &[Record], gaps: &[Vec<f64>], elapsed_s: f64) -> Summa
     s
 }
 
+/// What one backend's streams in flight at a moment (a fault's start) sent after it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct InFlight {
+    /// Streams started before the mark that sent a chunk after it.
+    pub streams: u64,
+    /// Their gaps that ended after the mark.
+    pub gaps_after: usize,
+    /// The run's p99 inter-token latency had every other gap of the run taken no time: no
+    /// placement of the other sessions could bring the p99 under it, short of breaking these
+    /// streams. `None` when these gaps are too few to reach the p99 (1% of all).
+    pub p99_floor_ms: Option<f64>,
+}
+
+/// Per backend, the streams in flight at `mark_ms` (ms from the run's start) and their gaps
+/// after it: each chunk's time is the request's start plus its TTFT plus the gaps before it.
+/// `gaps[i]` holds `records[i]`'s gaps, as for [`summarise`].
+pub fn in_flight(
+    records: &[Record],
+    gaps: &[Vec<f64>],
+    mark_ms: f64,
+) -> BTreeMap<String, InFlight> {
+    let mut after: BTreeMap<String, (u64, Vec<f64>)> = BTreeMap::new();
+    for (r, g) in records.iter().zip(gaps) {
+        let (Some(b), Some(ttft)) = (&r.backend, r.ttft_ms) else {
+            continue;
+        };
+        if r.start_ms >= mark_ms {
+            continue;
+        }
+        let mut t = r.start_ms + ttft;
+        let mut late = Vec::new();
+        for &gap in g {
+            t += gap;
+            if t > mark_ms {
+                late.push(gap);
+            }
+        }
+        if !late.is_empty() {
+            let e = after.entry(b.clone()).or_default();
+            e.0 += 1;
+            e.1.extend(late);
+        }
+    }
+    let all = gaps.iter().map(Vec::len).sum::<usize>();
+    // The p99's nearest rank among all gaps, and the ranks below it the others fill at 0.
+    let rank = ((0.99 * all as f64).ceil() as usize).clamp(1, all.max(1));
+    after
+        .into_iter()
+        .map(|(b, (streams, mut late))| {
+            late.sort_by(f64::total_cmp);
+            let zeros = all - late.len();
+            let floor = rank.checked_sub(zeros + 1).map(|i| r3(late[i]));
+            let f = InFlight {
+                streams,
+                gaps_after: late.len(),
+                p99_floor_ms: floor,
+            };
+            (b, f)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -289,6 +351,52 @@ mod tests {
         ];
         assert_eq!(imbalance(&samples), Some(1.25));
         assert_eq!(imbalance(&[vec![0.0]]), None);
+    }
+
+    #[test]
+    fn streams_in_flight_at_a_mark_and_the_p99_they_alone_set() {
+        let at = |start_ms, backend, ttft_ms| Record {
+            start_ms,
+            backend: Some(String::from(backend)),
+            ttft_ms,
+            ..Record::default()
+        };
+        let records = [
+            // Chunks at 60, 120, 190 and 270 ms: three gaps end after the mark at 100.
+            at(0.0, "slow", Some(10.0)),
+            // Chunks at 80, 100 and 120: only the last gap ends after the mark.
+            at(50.0, "fast", Some(10.0)),
+            // Started after the mark, or no first token: not in flight.
+            at(200.0, "fast", Some(10.0)),
+            at(20.0, "slow", None),
+        ];
+        let gaps = [
+            vec![50.0, 60.0, 70.0, 80.0],
+            vec![20.0, 20.0, 20.0],
+            vec![10.0; 93],
+            vec![],
+        ];
+        let f = in_flight(&records, &gaps, 100.0);
+        assert_eq!(f.len(), 2);
+        // 100 gaps: the p99 is the 99th; with the 97 others at 0 it is slow's 70.
+        assert_eq!(
+            f["slow"],
+            InFlight {
+                streams: 1,
+                gaps_after: 3,
+                p99_floor_ms: Some(70.0),
+            }
+        );
+        // One gap of 100 does not reach the p99.
+        assert_eq!(
+            f["fast"],
+            InFlight {
+                streams: 1,
+                gaps_after: 1,
+                p99_floor_ms: None,
+            }
+        );
+        assert!(in_flight(&records, &gaps, 0.0).is_empty());
     }
 
     #[test]
