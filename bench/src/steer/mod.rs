@@ -383,8 +383,9 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
     ]
     .map(str::to_owned)
     .to_vec();
+    let faults = scenario.faults();
     // The streams in flight at the first fault: what no later placement can move.
-    if let Some(f) = scenario.faults().first() {
+    if let Some(f) = faults.first() {
         gen_args.extend([
             "--mark-ms".to_owned(),
             format!("{:.0}", f.at * secs * 1000.0),
@@ -397,7 +398,6 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         .topo
         .spawn(&client, "sluice-bench tokens", &tools.bench, &gen_args)?;
 
-    let faults = scenario.faults();
     let mut fired: Vec<(f64, String)> = Vec::new();
     let mut timeline: Vec<Sample> = Vec::new();
     let mut flags: Vec<Sample> = Vec::new();

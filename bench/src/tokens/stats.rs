@@ -22,12 +22,12 @@ pub struct Percentiles {
 
 /// The nearest-rank `q`-quantile (0 < q <= 1) of a sorted slice.
 pub fn nearest_rank(sorted: &[f64], q: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let n = sorted.len();
-    let rank = ((q * n as f64).ceil() as usize).clamp(1, n);
-    Some(sorted[rank - 1])
+    (!sorted.is_empty()).then(|| sorted[rank(sorted.len(), q) - 1])
+}
+
+/// The 1-based nearest rank of the `q`-quantile among `n` > 0 values.
+fn rank(n: usize, q: f64) -> usize {
+    ((q * n as f64).ceil() as usize).clamp(1, n)
 }
 
 impl Percentiles {
@@ -257,14 +257,13 @@ pub fn in_flight(
         }
     }
     let all = gaps.iter().map(Vec::len).sum::<usize>();
-    // The p99's nearest rank among all gaps, and the ranks below it the others fill at 0.
-    let rank = ((0.99 * all as f64).ceil() as usize).clamp(1, all.max(1));
     after
         .into_iter()
         .map(|(b, (streams, mut late))| {
             late.sort_by(f64::total_cmp);
+            // The other gaps, at 0, fill the ranks below these (`all` >= 1: `late` is in it).
             let zeros = all - late.len();
-            let floor = rank.checked_sub(zeros + 1).map(|i| r3(late[i]));
+            let floor = rank(all, 0.99).checked_sub(zeros + 1).map(|i| r3(late[i]));
             let f = InFlight {
                 streams,
                 gaps_after: late.len(),
@@ -397,6 +396,7 @@ mod tests {
             }
         );
         assert!(in_flight(&records, &gaps, 0.0).is_empty());
+        assert!(in_flight(&records[3..], &gaps[3..], 100.0).is_empty());
     }
 
     #[test]
