@@ -243,6 +243,8 @@ struct Memory {
     saturated: u32,
     /// Takes none of a faulty backend's share ([`Policy::hold_shares`]).
     holds_share: bool,
+    /// Moved away and keeping [`REDUCED_LEVEL_DIV`] of its weight at the last step.
+    reduced: bool,
     /// The weight last decided; `None` before the first.
     weight: Option<u32>,
 }
@@ -343,6 +345,7 @@ impl Policy {
             healthy: input.healthy,
             saturated: 0,
             holds_share: false,
+            reduced: false,
             weight: None,
         });
         if input.healthy && !m.healthy {
@@ -709,9 +712,11 @@ impl Policy {
         let own = m.score.level.min(m.speed.level);
         let held = cap.filter(|&cap| m.holds_share && !moved && cap < own);
         let rotating = held.unwrap_or(own);
+        // Kept a part for want of headroom, not by the guard (which keeps its own level).
+        let keeps_part = reduced && input.healthy && !kept;
         let level = match (input.healthy, moved, kept) {
             (false, ..) => 0,
-            (true, true, false) if reduced => reduced_level,
+            (true, true, false) if keeps_part => reduced_level,
             (true, true, false) => 0,
             (true, true, true) => own,
             (true, false, _) if m.move_away.on_probation() => reduced_level.min(rotating),
@@ -731,20 +736,30 @@ impl Policy {
         };
         let weight = score::scaled(input.weight, level, cfg);
         if let Some(old) = m.weight.filter(|&old| old != weight) {
-            let hold = match held {
+            // A moved-away backend's weight follows its VIP's headroom, not its own signals:
+            // say so, or the operator sees a sick backend given weight for no reason.
+            let cause = match held {
                 Some(cap) => {
                     format!(", holding its share: at most {cap} while a faulty backend is out")
+                }
+                None if keeps_part => {
+                    ", keeping a part: the backends in rotation have no headroom for its share"
+                        .to_owned()
+                }
+                None if m.reduced && moved && input.healthy && !kept => {
+                    ", the backends in rotation have headroom for its share again".to_owned()
                 }
                 None => String::new(),
             };
             let why = format!(
-                "{old} -> {weight} ({state:?}, score {:.2}, level {level}/{}{hold})",
+                "{old} -> {weight} ({state:?}, score {:.2}, level {level}/{}{cause})",
                 m.score.value(),
                 cfg.weight_levels
             );
             events.push(event(EventKind::WeightChange, why));
         }
         m.weight = Some(weight);
+        m.reduced = keeps_part;
         let reason = match &m.move_away.phase {
             Phase::MovedAway { reason, .. } => Some(*reason),
             Phase::InRotation { .. } => w.trigger.as_ref().map(|t| t.reason),

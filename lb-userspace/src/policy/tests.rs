@@ -798,9 +798,10 @@ fn a_throttled_backends_reduced_weight_holds_while_its_share_tips_the_others_ove
     let mut sim = Sim::new(PolicyConfig::default(), 2);
     let mut rng = 0x2545_f491_4f6c_dd1d_u64;
     let mut throttled_weight = 100;
-    // Backend 2 carries `load`, less what backend 1's ring share takes, within +-8%.
+    // Backend 2 carries `load`, less what backend 1's ring share takes, within +-8%. Returns
+    // backend 1's weights and the reasons its weight changes gave.
     let mut run = |sim: &mut Sim, load: f64, until: Duration| {
-        let mut weights = Vec::new();
+        let (mut weights, mut reasons) = (Vec::new(), Vec::new());
         while sim.now < until {
             let share = 100.0 / (100.0 + f64::from(throttled_weight));
             let pressure = load * share * (0.92 + 0.16 * noise(&mut rng));
@@ -808,13 +809,19 @@ fn a_throttled_backends_reduced_weight_holds_while_its_share_tips_the_others_ove
             let d = sim.step();
             throttled_weight = d.backends[0].weight;
             weights.push(throttled_weight);
+            reasons.extend(
+                d.events
+                    .into_iter()
+                    .filter(|e| e.backend == Some(addr(1)) && e.kind == EventKind::WeightChange)
+                    .map(|e| e.reason),
+            );
         }
-        weights
+        (weights, reasons)
     };
     sim.sample(0).kv_cache = Some(0.3);
     run(&mut sim, 0.52, 10 * S);
     sim.sample(0).throttle = Some(0x48);
-    let weights = run(&mut sim, 0.52, 70 * S);
+    let (weights, reasons) = run(&mut sim, 0.52, 70 * S);
     // Out at the first step.
     assert_eq!(weights[0], 0);
     let changes = |w: &[u32]| w.windows(2).filter(|w| w[0] != w[1]).count();
@@ -823,12 +830,22 @@ fn a_throttled_backends_reduced_weight_holds_while_its_share_tips_the_others_ove
         (1, 25),
         "one change, to a quarter, in a minute: {weights:?}"
     );
+    // Each change says why a backend that is out has weight, and why it loses it.
+    assert!(
+        reasons[1].ends_with("no headroom for its share)"),
+        "{reasons:?}"
+    );
     // The others' load falls for real (0.25 with its share on them): all of it goes.
-    let weights = [vec![25], run(&mut sim, 0.25, 80 * S)].concat();
+    let (later, reasons) = run(&mut sim, 0.25, 80 * S);
+    let weights = [vec![25], later].concat();
     assert_eq!(
         (changes(&weights), *weights.last().unwrap()),
         (1, 0),
         "{weights:?}"
+    );
+    assert!(
+        reasons[0].ends_with("headroom for its share again)"),
+        "{reasons:?}"
     );
 }
 
