@@ -30,7 +30,7 @@ fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let Some(name) = args.next() else {
         eprintln!(
-            "usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover, reads, tokens, steer, history"
+            "usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover, reads, tokens, steer, steer-pool, history"
         );
         return ExitCode::from(2);
     };
@@ -42,10 +42,11 @@ fn main() -> ExitCode {
         "reads" => reads::main(&args),
         "tokens" => tokens::main(&args),
         "steer" => steer::main(&args),
+        "steer-pool" => steer::pool::main(&args),
         "history" => history::main(&args),
         _ => {
             eprintln!(
-                "unknown benchmark: {name} (known: xdp, maglev, failover, reads, tokens, steer, history)"
+                "unknown benchmark: {name} (known: xdp, maglev, failover, reads, tokens, steer, steer-pool, history)"
             );
             return ExitCode::from(2);
         }

@@ -12,6 +12,7 @@
 //! admin API, KV use from each accelerator's `GET /state`, once a second).
 
 mod plot;
+pub mod pool;
 pub mod scenario;
 mod stats;
 
@@ -466,12 +467,7 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         fs::write(&kept, &records_text).with_context(|| format!("writing {}", kept.display()))?;
     }
-    let records: Vec<Record> = records_text
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).map(|v| Record::parse(&v)))
-        .collect::<Result<_, _>>()
-        .context("parsing the records")?;
+    let records = stats::parse_records(&records_text).context("parsing the records")?;
     let shed_counters: BTreeMap<String, u64> = lab
         .api("GET", "/v1/stats", None)
         .map(|(_, v)| v)

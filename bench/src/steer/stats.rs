@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde_json::{json, Value};
 
 use super::plot::{Point, Sample};
+use crate::tokens::stats::nearest_rank;
 
 /// One request as `sluice-bench tokens --records` writes it.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -70,13 +71,17 @@ pub fn prefix_cache(queries: u64, hits: u64, records: &[Record]) -> Value {
 
 /// Nearest-rank percentile (`q` in 0..=100) of an unsorted sample; 0 when empty.
 pub fn percentile(v: &[f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
-    let rank = ((q / 100.0) * s.len() as f64).ceil() as usize;
-    s[rank.clamp(1, s.len()) - 1]
+    nearest_rank(&s, q / 100.0).unwrap_or(0.0)
+}
+
+/// The generator's `--records` lines (blank lines skipped).
+pub fn parse_records(text: &str) -> serde_json::Result<Vec<Record>> {
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).map(|v| Record::parse(&v)))
+        .collect()
 }
 
 /// TTFTs (ms) of the requests that got a first token.

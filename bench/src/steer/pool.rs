@@ -1,0 +1,301 @@
+//! `sluice-bench steer-pool`: the TTFT aims judged over several seeded runs at once. A 60 s
+//! cell has about 420 requests, so its p99 time to first token is the fifth-slowest request,
+//! and one slow request more or less moved seed 7's healthy ratio between 0.39x and 1.92x
+//! over runs of the same policy (docs/benchmarks.md). Pooling the per-request records of
+//! the same cells under several seeds puts each p99 on a few thousand requests; each run's
+//! own ratio is kept beside the pooled one, so the spread shows too.
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use super::{aims, cells_by_key, stats};
+use crate::sys;
+
+const USAGE: &str = "usage: sluice-bench steer-pool RESULT.json:RECORDS_DIR ... [--out FILE]
+  each RESULT.json a `sluice-bench steer` result and RECORDS_DIR the directory its --records
+  option wrote; at least two runs, of different seeds, with the same cells and the same
+  settings (duration, backends, capacity, sessions cap, sources, accelerator arguments)
+  --out   default bench/results/steer-pooled.json";
+
+/// The settings that make two runs' cells the same experiment but for the seed.
+const SETTINGS: [&str; 6] = [
+    "duration_s",
+    "backends",
+    "capacity_rps_per_backend",
+    "max_sessions",
+    "client_sources",
+    "accel_args",
+];
+
+/// One seeded run: its result document and each cell's TTFTs (ms) from its records.
+pub struct Run {
+    pub result: Value,
+    pub ttfts: BTreeMap<(String, String), Vec<f64>>,
+}
+
+pub fn main(args: &[String]) -> Result<()> {
+    let mut out = PathBuf::from("bench/results/steer-pooled.json");
+    let mut sources = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--help" | "-h" => bail!("{USAGE}"),
+            "--out" => match it.next() {
+                Some(v) => out = v.into(),
+                None => bail!("--out needs a value\n{USAGE}"),
+            },
+            _ => match a.split_once(':') {
+                Some((json, dir)) => sources.push((PathBuf::from(json), PathBuf::from(dir))),
+                None => bail!("{a}: expected RESULT.json:RECORDS_DIR\n{USAGE}"),
+            },
+        }
+    }
+    let runs = sources
+        .iter()
+        .map(|(json, dir)| read_run(json, dir))
+        .collect::<Result<Vec<_>>>()?;
+    let mut doc = pool(&runs)?;
+    let (git_head, _) = sys::git_state();
+    doc["command_line"] = json!(std::env::args().collect::<Vec<_>>().join(" "));
+    doc["git_head"] = json!(git_head);
+    doc["date_utc"] = json!(sys::utc_now());
+    doc["sources"] = sources
+        .iter()
+        .map(
+            |(j, d)| json!({"result": j.display().to_string(), "records": d.display().to_string()}),
+        )
+        .collect();
+    if let Some(dir) = out.parent() {
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    fs::write(&out, serde_json::to_string_pretty(&doc)? + "\n")
+        .with_context(|| format!("writing {}", out.display()))?;
+    for r in doc["ratios"].as_array().into_iter().flatten() {
+        println!(
+            "{} / {}: pooled p99 TTFT ratio {:.2} (by seed {})",
+            r["scenario"].as_str().unwrap_or(""),
+            r["policy"].as_str().unwrap_or(""),
+            r["pooled"].as_f64().unwrap_or(f64::NAN),
+            r["by_seed"]
+        );
+    }
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+fn read_run(json: &Path, dir: &Path) -> Result<Run> {
+    let result: Value = serde_json::from_str(
+        &fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?,
+    )
+    .with_context(|| format!("parsing {}", json.display()))?;
+    let mut ttfts = BTreeMap::new();
+    for c in result["cells"].as_array().into_iter().flatten() {
+        let (s, p) = (
+            c["scenario"].as_str().unwrap_or_default(),
+            c["policy"].as_str().unwrap_or_default(),
+        );
+        let file = dir.join(format!("{s}-{p}.jsonl"));
+        let text = fs::read_to_string(&file).with_context(|| {
+            format!(
+                "reading {} (the records of {}'s cell {s} / {p}: run steer with --records {})",
+                file.display(),
+                json.display(),
+                dir.display()
+            )
+        })?;
+        let records =
+            stats::parse_records(&text).with_context(|| format!("parsing {}", file.display()))?;
+        ttfts.insert((s.to_owned(), p.to_owned()), stats::ttfts(&records));
+    }
+    Ok(Run { result, ttfts })
+}
+
+/// The pooled document: per cell the TTFT quantiles over every run's requests, per steered
+/// policy and scenario the p99 ratio to Maglev by seed and pooled, and the aims that the
+/// pooled cells can judge (the TTFT ones). Refuses runs that are not the same experiment.
+pub fn pool(runs: &[Run]) -> Result<Value> {
+    let [first, rest @ ..] = runs else {
+        bail!("no runs given\n{USAGE}");
+    };
+    if rest.is_empty() {
+        bail!("one run has nothing to pool with: give two or more seeds\n{USAGE}");
+    }
+    let seed = |r: &Run| r.result["seed"].as_u64().unwrap_or(0);
+    let mut seeds: Vec<u64> = runs.iter().map(seed).collect();
+    seeds.sort_unstable();
+    if let Some(w) = seeds.windows(2).find(|w| w[0] == w[1]) {
+        bail!(
+            "seed {} is given twice: a repeat of one seed replays its workload, so pool \
+             different seeds",
+            w[0]
+        );
+    }
+    for r in rest {
+        for key in SETTINGS {
+            if r.result[key] != first.result[key] {
+                bail!(
+                    "seed {} ran with {key} = {}, seed {} with {}: pool runs of the same \
+                     settings",
+                    seed(r),
+                    r.result[key],
+                    seed(first),
+                    first.result[key]
+                );
+            }
+        }
+        if r.ttfts.keys().ne(first.ttfts.keys()) {
+            bail!(
+                "seeds {} and {} ran different cells: pool runs of the same scenarios and \
+                 policies",
+                seed(first),
+                seed(r)
+            );
+        }
+    }
+    let p99 = |v: &[f64]| stats::percentile(v, 99.0);
+    let cells: Vec<Value> = first
+        .ttfts
+        .keys()
+        .map(|key| {
+            let all: Vec<f64> = runs.iter().flat_map(|r| r.ttfts[key].clone()).collect();
+            json!({
+                "scenario": key.0,
+                "policy": key.1,
+                "ttft_ms": stats::quantiles(&all),
+                "ttft_p99_ms_by_seed": runs
+                    .iter()
+                    .map(|r| (seed(r).to_string(), json!(p99(&r.ttfts[key]))))
+                    .collect::<serde_json::Map<_, _>>(),
+            })
+        })
+        .collect();
+    let mut ratios = Vec::new();
+    for (scenario, policy) in first.ttfts.keys().filter(|(_, p)| p != "maglev") {
+        let maglev = (scenario.clone(), "maglev".to_owned());
+        if !first.ttfts.contains_key(&maglev) {
+            continue;
+        }
+        let key = (scenario.clone(), policy.clone());
+        let ratio = |a: &[f64], m: &[f64]| p99(a) / p99(m).max(1e-9);
+        let pooled = |k: &(String, String)| -> Vec<f64> {
+            runs.iter().flat_map(|r| r.ttfts[k].clone()).collect()
+        };
+        ratios.push(json!({
+            "scenario": scenario,
+            "policy": policy,
+            "by_seed": runs
+                .iter()
+                .map(|r| (seed(r).to_string(), json!(ratio(&r.ttfts[&key], &r.ttfts[&maglev]))))
+                .collect::<serde_json::Map<_, _>>(),
+            "pooled": ratio(&pooled(&key), &pooled(&maglev)),
+        }));
+    }
+    Ok(json!({
+        "benchmark": "steer-pool",
+        "seeds": seeds,
+        "settings": SETTINGS
+            .iter()
+            .map(|k| (k.to_string(), first.result[*k].clone()))
+            .collect::<serde_json::Map<_, _>>(),
+        "runs": runs
+            .iter()
+            .map(|r| json!({
+                "seed": seed(r),
+                "git_head": r.result["git_head"],
+                "date_utc": r.result["date_utc"],
+                "command_line": r.result["command_line"],
+            }))
+            .collect::<Vec<_>>(),
+        "aims": aims(&cells_by_key(&cells.iter().collect::<Vec<_>>())),
+        "ratios": ratios,
+        "cells": cells,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(seed: u64, cells: &[(&str, &str, Vec<f64>)]) -> Run {
+        Run {
+            result: json!({"seed": seed, "duration_s": 60, "backends": 4, "git_head": "abc"}),
+            ttfts: cells
+                .iter()
+                .map(|(s, p, v)| ((s.to_string(), p.to_string()), v.clone()))
+                .collect(),
+        }
+    }
+
+    /// 100 requests per cell: 1..=100 ms, and one run's adaptive with a slow tail.
+    fn ms(scale: f64) -> Vec<f64> {
+        (1..=100).map(|i| f64::from(i) * scale).collect()
+    }
+
+    #[test]
+    fn pooled_p99_ranks_over_every_seeds_requests_and_judges_the_ttft_aims() {
+        // Seed 7's adaptive cell has two slow first tokens of 100: its p99 alone.
+        let mut slow = ms(1.0);
+        slow[98] = 1000.0;
+        slow[99] = 1000.0;
+        let runs = [
+            run(
+                7,
+                &[
+                    ("healthy", "maglev", ms(1.0)),
+                    ("healthy", "adaptive", slow),
+                ],
+            ),
+            run(
+                11,
+                &[
+                    ("healthy", "maglev", ms(1.0)),
+                    ("healthy", "adaptive", ms(0.5)),
+                ],
+            ),
+        ];
+        let doc = pool(&runs).unwrap();
+        // By seed: 1000 / 99 and 49.5 / 99. Pooled, the p99 is the 198th of 200: 98 ms
+        // (under the two slow ones) against Maglev's 99.
+        let r = &doc["ratios"][0];
+        assert_eq!(r["policy"], "adaptive");
+        assert!((r["by_seed"]["7"].as_f64().unwrap() - 1000.0 / 99.0).abs() < 1e-9);
+        assert!((r["by_seed"]["11"].as_f64().unwrap() - 49.5 / 99.0).abs() < 1e-9);
+        assert!(
+            (r["pooled"].as_f64().unwrap() - 98.0 / 99.0).abs() < 1e-9,
+            "{r}"
+        );
+        let cell = &doc["cells"][0];
+        assert_eq!(
+            (cell["policy"].as_str(), cell["ttft_ms"]["n"].as_u64()),
+            (Some("adaptive"), Some(200))
+        );
+        let aims = doc["aims"].as_array().unwrap();
+        assert_eq!(aims.len(), 1, "only the TTFT aim can be judged: {aims:?}");
+        assert_eq!(aims[0]["aim"], "healthy: adaptive p99 TTFT <= 1.05x maglev");
+        assert_eq!(aims[0]["held"], true);
+    }
+
+    #[test]
+    fn runs_that_are_not_the_same_experiment_are_refused() {
+        let cell = || {
+            vec![
+                ("healthy", "maglev", ms(1.0)),
+                ("healthy", "adaptive", ms(1.0)),
+            ]
+        };
+        let err = |runs: &[Run]| pool(runs).unwrap_err().to_string();
+        assert!(err(&[run(7, &cell())]).contains("give two or more seeds"));
+        assert!(err(&[run(7, &cell()), run(7, &cell())]).contains("seed 7 is given twice"));
+        let mut long = run(11, &cell());
+        long.result["duration_s"] = json!(180);
+        assert!(err(&[run(7, &cell()), long]).contains("duration_s = 180"));
+        let other = run(11, &[("throttled", "maglev", ms(1.0))]);
+        assert!(err(&[run(7, &cell()), other]).contains("ran different cells"));
+    }
+}
