@@ -48,6 +48,16 @@ const VIP: &str = "chat";
 /// batch multiplexes too little for a fleet to have headroom.
 const DEFAULT_ACCEL_ARGS: &str = "--max-num-seqs 16 --kv-capacity-tokens 8192";
 
+/// A stream counts as broken when it waits this long for its next byte (a client's read
+/// timeout; the OpenAI SDK's is 600 s), however long it has run: a long answer from a slow
+/// accelerator is slow, not broken (a 60 s cut on the whole request broke 2048-token answers
+/// still streaming at 39-45 ms a token on the half-speed or throttled accelerator).
+const STALL: Duration = Duration::from_secs(60);
+
+/// The most a request may take in all, so that a cell ends by itself: a 2048-token answer
+/// takes 41 s at full speed and 102 s at 0.4x.
+const REQUEST_LIMIT: Duration = Duration::from_secs(180);
+
 /// How long after a kill new sessions may still be sent to the dead backend, ms: the default
 /// health checks (interval 1 s, fall 2) mark it down within (fall + 1) intervals.
 const AVOID_BOUND_MS: f64 = 3000.0;
@@ -375,6 +385,10 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         // A refused session comes back as the OpenAI SDK's clients do (twice, backing off).
         "--retries",
         &crate::tokens::client::DEFAULT_RETRIES.to_string(),
+        "--timeout-s",
+        &REQUEST_LIMIT.as_secs().to_string(),
+        "--stall-s",
+        &STALL.as_secs().to_string(),
         "--sources-file",
         &sources_file.display().to_string(),
         "--json",
@@ -403,7 +417,7 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
     let mut timeline: Vec<Sample> = Vec::new();
     let mut flags: Vec<Sample> = Vec::new();
     let mut kv_samples: Vec<Vec<f64>> = Vec::new();
-    let limit = duration + Duration::from_secs(90);
+    let limit = duration + REQUEST_LIMIT + Duration::from_secs(30);
     let mut next_sample = Duration::ZERO;
     let status = loop {
         let t = t0.elapsed();

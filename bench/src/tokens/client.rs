@@ -141,6 +141,10 @@ pub struct Ask<'a> {
     pub body: String,
     /// Bounds the whole request: every attempt and the backoff between them.
     pub timeout: Duration,
+    /// Bounds each wait for the exchange's next step (the connection, the response head,
+    /// each chunk of the stream): an HTTP client's read timeout, which the OpenAI SDK sets to
+    /// 600 s. A stream that is still flowing, however slowly, never reaches it.
+    pub stall: Duration,
     /// Retries of an attempt refused or reset before any response byte ([`retry_delay`]
     /// apart); 0: one attempt.
     pub retries: u32,
@@ -157,7 +161,8 @@ enum Fail {
 
 /// Sends `ask` on a new connection and reads the stream to `[DONE]`, on a new connection
 /// from the same source again after a refusal (up to `ask.retries` times, the backoff's
-/// jitter drawn from `rng`), all bounded by its timeout.
+/// jitter drawn from `rng`), all bounded by its timeout, and each step by its stall limit
+/// (a stalled request is broken `timeout` and not sent again).
 pub async fn stream(ask: Ask<'_>, clock: &quanta::Clock, rng: &mut impl Rng) -> Outcome {
     let start = clock.now();
     let ms = |t: quanta::Instant| (t - start).as_secs_f64() * 1000.0;
@@ -195,16 +200,16 @@ async fn attempt(
     out: &mut Outcome,
 ) -> Result<(), Fail> {
     let ms = |t: quanta::Instant| (t - start).as_secs_f64() * 1000.0;
-    let conn = connect(ask.target, ask.source)
-        .await
+    let conn = within(ask.stall, connect(ask.target, ask.source))
+        .await?
         .map_err(|_| Fail::Refused(CONNECT))?;
     // Until the response head is in, a reset has served nothing: it is a refusal.
     let refused = |e: hyper::Error| match classify(&e) {
         RESET => Fail::Refused(RESET),
         why => Fail::Broken(why),
     };
-    let (mut sender, driver) = http1::handshake(TokioIo::new(conn))
-        .await
+    let (mut sender, driver) = within(ask.stall, http1::handshake(TokioIo::new(conn)))
+        .await?
         .map_err(refused)?;
     let driver = tokio::spawn(driver);
     let _abort = AbortOnDrop(driver);
@@ -213,7 +218,9 @@ async fn attempt(
         .header(CONTENT_TYPE, "application/json")
         .body(Full::new(body))
         .expect("a static request is well formed");
-    let resp = sender.send_request(req).await.map_err(refused)?;
+    let resp = within(ask.stall, sender.send_request(req))
+        .await?
+        .map_err(refused)?;
     out.backend = resp
         .headers()
         .get(BACKEND_HEADER)
@@ -226,7 +233,7 @@ async fn attempt(
     let mut sse = SseReader::default();
     let mut last: Option<quanta::Instant> = None;
     loop {
-        let frame = match body.frame().await {
+        let frame = match within(ask.stall, body.frame()).await? {
             None => return Err(Fail::Broken(NO_DONE)),
             Some(Err(e)) => return Err(Fail::Broken(classify(&e))),
             Some(Ok(f)) => f,
@@ -253,6 +260,13 @@ async fn attempt(
             return Ok(());
         }
     }
+}
+
+/// One step of an exchange, broken `timeout` when it waits longer than `stall`.
+async fn within<T>(stall: Duration, step: impl std::future::Future<Output = T>) -> Result<T, Fail> {
+    tokio::time::timeout(stall, step)
+        .await
+        .map_err(|_| Fail::Broken(TIMEOUT))
 }
 
 struct AbortOnDrop(tokio::task::JoinHandle<Result<(), hyper::Error>>);

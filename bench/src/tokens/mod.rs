@@ -101,6 +101,8 @@ pub struct Config {
     pub sources: Vec<IpAddr>,
     pub shape: Shape,
     pub timeout: Duration,
+    /// The longest wait for a request's next step ([`client::Ask::stall`]).
+    pub stall: Duration,
     /// Retries of a connection refused or reset before any response byte.
     pub retries: u32,
     /// The API path requested.
@@ -339,6 +341,7 @@ async fn conversation(run: Arc<Run>, id: u64, turns: Vec<Turn>) {
             path: &cfg.path,
             body,
             timeout: cfg.timeout,
+            stall: cfg.stall,
             retries: cfg.retries,
         };
         // The backoff's jitter: one stream of draws per request, so that runs of a seed
@@ -506,9 +509,14 @@ struct Cli {
     /// Largest answer, tokens (draws above are cut to it).
     #[arg(long, default_value_t = Shape::default().max_output)]
     max_output: u32,
-    /// Seconds a request may take in all before it counts as broken (timeout).
+    /// Seconds a request may take in all before it counts as broken (timeout): bounds the run.
     #[arg(long, default_value_t = 60.0)]
     timeout_s: f64,
+    /// Seconds a request may wait for its next step (the connection, the response head, the
+    /// next chunk) before it counts as broken (timeout), as an HTTP client's read timeout
+    /// (the OpenAI SDK's is 600 s); at most --timeout-s.
+    #[arg(long, default_value_t = 60.0)]
+    stall_s: f64,
     /// Retries of a connection refused or reset before any response byte, from the same
     /// source address, with the OpenAI Python SDK's backoff (0.5 s doubling, x0.75-1 jitter);
     /// the default is the SDK's. 0: a refusal breaks the request.
@@ -549,6 +557,13 @@ fn config(cli: &Cli) -> Result<Config> {
     }
     if !(cli.timeout_s.is_finite() && cli.timeout_s > 0.0 && cli.timeout_s <= 3600.0) {
         bail!("--timeout-s {} must be in (0, 3600] seconds", cli.timeout_s);
+    }
+    if !(cli.stall_s.is_finite() && cli.stall_s > 0.0 && cli.stall_s <= cli.timeout_s) {
+        bail!(
+            "--stall-s {} must be in (0, --timeout-s = {}] seconds",
+            cli.stall_s,
+            cli.timeout_s
+        );
     }
     if cli.max_requests == 0 {
         bail!("--max-requests must be at least 1");
@@ -606,6 +621,7 @@ fn config(cli: &Cli) -> Result<Config> {
         sources,
         shape,
         timeout: Duration::from_secs_f64(cli.timeout_s),
+        stall: Duration::from_secs_f64(cli.stall_s),
         retries: cli.retries,
         path: cli.path.clone(),
         state_urls,
@@ -639,6 +655,7 @@ pub fn summary_json(cfg: &Config, report: &Report) -> serde_json::Value {
             "max_context": cfg.shape.max_context,
             "max_output": cfg.shape.max_output,
             "timeout_s": cfg.timeout.as_secs_f64(),
+            "stall_s": cfg.stall.as_secs_f64(),
             "retries": cfg.retries,
             "path": cfg.path,
         },
@@ -800,6 +817,7 @@ mod tests {
                     ..Shape::default()
                 },
                 timeout: Duration::from_secs(20),
+                stall: Duration::from_secs(20),
                 retries: client::DEFAULT_RETRIES,
                 path: "/v1/chat/completions".into(),
                 state_urls: [c0, c1]
@@ -886,6 +904,7 @@ mod tests {
                 path: "/v1/chat/completions",
                 body: json!({"prompt_tokens": 10, "max_tokens": 5, "stream": true}).to_string(),
                 timeout: Duration::from_secs(10),
+                stall: Duration::from_secs(10),
                 retries,
             };
             let mut rng = StdRng::seed_from_u64(1);
@@ -951,6 +970,7 @@ mod tests {
                 path: "/v1/chat/completions",
                 body: "{}".into(),
                 timeout: Duration::from_secs(10),
+                stall: Duration::from_secs(10),
                 retries: 2,
             };
             let out =
@@ -962,6 +982,71 @@ mod tests {
             );
             assert_eq!((out.tokens, out.last_refused_ms), (1, None));
             assert!(server.await.unwrap(), "the client connected again");
+        });
+    }
+
+    /// A stream that takes longer in all than the stall limit but never waits that long for
+    /// a chunk completes (a slow accelerator's long answer is slow, not broken); one that
+    /// waits longer for its next chunk is broken `timeout` within about the stall limit.
+    #[test]
+    fn a_slow_stream_completes_and_a_stalled_one_times_out() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            // Serves one request: the head, then `chunks` token chunks `gap` apart, then
+            // [DONE].
+            let serve = |chunks: u32, gap: Duration| async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let target = listener.local_addr().unwrap();
+                let server = tokio::spawn(async move {
+                    let (mut conn, _) = listener.accept().await.unwrap();
+                    let mut buf = [0u8; 4096];
+                    let _ = conn.read(&mut buf).await.unwrap();
+                    let head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                                 x-sluice-backend: b\r\ntransfer-encoding: chunked\r\n\r\n";
+                    conn.write_all(head).await.unwrap();
+                    for _ in 0..chunks {
+                        tokio::time::sleep(gap).await;
+                        if conn.write_all(b"a\r\ndata: {}\n\n\r\n").await.is_err() {
+                            return;
+                        }
+                    }
+                    let _ = conn.write_all(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n").await;
+                });
+                (target, server)
+            };
+            let ask = |target| Ask {
+                target,
+                source: None,
+                path: "/v1/chat/completions",
+                body: "{}".into(),
+                timeout: Duration::from_secs(10),
+                stall: Duration::from_millis(300),
+                retries: 0,
+            };
+            let clock = quanta::Clock::new();
+            let mut rng = StdRng::seed_from_u64(1);
+            // 6 chunks 100 ms apart: 600 ms in all, twice the stall limit.
+            let (target, server) = serve(6, Duration::from_millis(100)).await;
+            let out = client::stream(ask(target), &clock, &mut rng).await;
+            server.await.unwrap();
+            assert_eq!((out.broken, out.tokens), (None, 6), "{out:?}");
+            assert!(out.e2e_ms.unwrap() >= 600.0, "{out:?}");
+            // The head, then a 2 s silence: broken after the stall limit, not the timeout.
+            let (target, server) = serve(2, Duration::from_secs(2)).await;
+            let start = std::time::Instant::now();
+            let out = client::stream(ask(target), &clock, &mut rng).await;
+            let took = start.elapsed();
+            server.abort();
+            assert_eq!(
+                (out.broken, out.tokens),
+                (Some(client::TIMEOUT), 0),
+                "{out:?}"
+            );
+            assert!(took < Duration::from_secs(1), "{took:?}");
         });
     }
 }
