@@ -159,15 +159,19 @@ pub fn pool(runs: &[Run]) -> Result<Value> {
         }
     }
     let p99 = |v: &[f64]| stats::percentile(v, 99.0);
+    let pooled = |k: &(String, String)| -> Vec<f64> {
+        runs.iter()
+            .flat_map(|r| r.ttfts[k].iter().copied())
+            .collect()
+    };
     let cells: Vec<Value> = first
         .ttfts
         .keys()
         .map(|key| {
-            let all: Vec<f64> = runs.iter().flat_map(|r| r.ttfts[key].clone()).collect();
             json!({
                 "scenario": key.0,
                 "policy": key.1,
-                "ttft_ms": stats::quantiles(&all),
+                "ttft_ms": stats::quantiles(&pooled(key)),
                 "ttft_p99_ms_by_seed": runs
                     .iter()
                     .map(|r| (seed(r).to_string(), json!(p99(&r.ttfts[key]))))
@@ -183,9 +187,6 @@ pub fn pool(runs: &[Run]) -> Result<Value> {
         }
         let key = (scenario.clone(), policy.clone());
         let ratio = |a: &[f64], m: &[f64]| p99(a) / p99(m).max(1e-9);
-        let pooled = |k: &(String, String)| -> Vec<f64> {
-            runs.iter().flat_map(|r| r.ttfts[k].clone()).collect()
-        };
         ratios.push(json!({
             "scenario": scenario,
             "policy": policy,
@@ -232,7 +233,7 @@ mod tests {
         }
     }
 
-    /// 100 requests per cell: 1..=100 ms, and one run's adaptive with a slow tail.
+    /// 100 first tokens: 1..=100 ms times `scale`.
     fn ms(scale: f64) -> Vec<f64> {
         (1..=100).map(|i| f64::from(i) * scale).collect()
     }
