@@ -932,11 +932,27 @@ mod tests {
         });
     }
 
+    /// Accepts one request on `listener`, reads it and answers the head of an SSE stream
+    /// (chunked, from backend `b`); the caller writes the chunks.
+    async fn answer_head(listener: &tokio::net::TcpListener) -> tokio::net::TcpStream {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut conn, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 4096];
+        let _ = conn.read(&mut buf).await.unwrap();
+        conn.write_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+              x-sluice-backend: b\r\ntransfer-encoding: chunked\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        conn
+    }
+
     /// A stream reset after its first token is broken and never sent again: a retry would
     /// hide the breakage.
     #[test]
     fn a_stream_reset_after_its_first_byte_is_not_retried() {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::io::AsyncWriteExt;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -945,16 +961,8 @@ mod tests {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let target = listener.local_addr().unwrap();
             let server = tokio::spawn(async move {
-                let (mut conn, _) = listener.accept().await.unwrap();
-                let mut buf = [0u8; 4096];
-                let _ = conn.read(&mut buf).await.unwrap();
-                conn.write_all(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
-                      x-sluice-backend: b\r\ntransfer-encoding: chunked\r\n\r\n\
-                      a\r\ndata: {}\n\n\r\n",
-                )
-                .await
-                .unwrap();
+                let mut conn = answer_head(&listener).await;
+                conn.write_all(b"a\r\ndata: {}\n\n\r\n").await.unwrap();
                 // Let the client read the head and the token, then reset.
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 conn.set_zero_linger().unwrap();
@@ -990,7 +998,7 @@ mod tests {
     /// waits longer for its next chunk is broken `timeout` within about the stall limit.
     #[test]
     fn a_slow_stream_completes_and_a_stalled_one_times_out() {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::io::AsyncWriteExt;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -1002,12 +1010,7 @@ mod tests {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 let target = listener.local_addr().unwrap();
                 let server = tokio::spawn(async move {
-                    let (mut conn, _) = listener.accept().await.unwrap();
-                    let mut buf = [0u8; 4096];
-                    let _ = conn.read(&mut buf).await.unwrap();
-                    let head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
-                                 x-sluice-backend: b\r\ntransfer-encoding: chunked\r\n\r\n";
-                    conn.write_all(head).await.unwrap();
+                    let mut conn = answer_head(&listener).await;
                     for _ in 0..chunks {
                         tokio::time::sleep(gap).await;
                         if conn.write_all(b"a\r\ndata: {}\n\n\r\n").await.is_err() {
