@@ -11,7 +11,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 
 use super::{aims, cells_by_key, stats};
@@ -33,8 +33,10 @@ const SETTINGS: [&str; 6] = [
     "accel_args",
 ];
 
-/// One seeded run: its result document and each cell's TTFTs (ms) from its records.
+/// One seeded run: its seed, its result document and each cell's TTFTs (ms) from its
+/// records.
 pub struct Run {
+    pub seed: u64,
     pub result: Value,
     pub ttfts: BTreeMap<(String, String), Vec<f64>>,
 }
@@ -94,12 +96,15 @@ fn read_run(json: &Path, dir: &Path) -> Result<Run> {
         &fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?,
     )
     .with_context(|| format!("parsing {}", json.display()))?;
+    let (seed, cells) = seed_and_cells(&result).ok_or_else(|| {
+        anyhow!(
+            "{}: not a `sluice-bench steer` result (it needs \"benchmark\": \"steer\", a \
+             \"seed\" and \"cells\" naming their scenario and policy)",
+            json.display()
+        )
+    })?;
     let mut ttfts = BTreeMap::new();
-    for c in result["cells"].as_array().into_iter().flatten() {
-        let (s, p) = (
-            c["scenario"].as_str().unwrap_or_default(),
-            c["policy"].as_str().unwrap_or_default(),
-        );
+    for (s, p) in cells {
         let file = dir.join(format!("{s}-{p}.jsonl"));
         let text = fs::read_to_string(&file).with_context(|| {
             format!(
@@ -111,9 +116,30 @@ fn read_run(json: &Path, dir: &Path) -> Result<Run> {
         })?;
         let records =
             stats::parse_records(&text).with_context(|| format!("parsing {}", file.display()))?;
-        ttfts.insert((s.to_owned(), p.to_owned()), stats::ttfts(&records));
+        ttfts.insert((s, p), stats::ttfts(&records));
     }
-    Ok(Run { result, ttfts })
+    Ok(Run {
+        seed,
+        result,
+        ttfts,
+    })
+}
+
+/// A steer result's seed and its cells' (scenario, policy); `None` unless it is one.
+fn seed_and_cells(result: &Value) -> Option<(u64, Vec<(String, String)>)> {
+    let cells = result["cells"]
+        .as_array()
+        .filter(|c| result["benchmark"] == "steer" && !c.is_empty())?;
+    let cells = cells
+        .iter()
+        .map(|c| {
+            Some((
+                c["scenario"].as_str()?.to_owned(),
+                c["policy"].as_str()?.to_owned(),
+            ))
+        })
+        .collect::<Option<_>>()?;
+    Some((result["seed"].as_u64()?, cells))
 }
 
 /// The pooled document: per cell the TTFT quantiles over every run's requests, per steered
@@ -126,8 +152,7 @@ pub fn pool(runs: &[Run]) -> Result<Value> {
     if rest.is_empty() {
         bail!("one run has nothing to pool with: give two or more seeds\n{USAGE}");
     }
-    let seed = |r: &Run| r.result["seed"].as_u64().unwrap_or(0);
-    let mut seeds: Vec<u64> = runs.iter().map(seed).collect();
+    let mut seeds: Vec<u64> = runs.iter().map(|r| r.seed).collect();
     seeds.sort_unstable();
     if let Some(w) = seeds.windows(2).find(|w| w[0] == w[1]) {
         bail!(
@@ -142,9 +167,9 @@ pub fn pool(runs: &[Run]) -> Result<Value> {
                 bail!(
                     "seed {} ran with {key} = {}, seed {} with {}: pool runs of the same \
                      settings",
-                    seed(r),
+                    r.seed,
                     r.result[key],
-                    seed(first),
+                    first.seed,
                     first.result[key]
                 );
             }
@@ -153,28 +178,34 @@ pub fn pool(runs: &[Run]) -> Result<Value> {
             bail!(
                 "seeds {} and {} ran different cells: pool runs of the same scenarios and \
                  policies",
-                seed(first),
-                seed(r)
+                first.seed,
+                r.seed
             );
         }
     }
     let p99 = |v: &[f64]| stats::percentile(v, 99.0);
-    let pooled = |k: &(String, String)| -> Vec<f64> {
-        runs.iter()
-            .flat_map(|r| r.ttfts[k].iter().copied())
-            .collect()
-    };
-    let cells: Vec<Value> = first
+    let pooled: BTreeMap<&(String, String), Vec<f64>> = first
         .ttfts
         .keys()
-        .map(|key| {
+        .map(|k| {
+            (
+                k,
+                runs.iter()
+                    .flat_map(|r| r.ttfts[k].iter().copied())
+                    .collect(),
+            )
+        })
+        .collect();
+    let cells: Vec<Value> = pooled
+        .iter()
+        .map(|(key, all)| {
             json!({
                 "scenario": key.0,
                 "policy": key.1,
-                "ttft_ms": stats::quantiles(&pooled(key)),
+                "ttft_ms": stats::quantiles(all),
                 "ttft_p99_ms_by_seed": runs
                     .iter()
-                    .map(|r| (seed(r).to_string(), json!(p99(&r.ttfts[key]))))
+                    .map(|r| (r.seed.to_string(), json!(p99(&r.ttfts[key]))))
                     .collect::<serde_json::Map<_, _>>(),
             })
         })
@@ -192,9 +223,9 @@ pub fn pool(runs: &[Run]) -> Result<Value> {
             "policy": policy,
             "by_seed": runs
                 .iter()
-                .map(|r| (seed(r).to_string(), json!(ratio(&r.ttfts[&key], &r.ttfts[&maglev]))))
+                .map(|r| (r.seed.to_string(), json!(ratio(&r.ttfts[&key], &r.ttfts[&maglev]))))
                 .collect::<serde_json::Map<_, _>>(),
-            "pooled": ratio(&pooled(&key), &pooled(&maglev)),
+            "pooled": ratio(&pooled[&key], &pooled[&maglev]),
         }));
     }
     Ok(json!({
@@ -207,7 +238,7 @@ pub fn pool(runs: &[Run]) -> Result<Value> {
         "runs": runs
             .iter()
             .map(|r| json!({
-                "seed": seed(r),
+                "seed": r.seed,
                 "git_head": r.result["git_head"],
                 "date_utc": r.result["date_utc"],
                 "command_line": r.result["command_line"],
@@ -225,7 +256,8 @@ mod tests {
 
     fn run(seed: u64, cells: &[(&str, &str, Vec<f64>)]) -> Run {
         Run {
-            result: json!({"seed": seed, "duration_s": 60, "backends": 4, "git_head": "abc"}),
+            seed,
+            result: json!({"duration_s": 60, "backends": 4, "git_head": "abc"}),
             ttfts: cells
                 .iter()
                 .map(|(s, p, v)| ((s.to_string(), p.to_string()), v.clone()))
@@ -280,6 +312,31 @@ mod tests {
         assert_eq!(aims.len(), 1, "only the TTFT aim can be judged: {aims:?}");
         assert_eq!(aims[0]["aim"], "healthy: adaptive p99 TTFT <= 1.05x maglev");
         assert_eq!(aims[0]["held"], true);
+    }
+
+    #[test]
+    fn only_a_steer_result_with_a_seed_and_named_cells_is_read() {
+        let cell = json!({"scenario": "healthy", "policy": "maglev"});
+        let ok = json!({"benchmark": "steer", "seed": 7, "cells": [cell]});
+        assert_eq!(
+            seed_and_cells(&ok),
+            Some((7, vec![("healthy".into(), "maglev".into())]))
+        );
+        let without = |key: &str| {
+            let mut v = ok.clone();
+            v.as_object_mut().unwrap().remove(key);
+            v
+        };
+        for bad in [
+            without("benchmark"),
+            without("seed"),
+            without("cells"),
+            json!({"benchmark": "steer-pool", "seed": 7, "cells": [cell]}),
+            json!({"benchmark": "steer", "seed": 7, "cells": []}),
+            json!({"benchmark": "steer", "seed": 7, "cells": [{"scenario": "healthy"}]}),
+        ] {
+            assert_eq!(seed_and_cells(&bad), None, "{bad}");
+        }
     }
 
     #[test]
