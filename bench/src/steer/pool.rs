@@ -20,7 +20,8 @@ use crate::sys;
 const USAGE: &str = "usage: sluice-bench steer-pool RESULT.json:RECORDS_DIR ... [--out FILE]
   each RESULT.json a `sluice-bench steer` result and RECORDS_DIR the directory its --records
   option wrote; at least two runs, of different seeds, with the same cells and the same
-  settings (duration, backends, capacity, sessions cap, sources, accelerator arguments)
+  settings (duration, backends, capacity, sessions cap, sources, accelerator arguments, and
+  each cell's load-generator settings but the seed: its stall and request limits among them)
   --out   default bench/results/steer-pooled.json";
 
 /// The settings that make two runs' cells the same experiment but for the seed.
@@ -142,6 +143,34 @@ fn seed_and_cells(result: &Value) -> Option<(u64, Vec<(String, String)>)> {
     Some((result["seed"].as_u64()?, cells))
 }
 
+/// A cell's load-generator settings but its seed (the stall and request limits among them,
+/// which decide what counts as broken); `Null` for a cell the result does not hold.
+fn generator_settings(result: &Value, scenario: &str, policy: &str) -> Value {
+    let mut config = result["cells"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["scenario"] == scenario && c["policy"] == policy)
+        .map_or(Value::Null, |c| c["generator_summary"]["config"].clone());
+    if let Some(o) = config.as_object_mut() {
+        o.remove("seed");
+    }
+    config
+}
+
+/// The first key whose value differs between two settings objects, absent keys as `null`.
+fn differing_key(a: &Value, b: &Value) -> Option<String> {
+    let keys = |v: &Value| v.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>());
+    if a == b {
+        return None;
+    }
+    let mut all: Vec<String> = keys(a).into_iter().chain(keys(b)).flatten().collect();
+    all.sort_unstable();
+    all.into_iter()
+        .find(|k| a[k.as_str()] != b[k.as_str()])
+        .or_else(|| Some("the generator's settings".to_owned()))
+}
+
 /// The pooled document: per cell the TTFT quantiles over every run's requests, per steered
 /// policy and scenario the p99 ratio to Maglev by seed and pooled, and the aims that the
 /// pooled cells can judge (the TTFT ones). Refuses runs that are not the same experiment.
@@ -181,6 +210,22 @@ pub fn pool(runs: &[Run]) -> Result<Value> {
                 first.seed,
                 r.seed
             );
+        }
+        for (scenario, policy) in first.ttfts.keys() {
+            let (a, b) = (
+                generator_settings(&r.result, scenario, policy),
+                generator_settings(&first.result, scenario, policy),
+            );
+            if let Some(key) = differing_key(&a, &b) {
+                bail!(
+                    "seed {}'s cell {scenario} / {policy} ran its load generator with {key} = \
+                     {}, seed {}'s with {}: pool runs of the same settings",
+                    r.seed,
+                    a[&key],
+                    first.seed,
+                    b[&key]
+                );
+            }
         }
     }
     let p99 = |v: &[f64]| stats::percentile(v, 99.0);
@@ -355,5 +400,21 @@ mod tests {
         assert!(err(&[run(7, &cell()), long]).contains("duration_s = 180"));
         let other = run(11, &[("throttled", "maglev", ms(1.0))]);
         assert!(err(&[run(7, &cell()), other]).contains("ran different cells"));
+        // A run from before the stall limit counted broken streams by another rule.
+        let with_generator = |seed, config: Value| {
+            let mut r = run(seed, &cell());
+            r.result["cells"] = json!([{"scenario": "healthy", "policy": "maglev",
+                "generator_summary": {"config": config}}]);
+            r
+        };
+        let now = json!({"seed": 7, "stall_s": 60.0, "timeout_s": 180.0});
+        let before = json!({"seed": 11, "timeout_s": 60.0});
+        assert!(
+            err(&[with_generator(7, now.clone()), with_generator(11, before)])
+                .contains("cell healthy / maglev ran its load generator with stall_s = null")
+        );
+        let mut same = now.clone();
+        same["seed"] = json!(11);
+        pool(&[with_generator(7, now), with_generator(11, same)]).unwrap();
     }
 }
