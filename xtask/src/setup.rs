@@ -429,7 +429,7 @@ fn linked_llvm(exe: &Path) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::TempDir;
+    use crate::test_dir::TestDir;
 
     #[test]
     fn llvm_major_from_rustc_vv() {
@@ -440,8 +440,8 @@ mod tests {
 
     #[test]
     fn finds_the_real_llvm_library_not_the_linker_script() {
-        let sysroot = TempDir::new("sysroot");
-        let lib = sysroot.path().join("lib");
+        let sysroot = TestDir::new("sysroot");
+        let lib = sysroot.join("lib");
         fs::create_dir_all(&lib).unwrap();
         fs::write(lib.join("libLLVM-22-rust-1.95.0-stable.so"), "INPUT(...)").unwrap();
         fs::write(lib.join("librustc_driver-6108105cd7e839cf.so"), "").unwrap();
@@ -471,12 +471,12 @@ mod tests {
 
     #[test]
     fn prefix_symlinks_are_created_and_repaired() {
-        let tmp = TempDir::new("prefix");
-        let old = tmp.path().join("libLLVM.so.21.1-rust-1.90.0-stable");
-        let lib = tmp.path().join("libLLVM.so.22.1-rust-1.95.0-stable");
+        let tmp = TestDir::new("prefix");
+        let old = tmp.join("libLLVM.so.21.1-rust-1.90.0-stable");
+        let lib = tmp.join("libLLVM.so.22.1-rust-1.95.0-stable");
         fs::write(&old, "old").unwrap();
         fs::write(&lib, "new").unwrap();
-        let prefix = tmp.path().join("cache/sluice/llvm");
+        let prefix = tmp.join("cache/sluice/llvm");
         let links = [
             prefix.join("lib/libLLVM.so"),
             prefix.join("lib/libLLVM.so.22.1-rust-1.95.0-stable"),
