@@ -9,9 +9,10 @@
 //! Per step and backend (see the submodules for each rule):
 //! - the load score (an EWMA of the largest normalised load signal), compared with the mean
 //!   of the VIP's backends, sets a weight level `1..=weight_levels`, moved only past a
-//!   hysteresis band ([`score`]); a backend markedly slower per output token than the
-//!   median of its VIP's others in rotation gets a level in proportion to its relative speed
-//!   ([`score::Speed`]), and the lower of the two levels counts;
+//!   hysteresis band ([`score`]), and full while the engine shows room ([`HEADROOM`]); a
+//!   backend markedly slower per output token than the median of its VIP's others in
+//!   rotation gets a level in proportion to its relative speed ([`score::Speed`]), and the
+//!   lower of the two levels counts;
 //! - congestion, saturation, throttling or stale telemetry moves the backend away (weight 0
 //!   for new sessions, established ones stay) under an exponential cooldown, and a return
 //!   ramps up over `slow_start`, or after congestion holds the reduced level on probation
@@ -484,16 +485,33 @@ impl Policy {
     /// Sets each scored backend's level from its score against its VIP's mean score over
     /// the backends in rotation with fresh telemetry (one moved away is empty because it was
     /// emptied, and counting it would make the others look loaded).
+    ///
+    /// A backend whose engine shows room (a score at most [`HEADROOM`]: KV use and queue
+    /// at most half their thresholds, smoothed) keeps full weight however little the others
+    /// carry: lowering it would only remap clients. At light load the source hash's
+    /// unevenness alone reads as several times the mean (the steer benchmark's idle fleet, at
+    /// 25% load, cut a backend at KV 0.35-0.49 to 7/8 while the others read 0-0.1 and nothing
+    /// queued). A busy GPU known only by its utilisation ([`score::BUSY`]) shows no depth, so
+    /// it is compared as before.
     fn relevel(&mut self, now: Duration, work: &[Work]) {
         let scored = |w: &&Work| w.eligible && w.input.telemetry.is_some_and(|t| !t.stale);
         let sums = self.vip_means(work, |m, _| m.score.value());
+        let levels = self.cfg.weight_levels;
         for w in work.iter().filter(scored) {
             let Some(&(sum, n)) = sums.get(w.input.vip) else {
                 continue;
             };
+            let engine = w
+                .input
+                .telemetry
+                .is_some_and(|t| t.sample.kv_cache.is_some() || t.sample.queue_depth.is_some());
             let m = self.backends.get_mut(&w.input.id).expect("observed");
-            let target =
-                score::relative_level(m.score.value(), sum / f64::from(n), self.cfg.weight_levels);
+            let score = m.score.value();
+            let target = if engine && score <= HEADROOM {
+                f64::from(levels)
+            } else {
+                score::relative_level(score, sum / f64::from(n), levels)
+            };
             m.score.relevel(now, target, &self.cfg);
         }
     }

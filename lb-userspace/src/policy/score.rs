@@ -11,8 +11,9 @@
 //! it is a throttling trigger. The score is the pressure's EWMA (`ewma_alpha`).
 //!
 //! The weight level compares the score with the VIP's mean ([`relative_level`]): a backend
-//! within [`LOAD_BAND`] of the mean, or all backends equally loaded, keeps full weight; a
-//! more loaded one gets weight in proportion to how much more. The level only moves when the
+//! within [`LEVEL_BAND`] of the mean, or all backends equally loaded, keeps full weight; a
+//! more loaded one gets weight in proportion to how much more, unless its engine shows room
+//! ([`super::HEADROOM`], `Policy::relevel`). The level only moves when the
 //! target is more than `0.5 + hysteresis * weight_levels` levels from the current level, and
 //! at most once per [`LEVEL_DWELL`]: every level change remaps ring slots, and on a healthy
 //! fleet behind a source-hashed VIP the load of each backend wanders with which clients are

@@ -651,6 +651,34 @@ fn weights_follow_relative_load_not_utilisation() {
     assert!(d.backends[0].weight < d.backends[1].weight, "{d:?}");
 }
 
+/// Issue 15, flaws 2 and 4 at light load: the source hash's unevenness at 25% load (one
+/// engine at KV 0.38, the others at 0.03, nothing queued) is no reason to remap clients,
+/// however many times the mean it reads; past headroom the same backend gets less weight.
+#[test]
+fn a_backend_with_room_keeps_full_weight_however_little_the_others_carry() {
+    let mut sim = Sim::new(PolicyConfig::default(), 4);
+    for i in 0..4 {
+        let s = sim.sample(i);
+        s.gpu_util = Some(1.0);
+        s.kv_cache = Some(if i == 3 { 0.38 } else { 0.03 });
+        s.queue_depth = Some(0.0);
+    }
+    // Pressure 0.475 against a mean of 0.147: 1.5 * (0.147 + 0.2) / (0.475 + 0.2) * 8 =
+    // 6.2 levels, which the old rule applied.
+    for d in sim.run_until(180 * S) {
+        assert_eq!(d.weights().values().max(), Some(&100), "{d:?}");
+        assert_eq!(d.weights().values().min(), Some(&100), "{d:?}");
+    }
+    // KV 0.6 (pressure 0.75): as its score passes 0.5, 1.5 * (0.153 + 0.2) / (0.5 + 0.2)
+    // * 8 = 6.05 levels; at 0.75, 5.3 is within the hysteresis band of 6.
+    sim.sample(3).kv_cache = Some(0.6);
+    let d = sim.run_until(240 * S).pop().unwrap();
+    assert_eq!(
+        d.weights(),
+        BTreeMap::from([(1, 100), (2, 100), (3, 100), (4, 75)])
+    );
+}
+
 /// Issue 15, flaw 3: an idle GPU at room temperature is idle; temperature matters only past
 /// its limit, as throttling.
 #[test]
