@@ -12,7 +12,7 @@ use std::{
 };
 
 use anyhow::{anyhow, bail, Context, Result};
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 use super::{aims, cells_by_key, stats};
 use crate::sys;
@@ -34,12 +34,14 @@ const SETTINGS: [&str; 6] = [
     "accel_args",
 ];
 
-/// One seeded run: its seed, its result document and each cell's TTFTs (ms) from its
-/// records.
+/// One seeded run: its seed, its result document, each cell's TTFTs (ms) from its records
+/// and each cell's load-generator settings but the seed (the stall and request limits among
+/// them, which decide what counts as broken).
 pub struct Run {
     pub seed: u64,
     pub result: Value,
     pub ttfts: BTreeMap<(String, String), Vec<f64>>,
+    pub generators: BTreeMap<(String, String), Map<String, Value>>,
 }
 
 pub fn main(args: &[String]) -> Result<()> {
@@ -105,7 +107,13 @@ fn read_run(json: &Path, dir: &Path) -> Result<Run> {
         )
     })?;
     let mut ttfts = BTreeMap::new();
-    for (s, p) in cells {
+    let mut generators = BTreeMap::new();
+    // `seed_and_cells` read the cells in this order.
+    for ((s, p), cell) in cells
+        .into_iter()
+        .zip(result["cells"].as_array().into_iter().flatten())
+    {
+        generators.insert((s.clone(), p.clone()), generator_settings(cell));
         let file = dir.join(format!("{s}-{p}.jsonl"));
         let text = fs::read_to_string(&file).with_context(|| {
             format!(
@@ -123,6 +131,7 @@ fn read_run(json: &Path, dir: &Path) -> Result<Run> {
         seed,
         result,
         ttfts,
+        generators,
     })
 }
 
@@ -143,32 +152,14 @@ fn seed_and_cells(result: &Value) -> Option<(u64, Vec<(String, String)>)> {
     Some((result["seed"].as_u64()?, cells))
 }
 
-/// A cell's load-generator settings but its seed (the stall and request limits among them,
-/// which decide what counts as broken); `Null` for a cell the result does not hold.
-fn generator_settings(result: &Value, scenario: &str, policy: &str) -> Value {
-    let mut config = result["cells"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|c| c["scenario"] == scenario && c["policy"] == policy)
-        .map_or(Value::Null, |c| c["generator_summary"]["config"].clone());
-    if let Some(o) = config.as_object_mut() {
-        o.remove("seed");
-    }
-    config
-}
-
-/// The first key whose value differs between two settings objects, absent keys as `null`.
-fn differing_key(a: &Value, b: &Value) -> Option<String> {
-    let keys = |v: &Value| v.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>());
-    if a == b {
-        return None;
-    }
-    let mut all: Vec<String> = keys(a).into_iter().chain(keys(b)).flatten().collect();
-    all.sort_unstable();
-    all.into_iter()
-        .find(|k| a[k.as_str()] != b[k.as_str()])
-        .or_else(|| Some("the generator's settings".to_owned()))
+/// A cell's load-generator settings but its seed; none for a cell that does not record them.
+fn generator_settings(cell: &Value) -> Map<String, Value> {
+    let mut settings = cell["generator_summary"]["config"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    settings.remove("seed");
+    settings
 }
 
 /// The pooled document: per cell the TTFT quantiles over every run's requests, per steered
@@ -211,19 +202,22 @@ pub fn pool(runs: &[Run]) -> Result<Value> {
                 r.seed
             );
         }
-        for (scenario, policy) in first.ttfts.keys() {
-            let (a, b) = (
-                generator_settings(&r.result, scenario, policy),
-                generator_settings(&first.result, scenario, policy),
-            );
-            if let Some(key) = differing_key(&a, &b) {
+        for ((scenario, policy), a) in &r.generators {
+            let b = &first.generators[&(scenario.clone(), policy.clone())];
+            let value = |m: &Map<String, Value>, k: &str| m.get(k).cloned().unwrap_or_default();
+            if let Some(key) = a
+                .keys()
+                .chain(b.keys())
+                .filter(|k| a.get(*k) != b.get(*k))
+                .min()
+            {
                 bail!(
                     "seed {}'s cell {scenario} / {policy} ran its load generator with {key} = \
                      {}, seed {}'s with {}: pool runs of the same settings",
                     r.seed,
-                    a[&key],
+                    value(a, key),
                     first.seed,
-                    b[&key]
+                    value(b, key)
                 );
             }
         }
@@ -306,6 +300,10 @@ mod tests {
             ttfts: cells
                 .iter()
                 .map(|(s, p, v)| ((s.to_string(), p.to_string()), v.clone()))
+                .collect(),
+            generators: cells
+                .iter()
+                .map(|(s, p, _)| ((s.to_string(), p.to_string()), Map::new()))
                 .collect(),
         }
     }
@@ -403,8 +401,11 @@ mod tests {
         // A run from before the stall limit counted broken streams by another rule.
         let with_generator = |seed, config: Value| {
             let mut r = run(seed, &cell());
-            r.result["cells"] = json!([{"scenario": "healthy", "policy": "maglev",
-                "generator_summary": {"config": config}}]);
+            let cell = json!({"generator_summary": {"config": config}});
+            r.generators.insert(
+                ("healthy".into(), "maglev".into()),
+                generator_settings(&cell),
+            );
             r
         };
         let now = json!({"seed": 7, "stall_s": 60.0, "timeout_s": 180.0});
