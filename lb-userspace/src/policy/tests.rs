@@ -65,6 +65,17 @@ impl Sim {
         &mut self.backends[i].telemetry.as_mut().unwrap().sample
     }
 
+    /// Busy engines (utilisation 100%, as any batching engine with work reads), backend `i`
+    /// at KV use `kv[i]` and queue depth `queue[i]`.
+    fn engines(&mut self, kv: &[f64], queue: &[f64]) {
+        for (i, (&kv, &queue)) in kv.iter().zip(queue).enumerate() {
+            let s = self.sample(i);
+            s.gpu_util = Some(1.0);
+            s.kv_cache = Some(kv);
+            s.queue_depth = Some(queue);
+        }
+    }
+
     fn step(&mut self) -> Decisions {
         let inputs: Vec<BackendInput> = self
             .backends
@@ -632,12 +643,7 @@ fn guard_keeps_the_saturated_in_and_the_throttled_out() {
 #[test]
 fn weights_follow_relative_load_not_utilisation() {
     let mut sim = Sim::new(PolicyConfig::default(), 4);
-    for i in 0..4 {
-        let s = sim.sample(i);
-        s.gpu_util = Some(1.0);
-        s.kv_cache = Some(if i == 3 { 0.3 } else { 0.08 });
-        s.queue_depth = Some(if i == 3 { 4.0 } else { 0.0 });
-    }
+    sim.engines(&[0.08, 0.08, 0.08, 0.3], &[0.0, 0.0, 0.0, 4.0]);
     let d = sim.run_until(10 * S).pop().unwrap();
     let weights: Vec<u32> = d.backends.iter().map(|b| b.weight).collect();
     // Pressure 0.8 against 0.1: 1.5 * (0.275 + 0.2) / (0.8 + 0.2) * 8 = 5.7 levels.
@@ -657,12 +663,7 @@ fn weights_follow_relative_load_not_utilisation() {
 #[test]
 fn a_backend_with_room_keeps_full_weight_however_little_the_others_carry() {
     let mut sim = Sim::new(PolicyConfig::default(), 4);
-    for i in 0..4 {
-        let s = sim.sample(i);
-        s.gpu_util = Some(1.0);
-        s.kv_cache = Some(if i == 3 { 0.38 } else { 0.03 });
-        s.queue_depth = Some(0.0);
-    }
+    sim.engines(&[0.03, 0.03, 0.03, 0.38], &[0.0; 4]);
     // Pressure 0.475 against a mean of 0.147: 1.5 * (0.147 + 0.2) / (0.475 + 0.2) * 8 =
     // 6.2 levels, which the old rule applied.
     for d in sim.run_until(180 * S) {
