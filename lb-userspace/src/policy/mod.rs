@@ -501,10 +501,7 @@ impl Policy {
             let Some(&(sum, n)) = sums.get(w.input.vip) else {
                 continue;
             };
-            let engine = w
-                .input
-                .telemetry
-                .is_some_and(|t| t.sample.kv_cache.is_some() || t.sample.queue_depth.is_some());
+            let engine = w.input.telemetry.is_some_and(|t| t.sample.engine_load());
             let m = self.backends.get_mut(&w.input.id).expect("observed");
             let score = m.score.value();
             let target = if engine && score <= HEADROOM {

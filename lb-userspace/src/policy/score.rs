@@ -171,7 +171,7 @@ const LOAD_FLOOR: f64 = 0.2;
 
 /// The sample's pressure in 0..=1, or `None` when it carries none of the scored signals.
 pub fn pressure(s: &Sample, cfg: &PolicyConfig) -> Option<f64> {
-    let engine = s.kv_cache.is_some() || s.queue_depth.is_some();
+    let engine = s.engine_load();
     let util = s
         .gpu_util
         .filter(|_| !engine)

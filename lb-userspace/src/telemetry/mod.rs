@@ -100,6 +100,12 @@ pub struct Sample {
 }
 
 impl Sample {
+    /// Whether the engine reports its load (KV-cache use or queue depth), which says more
+    /// than GPU utilisation: a batching engine is busy whenever it has any work.
+    pub fn engine_load(&self) -> bool {
+        self.kv_cache.is_some() || self.queue_depth.is_some()
+    }
+
     /// Checks a pushed sample: fractions in 0..=1, other numbers finite and >= 0, `throttle`
     /// within [`THROTTLE_MASK`]. The error names every offending field.
     pub fn validate(&self) -> Result<(), String> {
