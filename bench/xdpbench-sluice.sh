@@ -2,7 +2,7 @@
 # sluice_xdp as the daemon loads it, measured with ../shared/tools/xdpbench: the harness of
 # the Katran reference figures (its README), so the figures compare with Katran's directly.
 #
-#   bench/xdpbench-sluice.sh [OUT.json]      (root; after `cargo xtask build`)
+#   bench/xdpbench-sluice.sh [--record | OUT.json]      (root; after `cargo xtask build`)
 #
 # A fresh LB namespace runs `sluice run` with four VIPs of 16 backends each: IPv4 and IPv6,
 # each once with flow_state "table" and once "second-chance". The backends are addresses in
@@ -11,10 +11,16 @@
 # daemon attached is pinned by id in a bpffs mounted outside /sys, next to xdpbench's
 # XDP_PASS baseline, and every case runs ROUNDS times, interleaved, on CPU CPU. Raw lines
 # (LABEL:repN <xdpbench -q line>) and a JSON summary, net of the same round's baseline, are
-# written. Environment: XDPBENCH_SRC, SLUICE, ROUNDS (3), N (200000), CPU (1).
+# written to OUT.json and OUT.txt: target/bench/xdpbench-sluice.* by default, so a run leaves
+# the work tree clean, or with --record bench/results/xdpbench-sluice.* (the committed
+# results). Environment: XDPBENCH_SRC, SLUICE, ROUNDS (3), N (200000), CPU (1).
 set -euo pipefail
 
-OUT=${1:-bench/results/xdpbench-sluice.json}
+case "${1:-}" in
+    --record) OUT=bench/results/xdpbench-sluice.json ;;
+    -*) echo "usage: $0 [--record | OUT.json]" >&2; exit 2 ;;
+    *) OUT=${1:-target/bench/xdpbench-sluice.json} ;;
+esac
 SRC=${XDPBENCH_SRC:-$(cd "$(dirname "$0")/../.." && pwd)/shared/tools/xdpbench}
 [ -f "$SRC/xdpbench.c" ] || SRC=/work/shared/tools/xdpbench
 SLUICE=${SLUICE:-target/release/sluice}

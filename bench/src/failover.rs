@@ -17,16 +17,20 @@ use sluice_tests::{
     netns::{TCP_PORT, VIP4},
 };
 
-use crate::{summary::Summary, sys};
+use crate::{out, summary::Summary, sys};
 
 const VIP: &str = "chat";
 const MARK: &str = "data plane updated ";
 
 pub fn main(args: &[String]) -> Result<()> {
-    let rounds: usize = match args {
+    let (record, args) = out::take_record(args);
+    let rounds: usize = match args.as_slice() {
         [] => 5,
         [flag, n] if flag == "--rounds" => n.parse()?,
-        _ => bail!("usage: sluice-bench failover [--rounds N] (default 5)"),
+        _ => bail!(
+            "usage: sluice-bench failover [--rounds N] (default 5) [--record]\n  {}",
+            out::RECORD_HELP
+        ),
     };
     sys::require_root()?;
     sys::catch_interrupts();
@@ -87,9 +91,12 @@ pub fn main(args: &[String]) -> Result<()> {
         "kill -> down: median {:.0} ms [{:.0} {:.0}]; deciding check -> data plane: median {:.0} us [{:.0} {:.0}]",
         e.median, e.min, e.p90, a.median, a.min, a.p90
     );
+    let (git_revision, git_dirty) = sys::git_state();
     let doc = json!({
         "benchmark": "failover",
         "command_line": std::env::args().collect::<Vec<_>>().join(" "),
+        "git_revision": git_revision,
+        "git_dirty": git_dirty,
         "date_utc": sys::utc_now(),
         "kernel": sys::kernel_release(),
         "cpu_model": sys::cpu_model(),
@@ -99,11 +106,5 @@ pub fn main(args: &[String]) -> Result<()> {
         "deciding_check_to_dataplane_us": {"median": a.median, "min": a.min, "p90": a.p90, "samples": apply_us},
         "note": "kill -> down includes detection: up to one interval until the next check, then fall checks; the data plane is written before the event is recorded",
     });
-    std::fs::create_dir_all("bench/results")?;
-    std::fs::write(
-        "bench/results/failover.json",
-        serde_json::to_string_pretty(&doc)? + "\n",
-    )?;
-    println!("wrote bench/results/failover.json");
-    Ok(())
+    out::write_json(&out::default_path(record, "failover.json"), &doc)
 }

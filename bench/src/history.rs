@@ -1,7 +1,7 @@
 //! `sluice-bench history`: how often a ring slot changes owner under adaptive steering, and so
 //! how deep a slot's history must be for second-chance forwarding to find every stream.
 //!
-//! Replays the weights the steer benchmark recorded (`bench/results/steer.json`, one sample
+//! Replays the weights a steer benchmark run recorded (its `steer.json`, one sample
 //! of every backend's weight and state per second of each run) through the Maglev builder and
 //! `ring_history::next`, as the daemon publishes them, and counts per slot the owner changes.
 //! A stream of length L that starts at t on a slot's owner x survives with history depth d if
@@ -10,8 +10,6 @@
 //! second) pairs where that fails is the share of such streams a depth-d history loses. The
 //! samples are a second apart, so changes within one second count as one (a lower bound on
 //! the daemon's tables).
-
-use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context, Result};
 use lb_common::RING_HISTORY;
@@ -22,12 +20,18 @@ use sluice::{
 };
 use sluice_tests::{RING, SEED};
 
+use crate::out;
+
 const HELP: &str = "\
-sluice-bench history [--steer PATH] [--out PATH]: owner changes per ring slot when the steer
-benchmark's weight sequences are published, and the share of streams of 10/20/30 s that a
-history of 1, 2 or 3 previous owners per slot would lose, and what the shipped ring (3) loses.
-  --steer PATH   steer results to replay (default bench/results/steer.json)
-  --out PATH     JSON results (default bench/results/ring-history.json)
+sluice-bench history [--steer PATH] [--out PATH] [--record]: owner changes per ring slot when
+the steer benchmark's weight sequences are published, and the share of streams of 10/20/30 s
+that a history of 1, 2 or 3 previous owners per slot would lose, and what the shipped ring (3)
+loses.
+  --steer PATH   steer results to replay (default target/bench/steer.json, where
+                 `sluice-bench steer` writes without --record)
+  --out PATH     JSON results (default target/bench/ring-history.json;
+                 bench/results/ring-history.json with --record)
+  --record       write under bench/results/ (the committed results)
 ";
 
 /// Stream lengths (seconds) and history depths reported.
@@ -35,8 +39,9 @@ const LENGTHS: [usize; 3] = [10, 20, 30];
 const DEPTHS: [u32; 3] = [1, 2, 3];
 
 pub fn main(args: &[String]) -> Result<()> {
-    let mut steer = PathBuf::from("bench/results/steer.json");
-    let mut out = PathBuf::from("bench/results/ring-history.json");
+    let (record, args) = out::take_record(args);
+    let mut steer = out::default_path(false, "steer.json");
+    let mut out_path = out::default_path(record, "ring-history.json");
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut val = || it.next().ok_or_else(|| anyhow!("{a} needs a value"));
@@ -46,7 +51,7 @@ pub fn main(args: &[String]) -> Result<()> {
                 return Ok(());
             }
             "--steer" => steer = val()?.into(),
-            "--out" => out = val()?.into(),
+            "--out" => out_path = val()?.into(),
             _ => bail!("unknown option {a}\n{HELP}"),
         }
     }
@@ -95,13 +100,7 @@ pub fn main(args: &[String]) -> Result<()> {
         "shipped_depth": RING_HISTORY,
         "cells": rows,
     });
-    if let Some(dir) = out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&out, serde_json::to_string_pretty(&report)? + "\n")
-        .with_context(|| format!("writing {}", out.display()))?;
-    println!("wrote {}", out.display());
-    Ok(())
+    out::write_json(&out_path, &report)
 }
 
 fn replay(cell: &Value) -> Result<Value> {

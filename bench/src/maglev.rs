@@ -15,7 +15,7 @@ use sluice::{
     object::BPF_OBJECT,
 };
 
-use crate::{summary::Summary, sys};
+use crate::{out, summary::Summary, sys};
 
 const M: u32 = maglev::DEFAULT_RING_SIZE;
 const SEED: u32 = 0x5eed;
@@ -60,10 +60,14 @@ fn summary(s: Summary) -> Value {
 }
 
 pub fn main(args: &[String]) -> Result<()> {
-    let runs: usize = match args {
+    let (record, args) = out::take_record(args);
+    let runs: usize = match args.as_slice() {
         [] => 21,
         [flag, n] if flag == "--runs" => n.parse()?,
-        _ => anyhow::bail!("usage: sluice-bench maglev [--runs N] (default 21)"),
+        _ => anyhow::bail!(
+            "usage: sluice-bench maglev [--runs N] (default 21) [--record]\n  {}",
+            out::RECORD_HELP
+        ),
     };
     sys::require_root()?;
     let mut builds = vec![];
@@ -156,9 +160,12 @@ pub fn main(args: &[String]) -> Result<()> {
         slots.iter().min().unwrap_or(&0),
         slots.iter().max().unwrap_or(&0)
     );
+    let (git_revision, git_dirty) = sys::git_state();
     let doc = json!({
         "benchmark": "maglev",
         "command_line": std::env::args().collect::<Vec<_>>().join(" "),
+        "git_revision": git_revision,
+        "git_dirty": git_dirty,
         "date_utc": sys::utc_now(),
         "kernel": sys::kernel_release(),
         "cpu_model": sys::cpu_model(),
@@ -179,11 +186,5 @@ pub fn main(args: &[String]) -> Result<()> {
             },
         },
     });
-    std::fs::create_dir_all("bench/results")?;
-    std::fs::write(
-        "bench/results/maglev.json",
-        serde_json::to_string_pretty(&doc)? + "\n",
-    )?;
-    println!("wrote bench/results/maglev.json");
-    Ok(())
+    out::write_json(&out::default_path(record, "maglev.json"), &doc)
 }

@@ -13,10 +13,14 @@
 //! - `steer`: adaptive steering against plain Maglev on simulated accelerators (`steer/`).
 //! - `history`: ring-slot owner changes when the steer runs' weights are published, and the
 //!   share of streams each second-chance history depth would lose (`history.rs`).
+//!
+//! Each writes its results under `target/bench/`, or under `bench/results/` (the committed
+//! results) with `--record` (`out.rs`).
 
 mod failover;
 mod history;
 mod maglev;
+mod out;
 mod reads;
 mod steer;
 mod summary;
@@ -30,7 +34,8 @@ fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let Some(name) = args.next() else {
         eprintln!(
-            "usage: sluice-bench <name> [args...]\nbenchmarks: xdp, maglev, failover, reads, tokens, steer, steer-pool, history"
+            "usage: sluice-bench <name> [args...] [--record]\nbenchmarks: xdp, maglev, failover, reads, tokens, steer, steer-pool, history\n{}",
+            out::RECORD_HELP
         );
         return ExitCode::from(2);
     };

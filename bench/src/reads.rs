@@ -23,7 +23,7 @@ use sluice_tests::{
     netns::{TCP_PORT, VIP4},
 };
 
-use crate::{summary::Summary, sys};
+use crate::{out, summary::Summary, sys};
 
 const VIP: &str = "chat";
 const BACKENDS: usize = 3;
@@ -32,14 +32,15 @@ const ROUNDS: usize = 10;
 struct Args {
     entries: u32,
     cpu_secs: u64,
-    out: String,
+    out: PathBuf,
 }
 
 fn parse(args: &[String]) -> Result<Args> {
+    let (record, args) = out::take_record(args);
     let mut a = Args {
         entries: 1_000_000,
         cpu_secs: 30,
-        out: "bench/results/reads.json".into(),
+        out: out::default_path(record, "reads.json"),
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -51,10 +52,11 @@ fn parse(args: &[String]) -> Result<Args> {
         match flag.as_str() {
             "--entries" => a.entries = val()?.parse()?,
             "--cpu-secs" => a.cpu_secs = val()?.parse()?,
-            "--out" => a.out = val()?,
+            "--out" => a.out = val()?.into(),
             _ => bail!(
                 "usage: sluice-bench reads [--entries N (1000000)] [--cpu-secs S (30)] \
-                 [--out FILE (bench/results/reads.json)]"
+                 [--out FILE (target/bench/reads.json)] [--record]\n  {}",
+                out::RECORD_HELP
             ),
         }
     }
@@ -185,10 +187,7 @@ pub fn main(args: &[String]) -> Result<()> {
         "note": "backend list is the CLI process end to end (start, socket, table); the \
                  policy step is the daemon's own measure of its drain check and policy step",
     });
-    std::fs::create_dir_all("bench/results")?;
-    std::fs::write(&a.out, serde_json::to_string_pretty(&doc)? + "\n")?;
-    println!("wrote {}", a.out);
-    Ok(())
+    out::write_json(&a.out, &doc)
 }
 
 /// Inserts `n` distinct TCP flows to the VIP, round-robin over `ids`, one thread per CPU (an

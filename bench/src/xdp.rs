@@ -57,7 +57,7 @@ use sluice_tests::{
     FALLBACK_MAC, RING, SEED,
 };
 
-use crate::sys;
+use crate::{out, sys};
 
 const XDP_PASS: u32 = 2;
 const XDP_TX: u32 = 3;
@@ -137,11 +137,13 @@ call on a fresh frame) against the XDP_PASS baseline sluice_pass, in fresh netwo
   --conn-table N    conn-table capacity of the established/new-flow data planes
                     (default lb_common::CONN_TABLE_SIZE, the production default)
   --quick           --rounds 3 --calls 20000 --flows 20000
-  --out PATH        JSON results (default bench/results/xdp.json)
+  --out PATH        JSON results (default target/bench/xdp.json)
   --svg PATH        SVG chart (default: the JSON path with .svg)
+  --record          write the defaults under bench/results/ (the committed results) instead
 ";
 
 fn parse_opts(args: &[String]) -> Result<Option<Opts>> {
+    let (record, args) = out::take_record(args);
     let mut o = Opts {
         rounds: 11,
         calls: 200_000,
@@ -149,7 +151,7 @@ fn parse_opts(args: &[String]) -> Result<Option<Opts>> {
         batch_secs: 1.0,
         max_secs: 90.0,
         cpu: sys::online_cpus().saturating_sub(1),
-        out: PathBuf::from("bench/results/xdp.json"),
+        out: out::default_path(record, "xdp.json"),
         svg: PathBuf::new(),
         variants: vec![Variant::Fallback, Variant::Fib],
         cases: None,
@@ -1445,16 +1447,14 @@ pub fn main(args: &[String]) -> Result<()> {
 
     let rep = report::Report::new(meta, &opts.variants, &results);
     rep.print_table();
-    if let Some(dir) = opts.out.parent() {
-        if !dir.as_os_str().is_empty() {
-            std::fs::create_dir_all(dir)?;
-        }
+    println!();
+    out::write_json(&opts.out, &rep.json())?;
+    if let Some(dir) = opts.svg.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    std::fs::write(&opts.out, serde_json::to_string_pretty(&rep.json())? + "\n")
-        .with_context(|| format!("writing {}", opts.out.display()))?;
     std::fs::write(&opts.svg, rep.svg())
         .with_context(|| format!("writing {}", opts.svg.display()))?;
-    println!("\nwrote {} and {}", opts.out.display(), opts.svg.display());
+    println!("wrote {}", opts.svg.display());
     Ok(())
 }
 

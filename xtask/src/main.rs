@@ -51,7 +51,8 @@ enum Cmd {
     /// Build (release), then the Debian package target/package/sluice_<version>_<arch>.deb
     /// (cargo-deb): the binary, systemd units, default configurations, man pages, completions.
     Package,
-    /// Build (release), then run `sluice-bench <name> [args...]` as root.
+    /// Build (release), then run `sluice-bench <name> [args...]` as root. Results go under
+    /// target/bench/; `--record` writes them under bench/results/ (the committed results).
     Bench {
         /// The benchmark to run.
         name: String,
@@ -68,7 +69,8 @@ enum Cmd {
         /// Replay a run (decimal or 0x-hex); a fresh seed otherwise (printed).
         #[arg(long)]
         seed: Option<String>,
-        /// Write the result to bench/results/fuzz.json.
+        /// Write the result to bench/results/fuzz.json (the committed result); without it
+        /// nothing is written.
         #[arg(long)]
         record: bool,
     },

@@ -6,8 +6,9 @@
 //! same seeded workload; faults go to the accelerators' control listeners, never through
 //! Sluice. See [`scenario`] for the scenarios and policies.
 //!
-//! Writes `bench/results/steer.json` (command line, git revision, one entry per cell) and
-//! SVG plots under `bench/results/steer/`: the TTFT CDF of each scenario (one line per
+//! Writes `steer.json` (command line, git revision, one entry per cell) and SVG plots under
+//! `steer/`, in `target/bench/` or with `--record` in `bench/results/`: the TTFT CDF of each
+//! scenario (one line per
 //! policy) and each cell's timeline (weights and steering states read from the daemon's
 //! admin API, KV use from each accelerator's `GET /state`, once a second).
 
@@ -37,7 +38,7 @@ use self::{
     scenario::{list, Policy, Scenario, DEFAULT_SCENARIOS, POLICIES},
     stats::Record,
 };
-use crate::sys;
+use crate::{out, sys};
 
 const VIP: &str = "chat";
 
@@ -91,7 +92,8 @@ const USAGE: &str = "usage: sluice-bench steer [--scenarios a,b] [--policies a,b
   --accel-args    more sluice-accel arguments for every accelerator, space-separated
                   (default \"--max-num-seqs 16 --kv-capacity-tokens 8192\": lab scale, see
                   docs/benchmarks.md)
-  --out           default bench/results/steer.json; --plots default bench/results/steer
+  --out           default target/bench/steer.json; --plots default target/bench/steer
+  --record        write the defaults under bench/results/ (the committed results) instead
   --records       keep each cell's per-request records (the generator's --records lines)
                   as DIR/SCENARIO-POLICY.jsonl";
 
@@ -114,6 +116,7 @@ pub struct Args {
 
 impl Args {
     pub fn parse(args: &[String]) -> Result<Args> {
+        let (record, args) = out::take_record(args);
         let mut a = Args {
             scenarios: DEFAULT_SCENARIOS.to_vec(),
             policies: POLICIES.to_vec(),
@@ -124,8 +127,8 @@ impl Args {
             max_sessions: 24,
             sources: 180,
             accel_args: words(DEFAULT_ACCEL_ARGS),
-            out: "bench/results/steer.json".into(),
-            plots: "bench/results/steer".into(),
+            out: out::default_path(record, "steer.json"),
+            plots: out::default_path(record, "steer"),
             records: None,
         };
         let mut it = args.iter();
@@ -179,16 +182,8 @@ pub fn main(args: &[String]) -> Result<()> {
     sys::require_root()?;
     sys::catch_interrupts();
     let doc = run(&args)?;
-    if let Some(dir) = args.out.parent() {
-        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    fs::write(&args.out, serde_json::to_string_pretty(&doc)? + "\n")
-        .with_context(|| format!("writing {}", args.out.display()))?;
-    println!(
-        "wrote {} and plots under {}",
-        args.out.display(),
-        args.plots.display()
-    );
+    out::write_json(&args.out, &doc)?;
+    println!("plots under {}", args.plots.display());
     Ok(())
 }
 
@@ -858,6 +853,20 @@ mod tests {
         assert!(Args::parse(&s(&["--backends", "9"])).is_err());
         assert!(Args::parse(&s(&["--duration"])).is_err());
         assert!(Args::parse(&s(&["--policies", "katran"])).is_err());
+    }
+
+    #[test]
+    fn results_go_under_target_unless_recorded() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let a = Args::parse(&s(&["--seed", "11"])).unwrap();
+        assert_eq!(a.out, PathBuf::from("target/bench/steer.json"));
+        assert_eq!(a.plots, PathBuf::from("target/bench/steer"));
+        let a = Args::parse(&s(&["--seed", "11", "--record", "--duration", "15"])).unwrap();
+        assert_eq!(a.out, PathBuf::from("bench/results/steer.json"));
+        assert_eq!(a.plots, PathBuf::from("bench/results/steer"));
+        assert_eq!((a.seed, a.duration), (11, Duration::from_secs(15)));
+        let a = Args::parse(&s(&["--record", "--out", "/tmp/x.json"])).unwrap();
+        assert_eq!(a.out, PathBuf::from("/tmp/x.json"));
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `sluice-bench steer-pool`: the TTFT aims judged over several seeded runs at once. A 60 s
 //! cell has about 420 requests, so its p99 time to first token is the fifth-slowest request,
-//! and one slow request more or less moved seed 7's healthy ratio between 0.39x and 1.92x
-//! over runs of the same policy (docs/benchmarks.md). Pooling the per-request records of
+//! and one slow request more or less moves a cell's ratio to Maglev by a factor of 2 or more
+//! between runs of the same policy. Pooling the per-request records of
 //! the same cells under several seeds puts each p99 on a few thousand requests; each run's
 //! own ratio is kept beside the pooled one, so the spread shows too.
 
@@ -15,14 +15,15 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Map, Value};
 
 use super::{aims, cells_by_key, stats};
-use crate::sys;
+use crate::{out, sys};
 
 const USAGE: &str = "usage: sluice-bench steer-pool RESULT.json:RECORDS_DIR ... [--out FILE]
   each RESULT.json a `sluice-bench steer` result and RECORDS_DIR the directory its --records
   option wrote; at least two runs, of different seeds, with the same cells and the same
   settings (duration, backends, capacity, sessions cap, sources, accelerator arguments, and
   each cell's load-generator settings but the seed: its stall and request limits among them)
-  --out   default bench/results/steer-pooled.json";
+  --out     default target/bench/steer-pooled.json
+  --record  write under bench/results/ (the committed results) instead";
 
 /// The settings that make two runs' cells the same experiment but for the seed.
 const SETTINGS: [&str; 6] = [
@@ -45,14 +46,15 @@ pub struct Run {
 }
 
 pub fn main(args: &[String]) -> Result<()> {
-    let mut out = PathBuf::from("bench/results/steer-pooled.json");
+    let (record, args) = out::take_record(args);
+    let mut out_path = out::default_path(record, "steer-pooled.json");
     let mut sources = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--help" | "-h" => bail!("{USAGE}"),
             "--out" => match it.next() {
-                Some(v) => out = v.into(),
+                Some(v) => out_path = v.into(),
                 None => bail!("--out needs a value\n{USAGE}"),
             },
             _ => match a.split_once(':') {
@@ -76,11 +78,6 @@ pub fn main(args: &[String]) -> Result<()> {
             |(j, d)| json!({"result": j.display().to_string(), "records": d.display().to_string()}),
         )
         .collect();
-    if let Some(dir) = out.parent() {
-        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    fs::write(&out, serde_json::to_string_pretty(&doc)? + "\n")
-        .with_context(|| format!("writing {}", out.display()))?;
     for r in doc["ratios"].as_array().into_iter().flatten() {
         println!(
             "{} / {}: pooled p99 TTFT ratio {:.2} (by seed {})",
@@ -90,8 +87,7 @@ pub fn main(args: &[String]) -> Result<()> {
             r["by_seed"]
         );
     }
-    println!("wrote {}", out.display());
-    Ok(())
+    out::write_json(&out_path, &doc)
 }
 
 fn read_run(json: &Path, dir: &Path) -> Result<Run> {
