@@ -44,9 +44,9 @@ const VIP: &str = "chat";
 
 /// Lab scale: a batch of 16 and an 8192-token KV cache per accelerator keep the real
 /// per-token pace while four accelerators at 70% stream about 2000 tokens/s, which a
-/// two-core machine carries (load generator, daemon and simulators). A batch of 8 was
-/// tried first: at 70% its queues reached seconds even under plain Maglev, so small a
-/// batch multiplexes too little for a fleet to have headroom.
+/// two-core machine carries (load generator, daemon and simulators). A batch of 8 queues
+/// for seconds at 70% even under plain Maglev: so small a batch multiplexes too little for
+/// a fleet to have headroom.
 const DEFAULT_ACCEL_ARGS: &str = "--max-num-seqs 16 --kv-capacity-tokens 8192";
 
 /// A stream counts as broken when it waits this long for its next byte (a client's read
@@ -78,8 +78,8 @@ fn words(s: &str) -> Vec<String> {
 const USAGE: &str = "usage: sluice-bench steer [--scenarios a,b] [--policies a,b] [--duration SECS] \
 [--backends N] [--seed N] [--capacity-rps X] [--max-sessions N] [--sources N] [--accel-args ARGS] [--out FILE] [--plots DIR] [--records DIR]
   scenarios: healthy, heterogeneous, throttled, congested, dying, overload, gray (the default);
-             near-saturation, idle, steady (issue 15's policy scenarios; steady runs 10
-             minutes whatever --duration says)
+             near-saturation, idle, steady (on request: a fleet without headroom, a light
+             load, and 10 minutes at 65% whatever --duration says)
   policies:  maglev, adaptive, adaptive+admission, inband (default: all)
   --duration      seconds of load per cell (default 50)
   --backends      simulated accelerators, 4..=8 (default 4)
@@ -536,7 +536,7 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         "itl_ms": itl(&summary),
         // Over the generator's whole run (requests start for `duration`, then finish).
         "goodput_tokens_per_s": summary["summary"]["goodput_tokens_per_s"],
-        // A second figure, not the issue's goodput: only streams that met a TTFT SLO count.
+        // A second figure beside goodput: only streams that met a TTFT SLO count.
         "slo_goodput": {
             "ttft_slo_ms": stats::TTFT_SLO_MS,
             "tokens_per_s": stats::slo_goodput(
@@ -701,8 +701,8 @@ fn cells_by_key<'a>(cells: &[&'a Value]) -> BTreeMap<(String, String), &'a Value
         .collect()
 }
 
-/// The issue's aims, each with the figures behind it and whether it held (absent when the
-/// cells it needs were not run).
+/// The steering aims (docs/benchmarks.md), each with the figures behind it and whether it
+/// held (absent when the cells it needs were not run).
 pub fn aims(cells: &BTreeMap<(String, String), &Value>) -> Vec<Value> {
     let get = |s: &str, p: &str| cells.get(&(s.to_owned(), p.to_owned())).copied();
     let f = |c: &Value, ptr: &str| c.pointer(ptr).and_then(Value::as_f64);

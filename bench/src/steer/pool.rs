@@ -394,7 +394,7 @@ mod tests {
         assert!(err(&[run(7, &cell()), long]).contains("duration_s = 180"));
         let other = run(11, &[("throttled", "maglev", ms(1.0))]);
         assert!(err(&[run(7, &cell()), other]).contains("ran different cells"));
-        // A run from before the stall limit counted broken streams by another rule.
+        // A run with other request limits counts broken streams by another rule.
         let with_generator = |seed, config: Value| {
             let mut r = run(seed, &cell());
             let cell = json!({"generator_summary": {"config": config}});

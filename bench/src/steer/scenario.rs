@@ -26,14 +26,13 @@ pub enum Scenario {
     /// A gray failure: one accelerator's exporter frozen at 0.4 of the run, and the
     /// accelerator slowed 2.5x right after (its pages keep the values from before).
     Gray,
-    /// Issue 15, flaw 1: a fleet near saturation (90%) while one accelerator is throttled
-    /// to 0.4x over the middle third: the others have no headroom for its share.
+    /// A fleet near saturation (90%) while one accelerator is throttled to 0.4x over the
+    /// middle third: the others have no headroom for its share.
     NearSaturation,
-    /// Issue 15, flaw 3: a healthy fleet at idle temperature and light load (25%): every
-    /// weight stays full.
+    /// A healthy fleet at idle temperature and light load (25%): every weight stays full.
     Idle,
-    /// Issue 15, flaw 4: a healthy fleet at 65% for 10 minutes whatever `--duration` says:
-    /// weight changes per backend per 10 minutes, counted rather than extrapolated.
+    /// A healthy fleet at 65% for 10 minutes whatever `--duration` says: weight changes per
+    /// backend per 10 minutes, counted rather than extrapolated.
     Steady,
 }
 
@@ -51,8 +50,9 @@ pub const SCENARIOS: [Scenario; 10] = [
     Scenario::Steady,
 ];
 
-/// The scenarios run when `--scenarios` is not given: the token-stream lab's (issue 7) and the gray failure (issue 14).
-/// The policy scenarios of issue 15 run on request (`steady` alone takes 10 minutes a cell).
+/// The scenarios run when `--scenarios` is not given: the faults of one accelerator, overload
+/// and the gray failure. Near-saturation, idle and steady run on request (`steady` alone
+/// takes 10 minutes a cell).
 pub const DEFAULT_SCENARIOS: [Scenario; 7] = [
     Scenario::Healthy,
     Scenario::Heterogeneous,

@@ -344,8 +344,7 @@ pub fn weight_changes(events: &[Value], since_ms: u64) -> BTreeMap<String, u64> 
 pub const TTFT_SLO_MS: f64 = 2000.0;
 
 /// SLO goodput (as in DistServe): tokens per second of the completed streams whose first
-/// token came within `slo_ms`, over `elapsed_s` (the load generator's run, as the issue's
-/// goodput).
+/// token came within `slo_ms`, over `elapsed_s` (the load generator's run, as for goodput).
 pub fn slo_goodput(records: &[Record], slo_ms: f64, elapsed_s: f64) -> f64 {
     let tokens: u64 = records
         .iter()

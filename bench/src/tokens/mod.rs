@@ -886,7 +886,7 @@ mod tests {
     /// A port nothing listens on yet (the kernel refuses a connection with a RST), then an
     /// accelerator on it: the request that was refused is one completed record, on its
     /// second attempt, its TTFT from the first attempt's start (through the backoff). With
-    /// no retries it is broken `connect` after one attempt, as before retries existed.
+    /// no retries it is broken `connect` after one attempt.
     #[test]
     fn a_refused_request_is_retried_after_the_backoff() {
         let rt = tokio::runtime::Builder::new_current_thread()

@@ -18,8 +18,8 @@ const KATRAN_BASELINE_NS: f64 = 60.0;
 
 /// Cases whose cost is an increment over another case's: (case, against). Their report adds
 /// the per-round difference, each round's two batches having run close together in time, so
-/// the drift between rounds on a loaded machine cancels (issue 14: the in-band cost aim is
-/// ~10 ns, less than that drift).
+/// the drift between rounds on a loaded machine cancels (the in-band path's cost is about
+/// 10 ns, less than that drift).
 const PAIRED: [(&str, &str); 1] = [("established_inband", "established")];
 
 /// Per-round differences `a - b` of one measure: their summary, 10th percentile and largest,
