@@ -76,7 +76,7 @@ fn words(s: &str) -> Vec<String> {
 }
 
 const USAGE: &str = "usage: sluice-bench steer [--scenarios a,b] [--policies a,b] [--duration SECS] \
-[--backends N] [--seed N] [--capacity-rps X] [--max-sessions N] [--sources N] [--accel-args ARGS] [--out FILE] [--plots DIR] [--records DIR]
+[--backends N] [--seed N] [--capacity-rps X] [--max-sessions N] [--sources N] [--accel-args ARGS] [--out FILE] [--plots DIR] [--records DIR] [--record]
   scenarios: healthy, heterogeneous, throttled, congested, dying, overload, gray (the default);
              near-saturation, idle, steady (on request: a fleet without headroom, a light
              load, and 10 minutes at 65% whatever --duration says)

@@ -17,7 +17,8 @@ use serde_json::{json, Map, Value};
 use super::{aims, cells_by_key, stats};
 use crate::{out, sys};
 
-const USAGE: &str = "usage: sluice-bench steer-pool RESULT.json:RECORDS_DIR ... [--out FILE]
+const USAGE: &str =
+    "usage: sluice-bench steer-pool RESULT.json:RECORDS_DIR ... [--out FILE] [--record]
   each RESULT.json a `sluice-bench steer` result and RECORDS_DIR the directory its --records
   option wrote; at least two runs, of different seeds, with the same cells and the same
   settings (duration, backends, capacity, sessions cap, sources, accelerator arguments, and
