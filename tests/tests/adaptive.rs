@@ -547,7 +547,7 @@ fn shed_counts(lab: &DaemonLab) -> [u64; 3] {
     [c["shed_full"], c["shed_priority"], c["shed_rst_sent"]]
 }
 
-/// The README's promise for VIPs that share accelerator hosts: when every host is full, the
+/// docs/policy.md's promise for VIPs that share accelerator hosts: when every host is full, the
 /// pool sheds the lowest class by priority (and the class-0 VIP finds only full backends), and
 /// capacity that frees up goes to the higher class: `chat` is admitted to the freed host while
 /// `batch` stays shed, until the pool has had room for a whole period.
