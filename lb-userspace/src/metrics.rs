@@ -25,7 +25,7 @@ use crate::{
     admin::{DaemonInfo, Snapshot},
     controller::{Controller, Plane},
     http_server::{serve_connections, serve_http, within},
-    limits::METRICS,
+    limits::{ScrapePeer, METRICS},
     policy::BackendDecision,
     state::{FlowState, PlaneState},
 };
@@ -83,6 +83,10 @@ where
         "metrics",
         move || async move {
             let (stream, peer) = listener.accept().await?;
+            let local = stream.local_addr()?;
+            Ok(Some((ScrapePeer::of(peer.ip(), local.ip()), stream, ())))
+        },
+        move |(), stream| {
             let page = page.clone();
             let service = service_fn(move |req| {
                 let page = page.clone();
@@ -90,9 +94,7 @@ where
                     Ok::<_, Infallible>(within(limits.request_timeout, respond(req, page)).await)
                 }
             });
-            // Counted per source address. Every local user shares 127.0.0.1, so the cap per
-            // peer keeps slots for scrapers from other hosts, not among local users.
-            Ok(Some((peer.ip(), serve_http(stream, service, limits))))
+            serve_http(stream, service, limits)
         },
         shutdown,
     )
