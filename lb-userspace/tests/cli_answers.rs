@@ -62,18 +62,18 @@ impl Fake {
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("admin.sock");
         let listener = UnixListener::bind(&socket).unwrap();
-        listener.set_nonblocking(true).unwrap();
         let (conns, stop) = (Arc::<AtomicUsize>::default(), Arc::<AtomicBool>::default());
         let thread = thread::spawn({
             let (conns, stop) = (conns.clone(), stop.clone());
             move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let Ok((mut s, _)) = listener.accept() else {
-                        thread::sleep(Duration::from_millis(2));
-                        continue;
-                    };
+                // Blocking, so a connection is closed as soon as the client's connect
+                // returns, mostly before it has written its request.
+                for s in listener.incoming() {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let Ok(mut s) = s else { continue };
                     conns.fetch_add(1, Ordering::Relaxed);
-                    s.set_nonblocking(false).unwrap();
                     let Some(reply) = answer else {
                         continue;
                     };
@@ -101,6 +101,8 @@ impl Fake {
 impl Drop for Fake {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        // Wakes the accepting thread to see the stop.
+        let _ = std::os::unix::net::UnixStream::connect(&self.socket);
         let _ = self.thread.take().unwrap().join();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
@@ -116,12 +118,24 @@ fn assert_failed(out: &Output, args: &[&str], says: &str) {
 #[test]
 fn a_closed_connection_fails_every_change() {
     let fake = Fake::start("closes", None);
-    for _ in 0..4 {
-        for args in MUTATIONS {
-            let out = sluice(&fake.socket, args);
-            assert_failed(&out, args, "closed the connection without answering");
-            assert!(out.stdout.is_empty(), "{args:?}: {out:?}");
-        }
+    let outs: Vec<_> = (0..4)
+        .flat_map(|_| MUTATIONS)
+        .map(|args| (args, sluice(&fake.socket, args)))
+        .collect();
+    let silent: Vec<_> = outs
+        .iter()
+        .filter(|(_, out)| out.status.success())
+        .map(|(args, _)| args)
+        .collect();
+    assert!(
+        silent.is_empty(),
+        "{} of {} changes exited 0 unanswered: {silent:?}",
+        silent.len(),
+        outs.len()
+    );
+    for (args, out) in &outs {
+        assert_failed(out, args, "closed the connection without answering");
+        assert!(out.stdout.is_empty(), "{args:?}: {out:?}");
     }
 }
 
