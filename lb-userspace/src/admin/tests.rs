@@ -787,8 +787,18 @@ fn concurrent_changes_at_the_cap_are_applied_or_reported() {
         crate::cli::execute(&cli, &mut Vec::new())
     };
     let audit = || std::fs::read_to_string(srv.dir.join("audit.jsonl")).unwrap_or_default();
-    for (round, retry) in [(1u8, "0"), (2, "10")] {
-        let addrs: Vec<String> = (1..=30).map(|i| format!("10.{round}.1.{i}")).collect();
+    // (round, --retry, clients at once): many times the per-peer cap, without retries and
+    // with them.
+    for (round, retry, n) in [(1u8, "0", 30), (2, "10", 10)] {
+        // Without retries one of the two slots is held by a slow client, so refusals are
+        // all but certain.
+        let slow = (retry == "0").then(|| {
+            use std::io::Write;
+            let mut s = std::os::unix::net::UnixStream::connect(&srv.socket).unwrap();
+            s.write_all(b"GET /v1/status HTTP/1.1\r\n").unwrap();
+            s
+        });
+        let addrs: Vec<String> = (1..=n).map(|i| format!("10.{round}.1.{i}")).collect();
         let results: Vec<_> = std::thread::scope(|sc| {
             let handles: Vec<_> = addrs
                 .iter()
@@ -803,6 +813,7 @@ fn concurrent_changes_at_the_cap_are_applied_or_reported() {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
+        drop(slow);
         let state = srv.state();
         let vip = state.vip("chat").unwrap();
         let log = audit();
