@@ -16,7 +16,7 @@ use crate::config::Config;
 /// The bounds of one listener.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ListenerLimits {
-    /// Open connections at once; more are accepted and closed at once (and counted).
+    /// Open connections at once; more are answered 503 and closed at once (and counted).
     pub max_connections: usize,
     /// Open connections of one peer (a uid on the admin socket, an address on the metrics
     /// port), so one user cannot take every slot.

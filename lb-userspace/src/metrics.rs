@@ -253,7 +253,7 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
     counters(
         &mut reg,
         "listener_refused_connections",
-        "Connections closed at once because the listener or the peer was at its cap",
+        "Connections answered 503 and closed at once because the listener or the peer was at its cap",
         vec![
             (vec![("listener", "admin".into())], admin),
             (vec![("listener", "metrics".into())], metrics),

@@ -644,7 +644,7 @@ interval = "18446744073709552s"
         ],
     },
     Case {
-        name: "addresses_that_route_nowhere_or_back_here",
+        name: "addresses that route nowhere or back to the LB",
         base: true,
         text: r#"[[vip]]
 name = "a"
