@@ -19,6 +19,7 @@ use serde_json::json;
 use sluice_tests::{
     daemon_lab::{tally, DaemonLab, DaemonLabOptions, Running, VipDef},
     netns::{TCP_PORT, VIP4},
+    stream::connect_from,
 };
 
 const SERVER: &str = env!("CARGO_BIN_EXE_sluice-testsrv");
@@ -351,38 +352,6 @@ fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_b
     assert!(!lab.lb_has_xdp().unwrap(), "XDP is still attached");
 }
 
-/// A TCP connection from `src` (any port) to `dst`.
-fn connect_from(src: std::net::Ipv4Addr, dst: SocketAddr) -> std::io::Result<TcpStream> {
-    use std::os::fd::FromRawFd;
-    let SocketAddr::V4(dst) = dst else {
-        return Err(std::io::Error::other("IPv4 only"));
-    };
-    let sockaddr = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: port.to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from_ne_bytes(ip.octets()),
-        },
-        sin_zero: [0; 8],
-    };
-    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: a new socket, owned by the TcpStream at once; valid sockaddr pointers.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let stream = TcpStream::from_raw_fd(fd);
-        let (a, b) = (sockaddr(src, 0), sockaddr(*dst.ip(), dst.port()));
-        if libc::bind(fd, (&a as *const libc::sockaddr_in).cast(), len) != 0
-            || libc::connect(fd, (&b as *const libc::sockaddr_in).cast(), len) != 0
-        {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(stream)
-    }
-}
-
 /// A local user connecting to the metrics port from 64 loopback addresses (4 each, four
 /// times the listener's cap) holds one peer's 16 slots; the rest are answered 503 at once,
 /// and a Prometheus on another host is answered every time.
@@ -397,22 +366,14 @@ fn loopback_addresses_do_not_starve_a_remote_scraper() {
     lab.restart().unwrap();
     let metrics = SocketAddr::new(lab.topo.lb.addr(false), port);
     let local = SocketAddr::new([127, 0, 0, 1].into(), port);
-    let held = lab
-        .topo
-        .lb
-        .ns
-        .run(move || -> std::io::Result<Vec<TcpStream>> {
-            become_nobody()?;
-            let mut held = Vec::new();
-            for a in 1..=64u8 {
-                for _ in 0..4 {
-                    held.push(connect_from([127, 0, 0, a].into(), local)?);
-                }
-            }
-            Ok(held)
+    let held: Vec<TcpStream> = (1..=64u8)
+        .flat_map(|a| [a; 4])
+        .map(|a| {
+            let src = [127, 0, 0, a].into();
+            connect_from(&lab.topo.lb.ns, src, local, Duration::from_secs(5))
+                .unwrap_or_else(|e| panic!("connecting from {src}: {e:#}"))
         })
-        .unwrap()
-        .expect("connecting from the loopback addresses as nobody");
+        .collect();
     thread::sleep(Duration::from_millis(300));
     let scrapes: Vec<_> = (0..8)
         .map(|_| {
