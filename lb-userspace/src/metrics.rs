@@ -6,7 +6,7 @@
 use std::{
     convert::Infallible,
     future::Future,
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     sync::{atomic::AtomicU64, Arc},
 };
 
@@ -83,8 +83,12 @@ where
         "metrics",
         move || async move {
             let (stream, peer) = listener.accept().await?;
-            let local = stream.local_addr()?;
-            Ok(Some((ScrapePeer::of(peer.ip(), local.ip()), stream, ())))
+            // Without its local address (never seen on a connected socket) the peer is
+            // still counted by its own.
+            let local = stream
+                .local_addr()
+                .map_or(IpAddr::from([0, 0, 0, 0]), |a| a.ip());
+            Ok(Some((ScrapePeer::of(peer.ip(), local), stream, ())))
         },
         move |(), stream| {
             let page = page.clone();
