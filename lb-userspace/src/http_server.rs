@@ -75,8 +75,8 @@ impl<K: Eq + Hash + Clone> Slots<K> {
     }
 }
 
-/// A just-accepted connection that can be answered without waiting: a refusal is one
-/// non-blocking write, so a flood of refused connections costs one syscall each.
+/// A just-accepted connection that can be answered without waiting: a refusal is a few
+/// non-blocking calls, so a flood of refused connections costs no more than closing them.
 pub(crate) trait Refusable {
     fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
     fn try_read(&self, buf: &mut [u8]) -> io::Result<usize>;
@@ -116,8 +116,8 @@ fn busy_answer(listener: &str) -> Vec<u8> {
 }
 
 /// Answers a refused connection with `answer` if its socket takes it at once, and reads
-/// what of the request has arrived (at most a few KiB), so a TCP close does not become a
-/// reset that discards the answer. Nothing here waits.
+/// what of the request has already arrived (at most 4 KiB): closing a TCP socket with
+/// unread data resets it, which can discard the answer at the client. Nothing here waits.
 fn refuse(conn: &impl Refusable, answer: &[u8]) {
     let _ = conn.try_write(answer);
     let mut buf = [0u8; 1024];
@@ -131,8 +131,8 @@ fn refuse(conn: &impl Refusable, answer: &[u8]) {
 /// Runs connections from `accept` with `serve` until `shutdown` completes; then stops
 /// accepting and drops the open connections (admin and metrics requests are short).
 /// `accept` yields each connection with the peer it is counted for (a uid, an address) and
-/// what `serve` needs to know of its client, or nothing when it already closed it. Beyond `limits`' caps a connection is answered `503` at once, closed
-/// and counted in `refused`.
+/// what `serve` needs to know of its client, or nothing when it already closed it. Beyond
+/// `limits`' caps a connection is answered `503` at once, closed and counted in `refused`.
 pub(crate) async fn serve_connections<A, S, W, C, K>(
     limits: ListenerLimits,
     refused: &AtomicU64,
