@@ -144,6 +144,21 @@ impl Client {
         let sent = stream.write_all(&msg);
         let mut raw = Vec::new();
         let read = stream.read_to_end(&mut raw);
+        let timed_out = |r: &io::Result<usize>| {
+            r.as_ref().is_err_and(|e| {
+                matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                )
+            })
+        };
+        if raw.is_empty() && timed_out(&read) {
+            return Err(Failure::Final(anyhow!(
+                "the daemon at {} did not answer within {TIMEOUT:?}; the request may or may \
+                 not have been applied: check with a listing",
+                at()
+            )));
+        }
         if raw.is_empty() {
             let why = match (sent, read) {
                 (Err(e), _) => format!("sending the request failed: {e}"),
