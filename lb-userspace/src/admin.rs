@@ -17,6 +17,7 @@ use anyhow::{Context, Result};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::{
     body::{Body, Bytes},
+    header,
     service::service_fn,
     Method, Request, Response, StatusCode,
 };
@@ -128,7 +129,6 @@ pub async fn serve<P: Plane + 'static>(
         "admin",
         move || async move {
             let (stream, _) = listener.accept().await?;
-            let api = Arc::clone(api);
             let peer = match stream.peer_cred() {
                 Ok(c) => Peer {
                     uid: c.uid(),
@@ -141,7 +141,11 @@ pub async fn serve<P: Plane + 'static>(
                 }
             };
             // Counted per uid: one user cannot take every slot.
-            Ok(Some((peer.uid, async move {
+            Ok(Some((peer.uid, stream, peer)))
+        },
+        move |peer, stream| {
+            let api = Arc::clone(api);
+            async move {
                 let service = service_fn(move |req| {
                     let api = Arc::clone(&api);
                     async move {
@@ -151,7 +155,7 @@ pub async fn serve<P: Plane + 'static>(
                     }
                 });
                 serve_http(stream, service, limits).await
-            })))
+            }
         },
         shutdown,
     )
@@ -326,6 +330,20 @@ where
                 peer.uid
             ),
         ));
+    }
+    // A body declared larger than the limit is refused before it is read: hyper sends
+    // `100 Continue` only once the body is polled, so a client that waits for it sends
+    // nothing more.
+    if let Some(len) = req.headers().get(header::CONTENT_LENGTH) {
+        let len = len.to_str().ok().and_then(|l| l.parse::<u64>().ok());
+        if len.is_some_and(|l| l > MAX_BODY as u64) {
+            let mut r = too_large().into_response();
+            r.headers_mut().insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
+            );
+            return Ok(r);
+        }
     }
     let route = Route::parse(req.uri().path())?;
     let (parts, body) = req.into_parts();
@@ -534,6 +552,13 @@ const NEW_VIP_SHAPE: &str = r#"{"vip": {"name", "address", "port", "protocol", .
 const BACKEND_SHAPE: &str =
     r#"{"address": "10.1.0.1", "weight": 100, "labels": {...}, "max_sessions": 0}"#;
 
+fn too_large() -> ApiError {
+    ApiError::new(
+        413,
+        format!("the request body is larger than {} KiB", MAX_BODY / 1024),
+    )
+}
+
 async fn read_body<B>(body: B) -> Result<Bytes, ApiError>
 where
     B: Body,
@@ -541,10 +566,7 @@ where
 {
     match Limited::new(body, MAX_BODY).collect().await {
         Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<LengthLimitError>() => Err(ApiError::new(
-            413,
-            format!("the request body is larger than {} KiB", MAX_BODY / 1024),
-        )),
+        Err(e) if e.is::<LengthLimitError>() => Err(too_large()),
         Err(e) => Err(ApiError::new(400, format!("reading the request body: {e}"))),
     }
 }
@@ -658,12 +680,17 @@ pub(crate) mod testing {
     };
 
     pub(crate) fn controller() -> Controller<FakePlane> {
+        controller_auditing(None)
+    }
+
+    /// A controller that appends its audit lines to `audit_log`.
+    pub(crate) fn controller_auditing(audit_log: Option<PathBuf>) -> Controller<FakePlane> {
         let settings = Settings {
             limits: Limits { max_vips: 4 },
             seed: 1,
             flow_idle: Duration::from_secs(30),
             state_file: None,
-            audit_log: None,
+            audit_log,
             config_hash: 0,
         };
         Controller::new(
@@ -710,7 +737,9 @@ pub(crate) mod testing {
             let info = Arc::new(info());
             // A directory that does not exist yet: bind creates it.
             let socket = dir.join("run/admin.sock");
-            let ctl = Arc::new(Mutex::new(controller()));
+            let ctl = Arc::new(Mutex::new(controller_auditing(Some(
+                dir.join("audit.jsonl"),
+            ))));
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
             let (ready_tx, ready) = std::sync::mpsc::channel();
             let thread = std::thread::spawn({

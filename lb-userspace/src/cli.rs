@@ -59,8 +59,10 @@ talk to the daemon through its admin socket, which is open to root and the membe
 socket's group.
 
 Exit status: 0 success; 1 failure (a refused configuration or request, an unreachable
-daemon, a DSR problem found by `backend-host check`); 2 bad usage (unknown command or
-option, bad argument).";
+daemon, a connection closed or an answer cut short before the daemon's whole answer was
+read, a DSR problem found by `backend-host check`); 2 bad usage (unknown command or
+option, bad argument). A command exits 0 only when it read the daemon's complete answer
+and that answer reports success.";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -84,6 +86,16 @@ pub struct Cli {
     /// Print the API's JSON instead of tables.
     #[arg(long, global = true)]
     pub json: bool,
+
+    /// Retry a request up to N times (at most 10; the waits double from 0.1 s up to 2 s,
+    /// 15 s in all at most) when the daemon answers 503 (its connection caps are full;
+    /// nothing was done) or the request reached no daemon (no socket, nothing listening).
+    /// A connection closed before any answer is retried only for reads, `set-weight` and
+    /// `trace on|off`, which change nothing more when repeated; other changes then fail
+    /// and may have been applied: check with a listing.
+    #[arg(long, global = true, value_name = "N", default_value_t = 0,
+          value_parser = clap::value_parser!(u32).range(0..=i64::from(crate::client::MAX_RETRIES)))]
+    pub retry: u32,
 
     /// Redraw a read command's answer in place at this interval, e.g. 2s (until Ctrl-C).
     #[arg(long, global = true, value_name = "INTERVAL", value_parser = live::interval)]
@@ -499,19 +511,49 @@ fn backend_spec(address: IpAddr) -> BackendSpec {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     // Not a held StdoutLock: `run` lasts as long as the daemon, and its threads may print.
-    match execute(&cli, &mut std::io::stdout()) {
+    let mut out = Stdout::default();
+    let result = execute(&cli, &mut out);
+    exit_code(result, out.reader_left)
+}
+
+/// The exit status of a command's `result`. A broken pipe on standard output (`sluice
+/// stats | head`: the reader left) is no failure; any other error, a broken admin socket
+/// included, is.
+fn exit_code(result: Result<()>, reader_left: bool) -> ExitCode {
+    match result {
         Ok(()) => ExitCode::SUCCESS,
-        // `sluice stats | head`: the reader left; nothing is wrong.
-        Err(e)
-            if e.downcast_ref::<std::io::Error>()
-                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
-        {
-            ExitCode::SUCCESS
-        }
+        Err(_) if reader_left => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::from(1)
         }
+    }
+}
+
+/// Standard output that remembers whether its reader left.
+#[derive(Default)]
+struct Stdout {
+    reader_left: bool,
+}
+
+impl Stdout {
+    fn note<T>(&mut self, r: std::io::Result<T>) -> std::io::Result<T> {
+        if let Err(e) = &r {
+            self.reader_left |= e.kind() == std::io::ErrorKind::BrokenPipe;
+        }
+        r
+    }
+}
+
+impl Write for Stdout {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let r = std::io::stdout().write(buf);
+        self.note(r)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let r = std::io::stdout().flush();
+        self.note(r)
     }
 }
 
@@ -551,7 +593,7 @@ pub fn execute(cli: &Cli, out: &mut dyn Write) -> Result<()> {
 }
 
 fn execute_once(cli: &Cli, out: &mut dyn Write) -> Result<()> {
-    let client = Client::new(&cli.socket);
+    let client = Client::new(&cli.socket).with_retries(cli.retry);
     let mut out = Output {
         json: cli.json,
         out,

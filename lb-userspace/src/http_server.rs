@@ -1,5 +1,6 @@
 //! The HTTP/1.1 serving loop both listeners share (the admin API and `/metrics`): connection
-//! caps per listener and peer, the request timeout, and JSON error replies.
+//! caps per listener and peer (a connection over them is answered 503), the request
+//! timeout, and JSON error replies.
 
 use std::{
     collections::HashMap,
@@ -34,38 +35,130 @@ use tokio::{
 
 use crate::limits::ListenerLimits;
 
-/// Runs connections from `accept` until `shutdown` completes; then stops accepting and
-/// drops the open connections (admin and metrics requests are short). `accept` yields each
-/// connection with its peer (a uid, an address), or nothing when it already closed it.
-/// Beyond `limits`' caps a connection is closed at once and counted in `refused`.
-pub(crate) async fn serve_connections<A, C, K>(
+/// Open connections per peer: the pure part of a listener's caps.
+#[derive(Debug)]
+pub(crate) struct Slots<K> {
+    open: HashMap<K, usize>,
+    total: usize,
+}
+
+impl<K> Default for Slots<K> {
+    fn default() -> Self {
+        Slots {
+            open: HashMap::new(),
+            total: 0,
+        }
+    }
+}
+
+impl<K: Eq + Hash + Clone> Slots<K> {
+    /// Takes a slot for `peer`, or says why not: the connections open in all and of `peer`.
+    pub(crate) fn take(&mut self, limits: &ListenerLimits, peer: &K) -> Result<(), (usize, usize)> {
+        let mine = self.open.get(peer).copied().unwrap_or(0);
+        if self.total >= limits.max_connections || mine >= limits.max_per_peer {
+            return Err((self.total, mine));
+        }
+        *self.open.entry(peer.clone()).or_default() += 1;
+        self.total += 1;
+        Ok(())
+    }
+
+    /// Gives back a slot `take` gave `peer`.
+    pub(crate) fn give_back(&mut self, peer: &K) {
+        if let Some(n) = self.open.get_mut(peer) {
+            *n -= 1;
+            self.total -= 1;
+            if *n == 0 {
+                self.open.remove(peer);
+            }
+        }
+    }
+}
+
+/// A just-accepted connection that can be answered without waiting: a refusal is a few
+/// non-blocking calls, so a flood of refused connections costs no more than closing them.
+pub(crate) trait Refusable {
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
+    fn try_read(&self, buf: &mut [u8]) -> io::Result<usize>;
+}
+
+impl Refusable for tokio::net::UnixStream {
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+        tokio::net::UnixStream::try_write(self, buf)
+    }
+    fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        tokio::net::UnixStream::try_read(self, buf)
+    }
+}
+
+impl Refusable for tokio::net::TcpStream {
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+        tokio::net::TcpStream::try_write(self, buf)
+    }
+    fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        tokio::net::TcpStream::try_read(self, buf)
+    }
+}
+
+/// The answer to a connection over the caps: `503` with a JSON error and `Retry-After`,
+/// built once per listener.
+fn busy_answer(listener: &str) -> Vec<u8> {
+    let body = format!(
+        "{{\"error\": \"the {listener} listener is at its connection cap (for all peers or for \
+         this one); nothing was done; retry shortly\"}}\n"
+    );
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Answers a refused connection with `answer` if its socket takes it at once, and reads
+/// what of the request has already arrived (at most 4 KiB): closing a TCP socket with
+/// unread data resets it, which can discard the answer at the client. Nothing here waits.
+fn refuse(conn: &impl Refusable, answer: &[u8]) {
+    let _ = conn.try_write(answer);
+    let mut buf = [0u8; 1024];
+    for _ in 0..4 {
+        if !matches!(conn.try_read(&mut buf), Ok(n) if n > 0) {
+            break;
+        }
+    }
+}
+
+/// Runs connections from `accept` with `serve` until `shutdown` completes; then stops
+/// accepting and drops the open connections (admin and metrics requests are short).
+/// `accept` yields each connection with the peer it is counted for (a uid, an address) and
+/// what `serve` needs to know of its client, or nothing when it already closed it. Beyond
+/// `limits`' caps a connection is answered `503` at once, closed and counted in `refused`.
+pub(crate) async fn serve_connections<A, S, W, C, K>(
     limits: ListenerLimits,
     refused: &AtomicU64,
     listener: &'static str,
     mut accept: impl FnMut() -> A,
+    mut serve: impl FnMut(W, S) -> C,
     shutdown: impl Future<Output = ()>,
 ) where
-    A: Future<Output = io::Result<Option<(K, C)>>>,
+    A: Future<Output = io::Result<Option<(K, S, W)>>>,
+    S: Refusable,
     C: Future<Output = ()> + Send + 'static,
     K: Eq + Hash + Clone + fmt::Debug + Send + 'static,
 {
     /// One open connection of `peer`: counted while it lives.
-    struct Slot<K: Eq + Hash> {
-        open: Arc<std::sync::Mutex<HashMap<K, usize>>>,
+    struct Slot<K: Eq + Hash + Clone> {
+        slots: Arc<std::sync::Mutex<Slots<K>>>,
         peer: K,
     }
-    impl<K: Eq + Hash> Drop for Slot<K> {
+    impl<K: Eq + Hash + Clone> Drop for Slot<K> {
         fn drop(&mut self) {
-            let mut open = self.open.lock().expect("connection count lock");
-            if let Some(n) = open.get_mut(&self.peer) {
-                *n -= 1;
-                if *n == 0 {
-                    open.remove(&self.peer);
-                }
-            }
+            let mut slots = self.slots.lock().expect("connection count lock");
+            slots.give_back(&self.peer);
         }
     }
-    let open: Arc<std::sync::Mutex<HashMap<K, usize>>> = Arc::default();
+    let busy = busy_answer(listener);
+    let slots: Arc<std::sync::Mutex<Slots<K>>> = Arc::default();
     let mut conns = JoinSet::new();
     let mut shutdown = pin!(shutdown);
     loop {
@@ -74,24 +167,21 @@ pub(crate) async fn serve_connections<A, C, K>(
             Some(_) = conns.join_next() => {}
             r = accept() => match r {
                 Ok(None) => {}
-                Ok(Some((peer, conn))) => {
-                    let mut counts = open.lock().expect("connection count lock");
-                    let total: usize = counts.values().sum();
-                    let mine = counts.get(&peer).copied().unwrap_or(0);
-                    if total >= limits.max_connections || mine >= limits.max_per_peer {
-                        drop(counts);
-                        // Counted before the close, so whoever sees the close sees the count.
+                Ok(Some((peer, stream, who))) => {
+                    let taken = slots.lock().expect("connection count lock").take(&limits, &peer);
+                    if let Err((total, mine)) = taken {
+                        // Counted before the answer, so whoever sees the answer sees the count.
                         let n = refused.fetch_add(1, Ordering::Relaxed) + 1;
-                        drop(conn);
+                        refuse(&stream, &busy);
+                        drop(stream);
                         // Logged at 1, 2, 4, 8... refusals: a flood cannot flood the log.
                         if n.is_power_of_two() {
-                            tracing::warn!(listener, ?peer, open = total, peer_open = mine, refused = n, "connection closed: the listener or this peer is at its cap");
+                            tracing::warn!(listener, ?peer, open = total, peer_open = mine, refused = n, "connection answered 503: the listener or this peer is at its cap");
                         }
                         continue;
                     }
-                    *counts.entry(peer.clone()).or_default() += 1;
-                    drop(counts);
-                    let slot = Slot { open: open.clone(), peer };
+                    let conn = serve(who, stream);
+                    let slot = Slot { slots: slots.clone(), peer };
                     conns.spawn(async move {
                         let _slot = slot;
                         conn.await

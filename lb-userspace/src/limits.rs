@@ -4,6 +4,7 @@
 //! of metrics or admin clients can leave the health checks without a descriptor.
 
 use std::{
+    net::IpAddr,
     sync::atomic::{AtomicU64, Ordering},
     time::Duration,
 };
@@ -15,7 +16,7 @@ use crate::config::Config;
 /// The bounds of one listener.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ListenerLimits {
-    /// Open connections at once; more are accepted and closed at once (and counted).
+    /// Open connections at once; more are answered 503 and closed at once (and counted).
     pub max_connections: usize,
     /// Open connections of one peer (a uid on the admin socket, an address on the metrics
     /// port), so one user cannot take every slot.
@@ -33,12 +34,37 @@ pub const ADMIN: ListenerLimits = ListenerLimits {
     request_timeout: Duration::from_secs(10),
 };
 
-/// The metrics port (every local user can reach it): a few Prometheus servers.
+/// The metrics port (every local user can reach it): a few Prometheus servers. Every
+/// connection from this host counts as one peer ([`ScrapePeer`]), so local users together
+/// hold at most `max_per_peer` slots and the rest stay for scrapers on other hosts.
 pub const METRICS: ListenerLimits = ListenerLimits {
     max_connections: 64,
     max_per_peer: 16,
     request_timeout: Duration::from_secs(10),
 };
+
+/// Whom a metrics connection is counted for. A local user can connect from any address
+/// of 127.0.0.0/8 (and ::1, and their IPv4-mapped forms) or from the address the listener
+/// answers on; counted per address, 64 such sources would take every slot. So all of
+/// them are one peer, and each other host is a peer of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ScrapePeer {
+    /// This host: a loopback source, or the connection's own local address.
+    Local,
+    Remote(IpAddr),
+}
+
+impl ScrapePeer {
+    /// The peer a connection from `peer` to `local` is counted for.
+    pub fn of(peer: IpAddr, local: IpAddr) -> ScrapePeer {
+        let peer = peer.to_canonical();
+        if peer.is_loopback() || peer == local.to_canonical() {
+            ScrapePeer::Local
+        } else {
+            ScrapePeer::Remote(peer)
+        }
+    }
+}
 
 /// Connections refused by a listener's caps, per listener (exported as
 /// `sluice_listener_refused_connections_total`).
@@ -131,6 +157,47 @@ pub fn raise_nofile(cfg: &Config) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A local user connecting from all of 127.0.0.0/8, ::1, their IPv4-mapped forms and
+    /// the listener's own address holds one peer's slots; scrapers on other hosts keep
+    /// the rest.
+    #[test]
+    fn local_users_share_one_metrics_peer() {
+        use crate::http_server::Slots;
+        let listen: IpAddr = "10.0.0.1".parse().unwrap();
+        let mut slots = Slots::default();
+        let mut local = 0;
+        let sources = (0..=255u8).map(|a| IpAddr::from([127, 0, a, 1])).chain(
+            ["::1", "::ffff:127.0.0.9", "10.0.0.1", "::ffff:10.0.0.1"].map(|a| a.parse().unwrap()),
+        );
+        for src in sources {
+            assert_eq!(ScrapePeer::of(src, listen), ScrapePeer::Local, "{src}");
+            for _ in 0..METRICS.max_per_peer {
+                local += usize::from(slots.take(&METRICS, &ScrapePeer::of(src, listen)).is_ok());
+            }
+        }
+        assert_eq!(local, METRICS.max_per_peer);
+        let remote_slots = METRICS.max_connections - METRICS.max_per_peer;
+        let mut remote = 0;
+        for host in 1..=8u8 {
+            let peer = ScrapePeer::of(IpAddr::from([10, 9, 0, host]), listen);
+            assert_eq!(peer, ScrapePeer::Remote(IpAddr::from([10, 9, 0, host])));
+            for _ in 0..METRICS.max_per_peer {
+                remote += usize::from(slots.take(&METRICS, &peer).is_ok());
+            }
+        }
+        assert_eq!(remote, remote_slots);
+        // A slot given back is taken again.
+        let peer = ScrapePeer::Remote(IpAddr::from([10, 9, 0, 1]));
+        slots.give_back(&peer);
+        assert!(slots
+            .take(&METRICS, &ScrapePeer::Remote(IpAddr::from([10, 9, 0, 7])))
+            .is_ok());
+        assert_eq!(
+            slots.take(&METRICS, &peer),
+            Err((METRICS.max_connections, METRICS.max_per_peer - 1))
+        );
+    }
 
     #[test]
     fn nofile_is_raised_within_the_hard_limit_and_never_lowered() {

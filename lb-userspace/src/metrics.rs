@@ -6,7 +6,7 @@
 use std::{
     convert::Infallible,
     future::Future,
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     sync::{atomic::AtomicU64, Arc},
 };
 
@@ -25,7 +25,7 @@ use crate::{
     admin::{DaemonInfo, Snapshot},
     controller::{Controller, Plane},
     http_server::{serve_connections, serve_http, within},
-    limits::METRICS,
+    limits::{ScrapePeer, METRICS},
     policy::BackendDecision,
     state::{FlowState, PlaneState},
 };
@@ -83,6 +83,14 @@ where
         "metrics",
         move || async move {
             let (stream, peer) = listener.accept().await?;
+            // Without its local address (never seen on a connected socket) the peer is
+            // still counted by its own.
+            let local = stream
+                .local_addr()
+                .map_or(IpAddr::from([0, 0, 0, 0]), |a| a.ip());
+            Ok(Some((ScrapePeer::of(peer.ip(), local), stream, ())))
+        },
+        move |(), stream| {
             let page = page.clone();
             let service = service_fn(move |req| {
                 let page = page.clone();
@@ -90,9 +98,7 @@ where
                     Ok::<_, Infallible>(within(limits.request_timeout, respond(req, page)).await)
                 }
             });
-            // Counted per source address. Every local user shares 127.0.0.1, so the cap per
-            // peer keeps slots for scrapers from other hosts, not among local users.
-            Ok(Some((peer.ip(), serve_http(stream, service, limits))))
+            serve_http(stream, service, limits)
         },
         shutdown,
     )
@@ -251,7 +257,7 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
     counters(
         &mut reg,
         "listener_refused_connections",
-        "Connections closed at once because the listener or the peer was at its cap",
+        "Connections answered 503 and closed at once because the listener or the peer was at its cap",
         vec![
             (vec![("listener", "admin".into())], admin),
             (vec![("listener", "metrics".into())], metrics),

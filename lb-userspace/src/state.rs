@@ -273,7 +273,19 @@ impl State {
 
     fn check_vip(&self, spec: &VipSpec) -> Result<(), OpError> {
         rules::vip_name(&spec.name).map_err(OpError::Invalid)?;
-        rules::unicast(spec.address).map_err(|e| OpError::Invalid(format!("VIP address {e}")))?;
+        rules::vip_address(spec.address)
+            .map_err(|e| OpError::Invalid(format!("VIP address {e}")))?;
+        if let Some(v) = self
+            .vips
+            .values()
+            .find(|v| v.backends.contains_key(&spec.address))
+        {
+            return Err(OpError::Invalid(format!(
+                "VIP address \"{}\" is a backend of VIP {:?}; allowed: an address that is no \
+                 backend's (packets to that backend would come back here)",
+                spec.address, v.spec.name
+            )));
+        }
         if self.vips.contains_key(&spec.name) {
             return Err(OpError::Conflict(format!(
                 "a VIP named {:?} exists already",
@@ -300,7 +312,7 @@ impl State {
         Ok(())
     }
 
-    fn check_backend(vip: &Vip, b: &BackendSpec) -> Result<(), OpError> {
+    fn check_backend(&self, vip: &Vip, b: &BackendSpec) -> Result<(), OpError> {
         if vip.backends.contains_key(&b.address) {
             return Err(OpError::Conflict(format!(
                 "VIP {:?} already has backend {}",
@@ -308,6 +320,13 @@ impl State {
             )));
         }
         rules::backend_address(b.address, vip.spec.address)
+            .and_then(|()| {
+                let vips = self
+                    .vips
+                    .values()
+                    .map(|v| (v.spec.name.as_str(), v.spec.address));
+                rules::backend_not_a_vip(b.address, vips)
+            })
             .map_err(|e| OpError::Invalid(format!("backend address {e}")))?;
         rules::labels(&b.labels)
             .map_err(|e| OpError::Invalid(format!("backend {}: {e}", b.address)))?;
@@ -326,7 +345,7 @@ impl State {
     }
 
     fn add_backend(&mut self, vip: &str, spec: BackendSpec) -> Result<(), OpError> {
-        Self::check_backend(self.vip(vip)?, &spec)?;
+        self.check_backend(self.vip(vip)?, &spec)?;
         let id = self.alloc_backend_id()?;
         let v = self.vip_mut(vip)?;
         v.backends.insert(

@@ -644,6 +644,41 @@ interval = "18446744073709552s"
         ],
     },
     Case {
+        name: "addresses that route nowhere or back to the LB",
+        base: true,
+        text: r#"[[vip]]
+name = "a"
+address = "10.200.0.1"
+port = 80
+[[vip.backend]]
+address = "240.0.0.1"
+[[vip.backend]]
+address = "169.254.0.5"
+[[vip.backend]]
+address = "10.200.0.2"
+[[vip]]
+name = "b"
+address = "10.200.0.2"
+port = 80
+[[vip.backend]]
+address = "fe80::1"
+[[vip.backend]]
+address = "64:ff9b::102:304"
+[[vip]]
+name = "lo"
+address = "127.0.0.1"
+port = 80
+"#,
+        errors: &[
+            "t.toml:11:11: vip[0].backend[0].address: \"240.0.0.1\" is in 240.0.0.0/4 (reserved); allowed: an address of the backend host",
+            "t.toml:13:11: vip[0].backend[1].address: \"169.254.0.5\" is link-local (169.254.0.0/16), which names no interface; allowed: an address of the backend host",
+            "t.toml:15:11: vip[0].backend[2].address: \"10.200.0.2\" is the address of VIP \"b\"; allowed: an address of the backend host",
+            "t.toml:21:11: vip[1].backend[0].address: \"fe80::1\" is link-local (fe80::/10), which names no interface; allowed: an address of the backend host",
+            "t.toml:23:11: vip[1].backend[1].address: \"64:ff9b::102:304\" is in the NAT64 prefix 64:ff9b::/96; allowed: an address of the backend host",
+            "t.toml:26:11: vip[2].address: \"127.0.0.1\" is a loopback address; allowed: an address clients reach through the attached interfaces",
+        ],
+    },
+    Case {
         name: "port out of range",
         base: true,
         text: r#"[[vip]]

@@ -19,6 +19,7 @@ use serde_json::json;
 use sluice_tests::{
     daemon_lab::{tally, DaemonLab, DaemonLabOptions, Running, VipDef},
     netns::{TCP_PORT, VIP4},
+    stream::connect_from,
 };
 
 const SERVER: &str = env!("CARGO_BIN_EXE_sluice-testsrv");
@@ -246,7 +247,7 @@ fn an_unprivileged_user_holding_connections_to_both_listeners_breaks_no_stream()
     assert!(refused("admin") > 0 && refused("metrics") > 0, "{page}");
     assert!(lab
         .log()
-        .contains("connection closed: the listener or this peer is at its cap"));
+        .contains("connection answered 503: the listener or this peer is at its cap"));
 }
 
 /// The audit log and state file are 0600; SIGHUP applies what it can and names what needs a
@@ -349,4 +350,61 @@ fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_b
         "the link is still pinned"
     );
     assert!(!lab.lb_has_xdp().unwrap(), "XDP is still attached");
+}
+
+/// A local user connecting to the metrics port from 64 loopback addresses (4 each, four
+/// times the listener's cap) holds one peer's 16 slots; the rest are answered 503 at once,
+/// and a Prometheus on another host is answered every time.
+#[test]
+fn loopback_addresses_do_not_starve_a_remote_scraper() {
+    let mut lab = start(options());
+    let port = lab.metrics.port();
+    lab.reconfigure(|o| {
+        o.set("metrics", "listen", &format!("\"0.0.0.0:{port}\""));
+    })
+    .unwrap();
+    lab.restart().unwrap();
+    let metrics = SocketAddr::new(lab.topo.lb.addr(false), port);
+    let local = SocketAddr::new([127, 0, 0, 1].into(), port);
+    let held: Vec<TcpStream> = (1..=64u8)
+        .flat_map(|a| [a; 4])
+        .map(|a| {
+            let src = [127, 0, 0, a].into();
+            connect_from(&lab.topo.lb.ns, src, local, Duration::from_secs(5))
+                .unwrap_or_else(|e| panic!("connecting from {src}: {e:#}"))
+        })
+        .collect();
+    thread::sleep(Duration::from_millis(300));
+    let scrapes: Vec<_> = (0..8)
+        .map(|_| {
+            lab.topo
+                .client
+                .ns
+                .run(move || {
+                    sluice_tests::daemon_lab::http_exchange(
+                        metrics,
+                        "GET /metrics HTTP/1.1\r\nHost: lab\r\nConnection: close\r\n\r\n",
+                        Duration::from_secs(5),
+                    )
+                    .map(|(status, _)| status)
+                    .map_err(|e| format!("{e:#}"))
+                })
+                .unwrap()
+        })
+        .collect();
+    let mut busy = 0;
+    for mut s in held.iter() {
+        use std::io::Read;
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let mut head = [0u8; 12];
+        if s.read_exact(&mut head).is_ok() && &head == b"HTTP/1.1 503" {
+            busy += 1;
+        }
+    }
+    assert!(
+        scrapes.iter().all(|r| r == &Ok(200)),
+        "remote scrapes while loopback connections are held: {scrapes:?}"
+    );
+    assert_eq!(busy, held.len() - 16, "loopback connections answered 503");
 }

@@ -189,6 +189,9 @@ fn rejected_requests_change_nothing_and_say_why() {
     assert_eq!(c.request("POST", "/v1/vips", Some(&chat())).unwrap().0, 201);
     c.request("POST", "/v1/vips/chat/backends/10.1.0.2/drain", None)
         .unwrap();
+    let other =
+        json!({"vip": {"name": "other", "address": "10.0.0.9", "port": 80, "protocol": "tcp"}});
+    assert_eq!(c.request("POST", "/v1/vips", Some(&other)).unwrap().0, 201);
     let before = srv.state();
     let big = vec![b' '; MAX_BODY + 1];
     // (method, path, body, status, what the error says)
@@ -282,6 +285,62 @@ fn rejected_requests_change_nothing_and_say_why() {
             Some(br#"{"address": "::ffff:10.1.0.9"}"#),
             400,
             "is an IPv4-mapped IPv6 address",
+        ),
+        (
+            "POST",
+            "/v1/vips/chat/backends",
+            Some(br#"{"address": "240.0.0.7"}"#),
+            400,
+            "backend address \"240.0.0.7\" is in 240.0.0.0/4 (reserved)",
+        ),
+        (
+            "POST",
+            "/v1/vips/chat/backends",
+            Some(br#"{"address": "169.254.1.1"}"#),
+            400,
+            "backend address \"169.254.1.1\" is link-local (169.254.0.0/16)",
+        ),
+        (
+            "POST",
+            "/v1/vips/chat/backends",
+            Some(br#"{"address": "10.0.0.9"}"#),
+            400,
+            "backend address \"10.0.0.9\" is the address of VIP \"other\"",
+        ),
+        (
+            "POST",
+            "/v1/vips",
+            Some(br#"{"vip": {"name": "lo", "address": "127.0.0.1", "port": 1, "protocol": "tcp"}}"#),
+            400,
+            "VIP address \"127.0.0.1\" is a loopback address",
+        ),
+        (
+            "POST",
+            "/v1/vips",
+            Some(br#"{"vip": {"name": "lo6", "address": "::1", "port": 1, "protocol": "tcp"}}"#),
+            400,
+            "VIP address \"::1\" is a loopback address",
+        ),
+        (
+            "POST",
+            "/v1/vips",
+            Some(br#"{"vip": {"name": "onb", "address": "10.1.0.1", "port": 1, "protocol": "tcp"}}"#),
+            400,
+            "VIP address \"10.1.0.1\" is a backend of VIP \"chat\"",
+        ),
+        (
+            "POST",
+            "/v1/vips",
+            Some(br#"{"vip": {"name": "v6", "address": "fd00::10", "port": 1, "protocol": "tcp"}, "backends": [{"address": "fe80::1"}]}"#),
+            400,
+            "backend address \"fe80::1\" is link-local (fe80::/10)",
+        ),
+        (
+            "POST",
+            "/v1/vips",
+            Some(br#"{"vip": {"name": "v6", "address": "fd00::10", "port": 1, "protocol": "tcp"}, "backends": [{"address": "64:ff9b::a01:1"}]}"#),
+            400,
+            "backend address \"64:ff9b::a01:1\" is in the NAT64 prefix 64:ff9b::/96",
         ),
         (
             "POST",
@@ -391,7 +450,7 @@ fn connections_are_capped_and_timed_out() {
         .unwrap();
     let answer = closed(&mut idle);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    // Two held connections of this uid: a third is closed at once, unanswered. (A slot
+    // Two held connections of this uid: a third is answered 503 and closed at once. (A slot
     // is freed just after its socket closes, so a held one is retried until answered.)
     let hold = || {
         for _ in 0..100 {
@@ -410,7 +469,13 @@ fn connections_are_capped_and_timed_out() {
     let before = srv.info.refused.get().0;
     let mut third = open();
     let _ = third.write_all(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n");
-    assert_eq!(closed(&mut third), "");
+    let answer = closed(&mut third);
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("retry-after: 1"), "{answer}");
+    assert!(
+        answer.contains("the admin listener is at its connection cap"),
+        "{answer}"
+    );
     assert_eq!(srv.info.refused.get().0, before + 1);
     // Once they are gone the slots are free again.
     drop((a, b));
@@ -512,7 +577,7 @@ fn random_requests_are_answered_and_accept_only_valid_state() {
             let state = srv.state();
             for vip in state.vips.values() {
                 rules::vip_name(&vip.spec.name).unwrap();
-                rules::unicast(vip.spec.address).unwrap();
+                rules::vip_address(vip.spec.address).unwrap();
                 for b in vip.backends.values() {
                     prop_assert!(rules::backend_address(b.spec.address, vip.spec.address).is_ok());
                     prop_assert!(rules::labels(&b.spec.labels).is_ok());
@@ -655,4 +720,121 @@ fn path_segments_decode() {
     );
     let seg = crate::client::path_segment("a/b c");
     assert_eq!(decode_segment(&seg).unwrap(), "a/b c");
+}
+
+/// A body declared larger than the limit gets 413 at once, not `100 Continue` and a wait
+/// for megabytes; a small one still gets its `100 Continue` and is served.
+#[test]
+fn an_oversized_body_is_refused_before_100_continue() {
+    use std::{
+        io::{Read, Write},
+        os::unix::net::UnixStream,
+    };
+    let srv = TestServer::start();
+    let mut s = UnixStream::connect(&srv.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(
+        b"POST /v1/vips HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+          Content-Length: 99000000\r\nExpect: 100-continue\r\n\r\n",
+    )
+    .unwrap();
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer:?}");
+    assert!(answer.contains("larger than 64 KiB"), "{answer:?}");
+
+    let body = serde_json::to_vec(&chat()).unwrap();
+    let mut s = UnixStream::connect(&srv.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let head = format!(
+        "POST /v1/vips HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: \
+         application/json\r\nContent-Length: {}\r\nExpect: 100-continue\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    let mut interim = [0u8; 25];
+    s.read_exact(&mut interim).unwrap();
+    assert_eq!(&interim, b"HTTP/1.1 100 Continue\r\n\r\n");
+    s.write_all(&body).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+}
+
+/// Changes sent at once by more clients than the admin listener's caps admit: each is
+/// applied and audited, or its command fails saying so; none is lost in silence. With
+/// `--retry` every one is applied.
+#[test]
+fn concurrent_changes_at_the_cap_are_applied_or_reported() {
+    use clap::Parser;
+    let limits = ListenerLimits {
+        max_connections: 4,
+        max_per_peer: 2,
+        request_timeout: Duration::from_secs(2),
+    };
+    let srv = TestServer::start_with(limits);
+    assert_eq!(
+        srv.client()
+            .request("POST", "/v1/vips", Some(&chat()))
+            .unwrap()
+            .0,
+        201
+    );
+    let socket = srv.socket.display().to_string();
+    let run = |args: Vec<String>| {
+        let cli = crate::cli::Cli::try_parse_from(args).unwrap();
+        crate::cli::execute(&cli, &mut Vec::new())
+    };
+    let audit = || std::fs::read_to_string(srv.dir.join("audit.jsonl")).unwrap_or_default();
+    // (round, --retry, clients at once): many times the per-peer cap, without retries and
+    // with them.
+    for (round, retry, n) in [(1u8, "0", 30), (2, "10", 10)] {
+        // Without retries one of the two slots is held by a slow client, so refusals are
+        // all but certain.
+        let slow = (retry == "0").then(|| {
+            use std::io::Write;
+            let mut s = std::os::unix::net::UnixStream::connect(&srv.socket).unwrap();
+            s.write_all(b"GET /v1/status HTTP/1.1\r\n").unwrap();
+            s
+        });
+        let addrs: Vec<String> = (1..=n).map(|i| format!("10.{round}.1.{i}")).collect();
+        let results: Vec<_> = std::thread::scope(|sc| {
+            let handles: Vec<_> = addrs
+                .iter()
+                .map(|a| {
+                    let args = ["sluice", "--socket", &socket, "--retry", retry]
+                        .into_iter()
+                        .chain(["backend", "add", "chat", a])
+                        .map(String::from)
+                        .collect();
+                    sc.spawn(move || run(args))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        drop(slow);
+        let state = srv.state();
+        let vip = state.vip("chat").unwrap();
+        let log = audit();
+        let mut refused = 0;
+        for (a, r) in addrs.iter().zip(&results) {
+            let applied = vip.backends.contains_key(&a.parse().unwrap());
+            let audited = log.lines().any(|l| l.contains(&format!("\"{a}\"")));
+            match r {
+                Ok(()) => assert!(applied && audited, "{a}: succeeded but not applied"),
+                Err(e) => {
+                    refused += 1;
+                    assert!(!applied && !audited, "{a}: applied but reported {e:#}");
+                    let e = format!("{e:#}");
+                    assert!(e.contains("at its connection cap"), "{a}: {e}");
+                }
+            }
+        }
+        if retry == "0" {
+            assert!(refused > 0, "the caps were never reached");
+        } else {
+            assert_eq!(refused, 0, "with retries every change is applied");
+        }
+    }
 }

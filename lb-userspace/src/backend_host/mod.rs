@@ -119,7 +119,7 @@ fn render(
     counters_family(
         &mut reg,
         "listener_refused_connections",
-        "Connections closed at once because the listener or the peer was at its cap",
+        "Connections answered 503 and closed at once because the listener or the peer was at its cap",
         vec![(vec![("listener", "metrics".into())], refused)],
     );
     gauges(

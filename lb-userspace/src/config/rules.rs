@@ -153,20 +153,44 @@ pub fn unicast(ip: IpAddr) -> Result<(), String> {
     Err(format!("\"{ip}\" is {what}; allowed: a unicast address"))
 }
 
-/// A backend of the VIP at `vip`: a unicast host other than loopback (packets to it leave
-/// the machine, encapsulated) and other than the VIP itself (the tunnel would loop), of a
-/// family the VIP's packets can be carried in.
-pub fn backend_address(addr: IpAddr, vip: IpAddr) -> Result<(), String> {
-    unicast(addr)?;
-    if addr.is_loopback() {
+/// An address a VIP may have: a unicast address that clients on other hosts can reach
+/// (a loopback VIP never sees a packet through the interfaces the data plane is attached to).
+pub fn vip_address(ip: IpAddr) -> Result<(), String> {
+    unicast(ip)?;
+    if ip.is_loopback() {
         return Err(format!(
-            "\"{addr}\" is a loopback address; allowed: an address of the backend host"
+            "\"{ip}\" is a loopback address; allowed: an address clients reach through the \
+             attached interfaces"
         ));
     }
-    if addr == vip {
-        return Err(format!(
-            "\"{addr}\" is the VIP's own address; allowed: an address of the backend host"
-        ));
+    Ok(())
+}
+
+/// A backend of the VIP at `vip`: a unicast host other than loopback (packets to it leave
+/// the machine, encapsulated) and other than the VIP itself (the tunnel would loop), of a
+/// family the VIP's packets can be carried in, and routable as it stands: not reserved,
+/// not link-local (an address without its interface is ambiguous) and not a NAT64 prefix
+/// (the translator would send the packets back out as IPv4, unencapsulated).
+pub fn backend_address(addr: IpAddr, vip: IpAddr) -> Result<(), String> {
+    unicast(addr)?;
+    let host = "allowed: an address of the backend host";
+    let what = match addr {
+        _ if addr.is_loopback() => "a loopback address",
+        IpAddr::V4(v4) if v4.octets()[0] >= 240 => "in 240.0.0.0/4 (reserved)",
+        IpAddr::V4(v4) if v4.is_link_local() => {
+            "link-local (169.254.0.0/16), which names no interface"
+        }
+        IpAddr::V6(v6) if v6.is_unicast_link_local() => {
+            "link-local (fe80::/10), which names no interface"
+        }
+        IpAddr::V6(v6) if v6.segments()[..6] == [0x64, 0xff9b, 0, 0, 0, 0] => {
+            "in the NAT64 prefix 64:ff9b::/96"
+        }
+        _ if addr == vip => "the VIP's own address",
+        _ => "",
+    };
+    if !what.is_empty() {
+        return Err(format!("\"{addr}\" is {what}; {host}"));
     }
     if vip.is_ipv6() && addr.is_ipv4() {
         return Err(format!(
@@ -175,6 +199,20 @@ pub fn backend_address(addr: IpAddr, vip: IpAddr) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// A backend address that is no VIP's (`vips`: each VIP's name and address): packets
+/// encapsulated to it would come back to this load balancer.
+pub fn backend_not_a_vip<'a>(
+    addr: IpAddr,
+    mut vips: impl Iterator<Item = (&'a str, IpAddr)>,
+) -> Result<(), String> {
+    match vips.find(|&(_, a)| a == addr) {
+        Some((name, _)) => Err(format!(
+            "\"{addr}\" is the address of VIP {name:?}; allowed: an address of the backend host"
+        )),
+        None => Ok(()),
+    }
 }
 
 /// A duration no longer than [`DURATION_MAX`]; the error follows the value as written.
@@ -243,6 +281,9 @@ mod tests {
             ("224.0.0.1", "is a multicast address"),
             ("127.0.0.1", "is a loopback address"),
             ("10.200.0.1", "is the VIP's own address"),
+            ("240.0.0.1", "is in 240.0.0.0/4 (reserved)"),
+            ("250.1.2.3", "is in 240.0.0.0/4 (reserved)"),
+            ("169.254.10.1", "is link-local (169.254.0.0/16)"),
             (
                 "::ffff:10.1.0.1",
                 "is an IPv4-mapped IPv6 address; allowed: the IPv4 address itself (10.1.0.1)",
@@ -257,6 +298,41 @@ mod tests {
             "{e}"
         );
         assert!(backend_address(ip("fd00::2"), ip("fd00::1")).is_ok());
+        let v6 = ip("fd00::1");
+        for (bad, why) in [
+            ("fe80::1", "is link-local (fe80::/10)"),
+            ("febf::1", "is link-local (fe80::/10)"),
+            ("64:ff9b::a01:1", "is in the NAT64 prefix 64:ff9b::/96"),
+            ("::1", "is a loopback address"),
+        ] {
+            let e = backend_address(ip(bad), v6).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+        // Neighbours of the refused ranges stay valid.
+        for (good, vip) in [
+            ("169.253.255.1", vip),
+            ("223.255.255.1", vip),
+            ("fec0::1", v6),
+            ("64:ff9b:1::1", v6),
+        ] {
+            assert!(backend_address(ip(good), vip).is_ok(), "{good}");
+        }
+    }
+
+    #[test]
+    fn vips_are_not_loopback_and_backends_are_no_vip() {
+        for bad in ["127.0.0.1", "127.3.2.1", "::1"] {
+            let e = vip_address(ip(bad)).unwrap_err();
+            assert!(e.contains("is a loopback address"), "{bad}: {e}");
+        }
+        assert!(vip_address(ip("10.200.0.1")).is_ok());
+        let vips = [("chat", ip("10.200.0.1")), ("embed", ip("10.200.0.2"))];
+        let e = backend_not_a_vip(ip("10.200.0.2"), vips.into_iter()).unwrap_err();
+        assert_eq!(
+            e,
+            "\"10.200.0.2\" is the address of VIP \"embed\"; allowed: an address of the backend host"
+        );
+        assert!(backend_not_a_vip(ip("10.1.0.1"), vips.into_iter()).is_ok());
     }
 
     #[test]

@@ -726,6 +726,10 @@ pub(super) fn vips(
     // First backend of each family, for the encapsulation-source check.
     let mut first_v4 = None;
     let mut first_v6 = None;
+    // Every VIP's name and address, and every backend's place and address: no backend may
+    // be any VIP's address.
+    let mut vip_addrs: Vec<(String, IpAddr)> = Vec::new();
+    let mut backend_places: Vec<(KeyPath, IpAddr)> = Vec::new();
     for (i, r) in raw.into_iter().enumerate() {
         let p = root.key("vip").idx(i);
         let parts = vip(c, &p, r);
@@ -761,7 +765,12 @@ pub(super) fn vips(
                 keys.insert(key, (i, parts.name.clone()));
             }
         }
+        if let Some((address, ..)) = parts.key {
+            let name = parts.name.clone().unwrap_or_else(|| format!("vip[{i}]"));
+            vip_addrs.push((name, address));
+        }
         for &(j, addr) in &parts.backend_addrs {
+            backend_places.push((p.key("backend").idx(j).key("address"), addr));
             let first = if addr.is_ipv4() {
                 &mut first_v4
             } else {
@@ -773,6 +782,11 @@ pub(super) fn vips(
             Some(v) => out.push(v),
             None => ok = false,
         }
+    }
+
+    for (path, addr) in &backend_places {
+        let vips = vip_addrs.iter().map(|(n, a)| (n.as_str(), *a));
+        ok &= c.rule(path, rules::backend_not_a_vip(*addr, vips));
     }
 
     // Every backend family needs its encapsulation source.
@@ -823,7 +837,10 @@ pub(super) fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipParts {
         }
         Some(n) => c.rule(&p.key("name"), rules::vip_name(&n)).then_some(n),
     };
-    let address = c.ip(&p.key("address"), r.address.as_deref(), "10.200.0.1");
+    let a_path = p.key("address");
+    let address = c
+        .ip(&a_path, r.address.as_deref(), "10.200.0.1")
+        .filter(|&a| c.rule(&a_path, rules::vip_address(a)));
     let port = match r.port {
         None => {
             c.missing(&p.key("port"), "0..=65535 (0 = all ports)");
