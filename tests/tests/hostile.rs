@@ -250,8 +250,8 @@ fn an_unprivileged_user_holding_connections_to_both_listeners_breaks_no_stream()
 }
 
 /// The audit log and state file are 0600; SIGHUP applies what it can and names what needs a
-/// restart; a start that fails after the XDP attach leaves no program attached and nothing
-/// pinned.
+/// restart; a start that fails on a taken metrics port loads nothing, and one that fails after
+/// the XDP attach leaves no program attached and nothing pinned.
 #[test]
 fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_back() {
     // Exporters run on the backends, but the first configuration scrapes none of them.
@@ -320,13 +320,12 @@ fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_b
     }
     assert_eq!(lab.cli_json(&["status"])["backends"], 3);
 
-    // Stop (unpins), then a start that fails after the attach: the metrics port is taken
-    // (the admin socket and the interfaces are checked before the load; the metrics port is
-    // bound after the attach, before anything is served).
+    // Stop (unpins), then a start that fails before the load: the metrics port is taken
+    // (bound with the admin socket, before anything is loaded or attached).
     assert!(lab.stop().unwrap().success());
     assert!(!lab.bpffs.join("link_eth0").exists());
     let addr = lab.metrics;
-    let _taken = lab
+    let taken = lab
         .topo
         .lb
         .ns
@@ -335,6 +334,21 @@ fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_b
         .unwrap();
     let e = format!("{:#}", lab.start_daemon().unwrap_err());
     assert!(e.contains("binding the metrics address"), "{e}");
+    let log = lab.log();
+    assert!(
+        !log.contains("XDP attached"),
+        "the start attached before it bound the metrics port:\n{log}"
+    );
+    assert!(!lab.bpffs.exists(), "the failed start left {:?}", lab.bpffs);
+    assert!(!lab.lb_has_xdp().unwrap(), "XDP is attached");
+    drop(taken);
+
+    // A start that fails after the attach: the state file cannot be replaced (a directory
+    // stands in its place).
+    fs::remove_file(&lab.state_file).unwrap();
+    fs::create_dir(&lab.state_file).unwrap();
+    let e = format!("{:#}", lab.start_daemon().unwrap_err());
+    assert!(e.contains(&lab.state_file.display().to_string()), "{e}");
     let log = lab.log();
     assert!(
         log.contains("XDP attached"),
