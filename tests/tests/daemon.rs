@@ -851,26 +851,57 @@ fn wait_reloaded(lab: &DaemonLab, n: usize) {
 }
 
 /// A start that fails over a re-adopted data plane (`keep_dataplane_on_exit`) changes
-/// nothing: with a backend removed from the file and the metrics port taken, the daemon
-/// exits non-zero, the removed backend's streams keep flowing, new sessions still go to every
-/// backend the running state steers to, the state file keeps its bytes, and a runtime drain
-/// is still there when a daemon later starts with the old file.
+/// nothing, whether it fails before the load (the metrics port is taken) or after the attach
+/// (the state file cannot be written): with a backend removed from the file, the daemon exits
+/// non-zero, the link runs the previous daemon's program, the removed backend's streams keep
+/// flowing, new sessions still go to every backend the running state steers to, the state
+/// files keep their bytes, and a runtime drain is still there when a daemon later starts with
+/// the old file.
 #[test]
 fn a_failed_start_over_a_readopted_data_plane_changes_nothing() {
+    use sluice_tests::pinned::linked_program;
     let mut opts = DaemonLabOptions::new(SERVER, 4, vec![VipDef::tcp(VIP, vip(), 4)]);
     opts.set("daemon", "keep_dataplane_on_exit", "true");
     let mut lab = start(opts);
-    // 40 s streams on every backend: they outlive both starts, and the one on the drained
+    // 40 s streams on every backend: they outlive the starts, and the one on the drained
     // backend keeps its drain from completing.
     let streams = open_spread(&lab, 1, 400, 100);
     let (removed, drained) = (&lab.topo.backends[2], &lab.topo.backends[3]);
     let (removed, drained) = (removed.name.clone(), drained.v4);
     lab.cli_ok(&["backend", "drain", VIP, &drained.to_string()]);
     assert!(lab.stop().unwrap().success());
+    let link = lab.bpffs.join("link_eth0");
+    let program = linked_program(&link);
     let rings = lab.state_file.with_extension("rings");
-    let files = |lab: &DaemonLab| (fs::read(&lab.state_file).ok(), fs::read(&rings).ok());
+    // The state file is JSON: a difference reads as text.
+    let files = |lab: &DaemonLab| {
+        (
+            fs::read_to_string(&lab.state_file).ok(),
+            fs::read(&rings).ok(),
+        )
+    };
     let before = files(&lab);
     assert!(before.0.is_some(), "no state file after the stop");
+    let unchanged = |lab: &DaemonLab, when: &str| {
+        assert!(lab.lb_has_xdp().unwrap(), "{when}: XDP detached");
+        assert_eq!(
+            linked_program(&link),
+            program,
+            "{when}: the link runs another program"
+        );
+        assert_eq!(files(lab), before, "{when}: the state files changed");
+        // Every backend the old state steers to (the removed one too), none to the drained one.
+        let after = sessions(lab, 30);
+        eprintln!("30 sessions {when}: {after:?}");
+        for b in &lab.topo.backends[..3] {
+            assert!(
+                after.get(&b.name).copied().unwrap_or(0) > 0,
+                "{when}: no new session reached {}: {after:?}",
+                b.name
+            );
+        }
+        assert_eq!(after.get(&lab.topo.backends[3].name), None, "{after:?}");
+    };
 
     // The file loses backend 2; the metrics port is taken.
     lab.reconfigure(|o| o.vips[0].backends = vec![0, 1, 3])
@@ -888,27 +919,24 @@ fn a_failed_start_over_a_readopted_data_plane_changes_nothing() {
         e.contains("binding the metrics address") && e.contains("exit status: 1"),
         "{e}"
     );
-    assert!(lab.lb_has_xdp().unwrap(), "the failed start detached XDP");
-    assert_eq!(
-        files(&lab),
-        before,
-        "the failed start rewrote the state files"
+    unchanged(&lab, "after a start that failed on the metrics port");
+    drop(taken);
+
+    // The same file; the state file cannot be written (a directory where its temporary file
+    // goes): the start fails after it wrote the maps and replaced the link's program.
+    let tmp = lab.state_file.with_extension("tmp");
+    fs::create_dir(&tmp).unwrap();
+    let e = format!("{:#}", lab.start_daemon().unwrap_err());
+    assert!(e.contains("exit status: 1"), "{e}");
+    let log = lab.log();
+    assert!(
+        log.contains("replaced=true"),
+        "the start failed before the attach:\n{log}"
     );
-    // New sessions: every backend the old state steers to (the removed one too), none to the
-    // drained one.
-    let after = sessions(&lab, 30);
-    eprintln!("30 sessions after the failed start: {after:?}");
-    for b in &lab.topo.backends[..3] {
-        assert!(
-            after.get(&b.name).copied().unwrap_or(0) > 0,
-            "no new session reached {} after the failed start: {after:?}",
-            b.name
-        );
-    }
-    assert_eq!(after.get(&lab.topo.backends[3].name), None, "{after:?}");
+    unchanged(&lab, "after a start that failed writing the state file");
+    fs::remove_dir(&tmp).unwrap();
 
     // The old file again: the drain is still there.
-    drop(taken);
     lab.reconfigure(|o| o.vips[0].backends = vec![0, 1, 2, 3])
         .unwrap();
     lab.start_daemon().unwrap();
@@ -919,7 +947,7 @@ fn a_failed_start_over_a_readopted_data_plane_changes_nothing() {
     );
     let b = lab.backend(VIP, drained.into()).unwrap();
     assert_eq!(b["state"], "draining", "the drain was lost: {b}");
-    let done = finish_all(streams, "streams across the failed start");
+    let done = finish_all(streams, "streams across the failed starts");
     assert!(done.contains(&removed), "{done:?}");
 }
 
