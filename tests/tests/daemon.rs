@@ -906,14 +906,7 @@ fn a_failed_start_over_a_readopted_data_plane_changes_nothing() {
     // The file loses backend 2; the metrics port is taken.
     lab.reconfigure(|o| o.vips[0].backends = vec![0, 1, 3])
         .unwrap();
-    let addr = lab.metrics;
-    let taken = lab
-        .topo
-        .lb
-        .ns
-        .run(move || std::net::TcpListener::bind(addr))
-        .unwrap()
-        .unwrap();
+    let taken = lab.take_metrics_port().unwrap();
     let e = format!("{:#}", lab.start_daemon().unwrap_err());
     assert!(
         e.contains("binding the metrics address") && e.contains("exit status: 1"),

@@ -324,14 +324,7 @@ fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_b
     // (bound with the admin socket, before anything is loaded or attached).
     assert!(lab.stop().unwrap().success());
     assert!(!lab.bpffs.join("link_eth0").exists());
-    let addr = lab.metrics;
-    let taken = lab
-        .topo
-        .lb
-        .ns
-        .run(move || std::net::TcpListener::bind(addr))
-        .unwrap()
-        .unwrap();
+    let taken = lab.take_metrics_port().unwrap();
     let e = format!("{:#}", lab.start_daemon().unwrap_err());
     assert!(e.contains("binding the metrics address"), "{e}");
     let log = lab.log();
