@@ -229,12 +229,17 @@ fn affected(state: &State, op: &Op) -> serde_json::Value {
 
 impl<P: Plane> Controller<P> {
     /// Takes over `state` and writes it to the plane (`previous` is what the plane holds:
-    /// an empty state for fresh maps, the restored state after a restart).
+    /// an empty state for fresh maps, the restored state after a restart). A write that fails
+    /// is undone, so re-adopted maps keep what they held. Nothing is persisted yet: a start
+    /// persists ([`Controller::persist`]) once nothing else can fail.
     pub fn new(state: State, previous: &State, mut plane: P, settings: Settings) -> Result<Self> {
-        plane
-            .apply(previous, &state, &Overlay::default())
-            .context("writing the initial state")?;
-        let c = Controller {
+        if let Err(e) = plane.apply(previous, &state, &Overlay::default()) {
+            if let Err(back) = plane.apply(&state, previous, &Overlay::default()) {
+                tracing::error!(error = %format!("{back:#}"), "undoing a failed initial write also failed");
+            }
+            return Err(e.context("writing the initial state"));
+        }
+        Ok(Controller {
             state,
             plane,
             settings,
@@ -243,9 +248,7 @@ impl<P: Plane> Controller<P> {
             overlay: Overlay::default(),
             decisions: BTreeMap::new(),
             trace: false,
-        };
-        c.persist()?;
-        Ok(c)
+        })
     }
 
     pub fn state(&self) -> &State {
@@ -383,15 +386,20 @@ impl<P: Plane> Controller<P> {
         result
     }
 
-    /// Replaces the VIPs and backends with a reloaded configuration's (ids, drains and health
-    /// of what stays are kept). All or nothing, like a request.
+    /// Runs a reloaded configuration the way a start does ([`State::for_config`]): the file
+    /// the running state was built from keeps it whole; a changed file replaces the VIPs and
+    /// backends (ids, drains and health of what stays are kept). All or nothing, like a
+    /// request.
     pub fn reload(
         &mut self,
         specs: &[(VipSpec, Vec<BackendSpec>)],
         config_hash: u64,
         now_ms: u64,
     ) -> Result<(), RequestError> {
-        let new = self.state.with_specs(specs, &self.settings.limits)?;
+        let same_file = config_hash == self.settings.config_hash;
+        let new = self
+            .state
+            .for_config(same_file, specs, &self.settings.limits)?;
         let result = self.write(new);
         if result.is_ok() {
             self.settings.config_hash = config_hash;
@@ -472,7 +480,8 @@ impl<P: Plane> Controller<P> {
         }
     }
 
-    fn persist(&self) -> Result<()> {
+    /// Writes the state file (atomically: the old file stays whole until the rename).
+    pub fn persist(&self) -> Result<()> {
         let Some(path) = &self.settings.state_file else {
             return Ok(());
         };
@@ -690,6 +699,53 @@ mod tests {
         assert_eq!(line["result"], "ok");
         assert_eq!(line["before"], serde_json::Value::Null);
         assert_eq!(line["after"]["backends"].as_object().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_reload_of_the_same_file_keeps_runtime_changes_and_a_changed_file_merges() {
+        let (d, mut c) = fresh();
+        let Op::AddVip { vip, backends } = add_chat() else {
+            unreachable!()
+        };
+        let specs = vec![(vip, backends)];
+        // A file (hash 8) and runtime changes on top.
+        c.reload(&specs, 8, 1).unwrap();
+        let added = be("10.1.0.9");
+        c.submit(
+            Op::AddBackend {
+                vip: "chat".into(),
+                backend: added.clone(),
+            },
+            Peer::default(),
+            2,
+        )
+        .unwrap();
+        let a: IpAddr = "10.1.0.1".parse().unwrap();
+        c.submit(
+            Op::SetWeight {
+                vip: "chat".into(),
+                address: a,
+                weight: 5,
+            },
+            Peer::default(),
+            3,
+        )
+        .unwrap();
+        let runtime = c.state().clone();
+        c.reload(&specs, 8, 4).unwrap();
+        assert_eq!(
+            c.state(),
+            &runtime,
+            "the same file keeps every runtime change"
+        );
+        c.reload(&specs, 9, 5).unwrap();
+        let chat = &c.state().vips["chat"];
+        assert!(!chat.backends.contains_key(&added.address));
+        assert_eq!(chat.backends[&a].spec.weight, 100);
+        assert_eq!(chat.backends[&a].id, runtime.vips["chat"].backends[&a].id);
+        let saved: Persisted =
+            serde_json::from_slice(&fs::read(d.join("state.json")).unwrap()).unwrap();
+        assert_eq!((saved.config_hash, &saved.state), (9, c.state()));
     }
 
     #[test]

@@ -12,7 +12,8 @@ use std::{
 };
 
 use anyhow::{anyhow, bail, Context, Result};
-use aya::programs::XdpMode;
+use aya::programs::{ProgramFd, XdpMode};
+use lb_common::LbConfig;
 use tokio::{
     signal::unix::SignalKind,
     sync::{watch, Mutex},
@@ -25,8 +26,8 @@ use crate::{
     check::{check_file, Checked},
     clock::now_ms,
     config::{self, Config},
-    controller::{Controller, HashKind, Persisted, Settings},
-    dataplane::{remove_pinned, Dataplane, LoadOptions, PROG_XDP},
+    controller::{Controller, HashKind, Persisted, Plane, Settings},
+    dataplane::{relink, remove_pinned, Dataplane, LoadOptions, PROG_XDP},
     fleet, limits, metrics, notify,
     object::BPF_OBJECT,
     policy::Policy,
@@ -122,18 +123,55 @@ pub(crate) fn ifindex(name: &str) -> Result<u32> {
     }
 }
 
+/// One change a start made to a data plane it re-adopted, taken back if the start fails
+/// later ([`undo`]).
+pub(crate) enum Undo {
+    /// The global settings the data plane held.
+    Config(LbConfig),
+    /// A link this start created and pinned.
+    NewLink(PathBuf),
+    /// A pinned link whose program this start replaced, and that program.
+    Relinked(PathBuf, ProgramFd),
+    /// An egress interface this start added.
+    TxPort(u32),
+}
+
+/// Takes back `steps`, last first. Each is tried: one that fails is logged and the others
+/// still go back.
+pub(crate) fn undo(dp: &mut Dataplane, steps: Vec<Undo>) {
+    for step in steps.into_iter().rev() {
+        let r = match &step {
+            Undo::Config(c) => dp.set_config(c),
+            Undo::NewLink(pin) => std::fs::remove_file(pin)
+                .with_context(|| format!("unpinning the new link {}", pin.display())),
+            Undo::Relinked(pin, prog) => relink(pin, prog),
+            Undo::TxPort(idx) => dp.remove_tx_port(*idx),
+        };
+        if let Err(e) = r {
+            tracing::error!(error = %format!("{e:#}"), "undoing a failed start");
+        }
+    }
+}
+
 /// Attaches `prog` to every interface through a link pinned in `pin_dir` (`link_<name>`),
-/// replacing the program of a link an earlier run pinned; returns (name, ifindex, mode used).
+/// replacing the program of a link an earlier run pinned; returns (name, ifindex, mode used)
+/// and records in `undone` how to take each attachment back.
 pub(crate) fn attach_interfaces(
     dp: &mut Dataplane,
     prog: &str,
     interfaces: &[config::InterfaceConfig],
     pin_dir: &Path,
+    undone: &mut Vec<Undo>,
 ) -> Result<Vec<(String, u32, String)>> {
     let mut out = vec![];
     for itf in interfaces {
         let idx = ifindex(&itf.name)?;
         let pin = pin_dir.join(format!("link_{}", itf.name));
+        // The program a pinned link runs now, to give back if the start fails later.
+        let mut previous = match pin.exists() {
+            true => Some(Dataplane::linked_program(&pin)?),
+            false => None,
+        };
         let modes: &[(XdpMode, &str)] = match itf.mode {
             config::AttachMode::Native => &[(XdpMode::Driver, "native")],
             config::AttachMode::Generic => &[(XdpMode::Skb, "generic")],
@@ -144,6 +182,10 @@ pub(crate) fn attach_interfaces(
             match dp.attach_pinned(prog, idx, *mode, &pin) {
                 Ok(replaced) => {
                     tracing::info!(interface = %itf.name, program = prog, mode = label, replaced, "XDP attached");
+                    undone.push(match previous.take() {
+                        Some(p) if replaced => Undo::Relinked(pin.clone(), p),
+                        _ => Undo::NewLink(pin.clone()),
+                    });
                     out.push((itf.name.clone(), idx, label.to_string()));
                     last = None;
                     break;
@@ -167,12 +209,25 @@ pub(crate) fn attach_interfaces(
     Ok(out)
 }
 
-/// Attaches the steering program to every configured interface, each also an egress port
-/// for XDP_REDIRECT; returns (name, mode used).
-fn attach(dp: &mut Dataplane, cfg: &Config, pin_dir: &Path) -> Result<Vec<(String, String)>> {
+/// Writes the global settings and attaches the steering program to every configured
+/// interface, each also an egress port for XDP_REDIRECT; returns (name, mode used) and
+/// records in `undone` how to take each change back.
+fn take_over(
+    dp: &mut Dataplane,
+    cfg: &Config,
+    pin_dir: &Path,
+    undone: &mut Vec<Undo>,
+) -> Result<Vec<(String, String)>> {
+    let previous = dp.config()?;
+    dp.set_config(&cfg.dataplane.lb_config())?;
+    undone.push(Undo::Config(previous));
     let mut out = vec![];
-    for (name, idx, mode) in attach_interfaces(dp, PROG_XDP, &cfg.dataplane.interfaces, pin_dir)? {
-        dp.add_tx_port(idx)?;
+    let attached = attach_interfaces(dp, PROG_XDP, &cfg.dataplane.interfaces, pin_dir, undone)?;
+    for (name, idx, mode) in attached {
+        if !dp.has_tx_port(idx)? {
+            dp.add_tx_port(idx)?;
+            undone.push(Undo::TxPort(idx));
+        }
         out.push((name, mode));
     }
     Ok(out)
@@ -410,8 +465,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
     };
 
     // What the host can refuse is refused before anything is loaded or attached: a missing
-    // interface, and an admin socket that cannot be bound (or where a daemon answers: a
-    // second daemon must not take over the pinned data plane).
+    // interface, an admin socket that cannot be bound (or where a daemon answers: a second
+    // daemon must not take over the pinned data plane) and a metrics port that cannot be had.
     for itf in &cfg.dataplane.interfaces {
         ifindex(&itf.name)?;
     }
@@ -421,6 +476,26 @@ pub async fn run(config_path: &Path) -> Result<()> {
         group: cfg.admin.group.clone(),
     })?;
     let _socket_file = RemovedOnDrop(cfg.admin.socket.clone());
+    let metrics_listener = match cfg.metrics.enabled.then_some(cfg.metrics.listen) {
+        Some(addr) => Some((addr, metrics::bind(addr)?)),
+        None => None,
+    };
+
+    // The state this start runs, from the file and the persisted runtime state (the same
+    // decision a reload makes), also before anything is touched.
+    let persisted = read_persisted(&cfg.daemon.state_file);
+    let same_file = persisted
+        .as_ref()
+        .is_some_and(|p| same_config(p, &text, &cfg.daemon.state_file));
+    if same_file {
+        tracing::info!("restoring state (config plus runtime changes)");
+    }
+    let desired = persisted
+        .as_ref()
+        .map(|p| p.state.clone())
+        .unwrap_or_default()
+        .for_config(same_file, &specs(&cfg), &limits)
+        .map_err(|e| anyhow!("configuration: {e}"))?;
 
     let opts = LoadOptions {
         conn_table_size: cfg.dataplane.conn_table_size,
@@ -435,14 +510,16 @@ pub async fn run(config_path: &Path) -> Result<()> {
         created: false,
         armed: false,
     };
+    // Loading re-adopts pinned maps without writing to them.
     let mut dp = Dataplane::load(BPF_OBJECT, &opts)?;
-    rollback.created = !dp.reused();
+    let reused = dp.reused();
+    rollback.created = !reused;
     rollback.armed = true;
     // Fresh maps: continue the rings a daemon that unpinned its maps saved, so second-chance
-    // VIPs still find the streams whose slots moved before it. Used once either way: a later
-    // start must not continue rings older than its maps.
+    // VIPs still find the streams whose slots moved before it. The file goes once the start
+    // succeeds: a later start must not continue rings older than its maps.
     let ring_file = ring_store::path_for(&cfg.daemon.state_file);
-    if !dp.reused() {
+    if !reused {
         match ring_store::load(&ring_file) {
             Ok(Some(rings)) => {
                 tracing::info!(vips = rings.len(), path = %ring_file.display(), "continuing the saved rings' history");
@@ -452,10 +529,8 @@ pub async fn run(config_path: &Path) -> Result<()> {
             Err(e) => tracing::warn!(error = %format!("{e:#}"), "ignoring the saved rings"),
         }
     }
-    let _ = std::fs::remove_file(&ring_file);
-    let persisted = read_persisted(&cfg.daemon.state_file);
     // What the maps hold now: the persisted state if we re-adopt pinned maps.
-    let in_plane = match (&persisted, dp.reused()) {
+    let in_plane = match (&persisted, reused) {
         (Some(p), true) => p.state.clone(),
         (None, true) => {
             tracing::warn!(
@@ -465,27 +540,6 @@ pub async fn run(config_path: &Path) -> Result<()> {
         }
         _ => State::default(),
     };
-    let base = persisted
-        .as_ref()
-        .map(|p| p.state.clone())
-        .unwrap_or_default();
-    let desired = match &persisted {
-        Some(p) if same_config(p, &text, &cfg.daemon.state_file) => {
-            tracing::info!(
-                vips = p.state.vips.len(),
-                "restoring state (config plus runtime changes)"
-            );
-            p.state.clone()
-        }
-        _ => base
-            .with_specs(&specs(&cfg), &limits)
-            .map_err(|e| anyhow!("configuration: {e}"))?,
-    };
-    dp.set_config(&cfg.dataplane.lb_config())?;
-    let interfaces = attach(&mut dp, &cfg, &pin_dir)?;
-    let reused = dp.reused();
-    tracing::info!(reused, pin_dir = %pin_dir.display(), "data plane ready");
-
     let settings = Settings {
         limits,
         seed: cfg.dataplane.hash_seed,
@@ -496,9 +550,33 @@ pub async fn run(config_path: &Path) -> Result<()> {
     };
     let traces = dp.trace_reader(crate::trace::TraceLog)?;
     let plane = MapPlane::new(dp, cfg.dataplane.hash_seed, cfg.dataplane.flow_idle_timeout)?;
-    let ctl = Arc::new(Mutex::new(Controller::new(
-        desired, &in_plane, plane, settings,
-    )?));
+
+    // The writes, each undone if a later one fails: a re-adopted data plane was forwarding
+    // before this start and keeps forwarding exactly as it was, with its state file (a
+    // created one is removed whole by the rollback). The state file comes last.
+    let mut ctl = Controller::new(desired, &in_plane, plane, settings)?;
+    let mut undone = Vec::new();
+    let taken = take_over(&mut ctl.plane().dp, &cfg, &pin_dir, &mut undone)
+        .and_then(|interfaces| ctl.persist().map(|()| interfaces));
+    let interfaces = match taken {
+        Ok(i) => i,
+        Err(e) => {
+            if reused {
+                undo(&mut ctl.plane().dp, undone);
+                let now = ctl.state().clone();
+                if let Err(back) = ctl.plane().apply(&now, &in_plane, &Default::default()) {
+                    tracing::error!(error = %format!("{back:#}"), "undoing a failed start's state");
+                }
+            }
+            return Err(e);
+        }
+    };
+    tracing::info!(reused, pin_dir = %pin_dir.display(), "data plane ready");
+    let _ = std::fs::remove_file(&ring_file);
+    // Nothing below can fail before the daemon serves.
+    rollback.armed = false;
+
+    let ctl = Arc::new(Mutex::new(ctl));
     let hub = Arc::new(std::sync::Mutex::new(Hub::new(cfg.telemetry.stale_after)));
     let info = Arc::new(DaemonInfo {
         version: env!("CARGO_PKG_VERSION").to_string(),
@@ -513,16 +591,6 @@ pub async fn run(config_path: &Path) -> Result<()> {
         fleet: fleet.clone(),
     });
     let cfg = Arc::new(cfg);
-
-    // The admin socket was bound before the load; the metrics port is bound before anything
-    // is served, so that a port that cannot be had stops the start here and rolls the data
-    // plane back.
-    let metrics_listener = match cfg.metrics.enabled.then_some(cfg.metrics.listen) {
-        Some(addr) => Some((addr, metrics::bind(addr)?)),
-        None => None,
-    };
-    // Nothing below can fail before the daemon serves.
-    rollback.armed = false;
 
     let (stop_tx, stop_rx) = watch::channel(false);
     tracing::info!(socket = %cfg.admin.socket.display(), "admin API listening");

@@ -7,7 +7,7 @@ use std::{
     collections::HashMap as StdHashMap,
     fs,
     mem::size_of,
-    os::fd::{AsFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd, OwnedFd},
     path::{Path, PathBuf},
 };
 
@@ -17,7 +17,7 @@ use aya::{
     programs::{
         links::{FdLink, PinnedLink},
         xdp::XdpLink,
-        Xdp, XdpMode,
+        ProgramFd, Xdp, XdpMode,
     },
     Ebpf, EbpfLoader, Pod,
 };
@@ -157,6 +157,63 @@ fn check_pinned(dir: &Path, opts: &LoadOptions) -> Result<bool> {
         return Err(incompatible(format!("layout version {version}")));
     }
     Ok(true)
+}
+
+/// Makes the link pinned at `pin` run `prog` again (BPF_LINK_UPDATE, atomic like the
+/// replacement it undoes).
+pub fn relink(pin: &Path, prog: &ProgramFd) -> Result<()> {
+    const BPF_OBJ_GET: libc::c_long = 7;
+    const BPF_LINK_UPDATE: libc::c_long = 29;
+    #[repr(C)]
+    struct ObjGetAttr {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+    }
+    #[repr(C)]
+    struct LinkUpdateAttr {
+        link_fd: u32,
+        new_prog_fd: u32,
+        flags: u32,
+        old_prog_fd: u32,
+    }
+    let sys = |cmd: libc::c_long, attr: *const libc::c_void, size: usize| {
+        // SAFETY: `attr` points at a live attribute of `size` bytes for this command.
+        let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr, size) };
+        if rc < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(rc)
+        }
+    };
+    let path = std::ffi::CString::new(pin.as_os_str().as_encoded_bytes())
+        .map_err(|_| anyhow!("{} contains NUL", pin.display()))?;
+    let get = ObjGetAttr {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: 0,
+        file_flags: 0,
+    };
+    let fd = sys(
+        BPF_OBJ_GET,
+        (&get as *const ObjGetAttr).cast(),
+        size_of::<ObjGetAttr>(),
+    )
+    .with_context(|| format!("opening pinned link {}", pin.display()))?;
+    // SAFETY: BPF_OBJ_GET returned a new descriptor that nothing else owns.
+    let link_fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+    let attr = LinkUpdateAttr {
+        link_fd: link_fd.as_raw_fd() as u32,
+        new_prog_fd: prog.as_fd().as_raw_fd() as u32,
+        flags: 0,
+        old_prog_fd: 0,
+    };
+    sys(
+        BPF_LINK_UPDATE,
+        (&attr as *const LinkUpdateAttr).cast(),
+        size_of::<LinkUpdateAttr>(),
+    )
+    .with_context(|| format!("giving link {} its previous program back", pin.display()))?;
+    Ok(())
 }
 
 /// Removes a pinned data plane: the XDP links (detaching the program) and the maps.
@@ -323,6 +380,23 @@ impl Dataplane {
         Ok(false)
     }
 
+    /// The program the link pinned at `pin` runs now, held so that a start that replaced it
+    /// and then failed can give it back ([`relink`]).
+    pub fn linked_program(pin: &Path) -> Result<ProgramFd> {
+        let link = PinnedLink::from_pin(pin)
+            .with_context(|| format!("opening pinned link {}", pin.display()))?;
+        let id = FdLink::from(link)
+            .info()
+            .with_context(|| format!("reading pinned link {}", pin.display()))?
+            .program_id();
+        aya::programs::loaded_programs()
+            .filter_map(Result::ok)
+            .find(|p| p.id() == id)
+            .ok_or_else(|| anyhow!("program {id} of link {} is gone", pin.display()))?
+            .fd()
+            .with_context(|| format!("opening program {id} of link {}", pin.display()))
+    }
+
     /// A map's capacity (max_entries) as created.
     pub fn capacity(&mut self, name: &str) -> Result<u32> {
         let m = self.map(name)?;
@@ -364,6 +438,12 @@ impl Dataplane {
         Ok(())
     }
 
+    /// The global settings as the data plane holds them.
+    pub fn config(&mut self) -> Result<LbConfig> {
+        let a: Array<&mut MapData, LbConfig> = Array::try_from(self.map(maps::CONFIG)?)?;
+        Ok(a.get(&0, 0)?)
+    }
+
     /// Writes the global settings, keeping the flags the map writer maintains.
     pub fn set_config(&mut self, cfg: &LbConfig) -> Result<()> {
         let mut a: Array<&mut MapData, LbConfig> = Array::try_from(self.map(maps::CONFIG)?)?;
@@ -389,6 +469,23 @@ impl Dataplane {
         m.insert(ifindex, ifindex, None, 0)
             .with_context(|| format!("adding tx port {ifindex}"))?;
         Ok(())
+    }
+
+    /// Whether `ifindex` is an egress interface for XDP_REDIRECT.
+    pub fn has_tx_port(&mut self, ifindex: u32) -> Result<bool> {
+        let m: DevMapHash<&mut MapData> = DevMapHash::try_from(self.map(maps::TX_PORTS)?)?;
+        match m.get(ifindex, 0) {
+            Ok(_) => Ok(true),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(false),
+            Err(e) => Err(e).with_context(|| format!("reading tx port {ifindex}")),
+        }
+    }
+
+    /// Removes an egress interface [`Dataplane::add_tx_port`] added.
+    pub fn remove_tx_port(&mut self, ifindex: u32) -> Result<()> {
+        let mut m: DevMapHash<&mut MapData> = DevMapHash::try_from(self.map(maps::TX_PORTS)?)?;
+        m.remove(ifindex)
+            .with_context(|| format!("removing tx port {ifindex}"))
     }
 
     /// Forgets the cached next hops of these backends on every CPU, so the next packet asks

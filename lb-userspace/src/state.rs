@@ -360,7 +360,26 @@ impl State {
         Ok(())
     }
 
-    /// The state a (re)loaded configuration asks for: exactly these VIPs and backends, with
+    /// The state a start or a reload runs, decided from the configuration's VIPs and
+    /// backends and the runtime state (`self`: the persisted state at a start, the running
+    /// one at a reload). While the file is the one that state was built from (`same_file`),
+    /// the runtime state is kept whole: backends added, weights set, drains and health
+    /// survive until the file changes. A changed file gives its own VIPs and backends, with
+    /// the ids, drains and health of those that stay ([`State::with_specs`]).
+    pub fn for_config(
+        &self,
+        same_file: bool,
+        specs: &[(VipSpec, Vec<BackendSpec>)],
+        limits: &Limits,
+    ) -> Result<State, OpError> {
+        if same_file {
+            Ok(self.clone())
+        } else {
+            self.with_specs(specs, limits)
+        }
+    }
+
+    /// The state a changed configuration asks for: exactly these VIPs and backends, with
     /// the ids, drains and health of those that already exist kept, so connection entries
     /// stay valid and operator drains survive a reload.
     pub fn with_specs(
@@ -810,6 +829,61 @@ mod tests {
             r,
             "reloading the same specs changes nothing"
         );
+    }
+
+    #[test]
+    fn an_unchanged_file_keeps_the_runtime_state_and_a_changed_one_keeps_ids_and_drains() {
+        let (a, b, c): (IpAddr, IpAddr, IpAddr) = (
+            "10.1.0.1".parse().unwrap(),
+            "10.1.0.2".parse().unwrap(),
+            "10.1.0.3".parse().unwrap(),
+        );
+        // The file's state, then runtime changes: a backend added, a weight set, a drain.
+        let file = vec![(
+            vip("chat", "10.0.0.1"),
+            vec![be("10.1.0.1"), be("10.1.0.2")],
+        )];
+        let ops = [
+            Op::AddBackend {
+                vip: "chat".into(),
+                backend: be("10.1.0.3"),
+            },
+            Op::SetWeight {
+                vip: "chat".into(),
+                address: a,
+                weight: 7,
+            },
+            Op::Drain {
+                vip: "chat".into(),
+                address: b,
+                deadline_ms: None,
+            },
+        ];
+        let runtime = ops.iter().fold(base(), |s, op| s.apply(op, 1, &L).unwrap());
+        assert_eq!(
+            runtime.for_config(true, &file, &L).unwrap(),
+            runtime,
+            "the file it was built from: every runtime change stays"
+        );
+        // A changed file (backend 10.1.0.2 removed from it, another VIP added).
+        let changed = vec![
+            (
+                vip("chat", "10.0.0.1"),
+                vec![be("10.1.0.1"), be("10.1.0.2")],
+            ),
+            (vip("new", "10.0.0.5"), vec![be("10.2.0.1")]),
+        ];
+        let r = runtime.for_config(false, &changed, &L).unwrap();
+        let chat = &r.vips["chat"];
+        assert_eq!(chat.id, runtime.vips["chat"].id);
+        assert!(!chat.backends.contains_key(&c), "the file's backends only");
+        assert_eq!(chat.backends[&a].spec.weight, 100, "the file's weight");
+        assert_eq!(chat.backends[&a].id, runtime.vips["chat"].backends[&a].id);
+        assert!(matches!(chat.backends[&b].admin, Admin::Draining { .. }));
+        assert!(r.vips.contains_key("new"));
+        // The same decision whoever asks: what a restart runs after a reload is what the
+        // reload ran.
+        assert_eq!(r.for_config(true, &changed, &L).unwrap(), r);
     }
 
     #[test]

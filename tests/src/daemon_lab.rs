@@ -1150,6 +1150,17 @@ impl DaemonLab {
             .map_err(std::io::Error::other)?
     }
 
+    /// Binds the daemon's metrics address in the LB namespace, so that a daemon start fails
+    /// on it while the listener lives.
+    pub fn take_metrics_port(&self) -> Result<std::net::TcpListener> {
+        let addr = self.metrics;
+        self.topo
+            .lb
+            .ns
+            .run(move || std::net::TcpListener::bind(addr))?
+            .with_context(|| format!("binding {addr}"))
+    }
+
     /// GET of the daemon's metrics page (from inside the LB namespace).
     pub fn metrics_page(&self) -> Result<String> {
         let addr = self.metrics;

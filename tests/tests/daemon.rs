@@ -837,3 +837,144 @@ fn upgrade_to_a_newer_binary_swaps_the_program_with_no_frame_lost_and_refuses_an
     );
     assert!(lab.stop().unwrap().success());
 }
+
+/// Waits until the daemon's log holds `n` reloads ("configuration reloaded").
+fn wait_reloaded(lab: &DaemonLab, n: usize) {
+    wait_for("the reload to be logged", Duration::from_secs(10), || {
+        let log = lab.log();
+        match log.matches("configuration reloaded").count() {
+            c if c >= n => Ok(Some(())),
+            c => Err(format!("{c} reloads logged:\n{log}")),
+        }
+    })
+    .unwrap();
+}
+
+/// A start that fails over a re-adopted data plane (`keep_dataplane_on_exit`) changes
+/// nothing, whether it fails before the load (the metrics port is taken) or after the attach
+/// (the state file cannot be written): with a backend removed from the file, the daemon exits
+/// non-zero, the link runs the previous daemon's program, the removed backend's streams keep
+/// flowing, new sessions still go to every backend the running state steers to, the state
+/// files keep their bytes, and a runtime drain is still there when a daemon later starts with
+/// the old file.
+#[test]
+fn a_failed_start_over_a_readopted_data_plane_changes_nothing() {
+    use sluice_tests::pinned::linked_program;
+    let mut opts = DaemonLabOptions::new(SERVER, 4, vec![VipDef::tcp(VIP, vip(), 4)]);
+    opts.set("daemon", "keep_dataplane_on_exit", "true");
+    let mut lab = start(opts);
+    // 40 s streams on every backend: they outlive the starts, and the one on the drained
+    // backend keeps its drain from completing.
+    let streams = open_spread(&lab, 1, 400, 100);
+    let (removed, drained) = (&lab.topo.backends[2], &lab.topo.backends[3]);
+    let (removed, drained) = (removed.name.clone(), drained.v4);
+    lab.cli_ok(&["backend", "drain", VIP, &drained.to_string()]);
+    assert!(lab.stop().unwrap().success());
+    let link = lab.bpffs.join("link_eth0");
+    let program = linked_program(&link);
+    let rings = lab.state_file.with_extension("rings");
+    // The state file is JSON: a difference reads as text.
+    let files = |lab: &DaemonLab| {
+        (
+            fs::read_to_string(&lab.state_file).ok(),
+            fs::read(&rings).ok(),
+        )
+    };
+    let before = files(&lab);
+    assert!(before.0.is_some(), "no state file after the stop");
+    let unchanged = |lab: &DaemonLab, when: &str| {
+        assert!(lab.lb_has_xdp().unwrap(), "{when}: XDP detached");
+        assert_eq!(
+            linked_program(&link),
+            program,
+            "{when}: the link runs another program"
+        );
+        assert_eq!(files(lab), before, "{when}: the state files changed");
+        // Every backend the old state steers to (the removed one too), none to the drained one.
+        let after = sessions(lab, 30);
+        eprintln!("30 sessions {when}: {after:?}");
+        for b in &lab.topo.backends[..3] {
+            assert!(
+                after.get(&b.name).copied().unwrap_or(0) > 0,
+                "{when}: no new session reached {}: {after:?}",
+                b.name
+            );
+        }
+        assert_eq!(after.get(&lab.topo.backends[3].name), None, "{after:?}");
+    };
+
+    // The file loses backend 2; the metrics port is taken.
+    lab.reconfigure(|o| o.vips[0].backends = vec![0, 1, 3])
+        .unwrap();
+    let taken = lab.take_metrics_port().unwrap();
+    let e = format!("{:#}", lab.start_daemon().unwrap_err());
+    assert!(
+        e.contains("binding the metrics address") && e.contains("exit status: 1"),
+        "{e}"
+    );
+    unchanged(&lab, "after a start that failed on the metrics port");
+    drop(taken);
+
+    // The same file; the state file cannot be written (a directory where its temporary file
+    // goes): the start fails after it wrote the maps and replaced the link's program.
+    let tmp = lab.state_file.with_extension("tmp");
+    fs::create_dir(&tmp).unwrap();
+    let e = format!("{:#}", lab.start_daemon().unwrap_err());
+    assert!(e.contains("exit status: 1"), "{e}");
+    let log = lab.log();
+    assert!(
+        log.contains("replaced=true"),
+        "the start failed before the attach:\n{log}"
+    );
+    unchanged(&lab, "after a start that failed writing the state file");
+    fs::remove_dir(&tmp).unwrap();
+
+    // The old file again: the drain is still there.
+    lab.reconfigure(|o| o.vips[0].backends = vec![0, 1, 2, 3])
+        .unwrap();
+    lab.start_daemon().unwrap();
+    let log = lab.log();
+    assert!(
+        log.contains("data plane ready reused=true") && log.contains("restoring state"),
+        "{log}"
+    );
+    let b = lab.backend(VIP, drained.into()).unwrap();
+    assert_eq!(b["state"], "draining", "the drain was lost: {b}");
+    let done = finish_all(streams, "streams across the failed starts");
+    assert!(done.contains(&removed), "{done:?}");
+}
+
+/// Runtime changes survive a reload of the unchanged file as they survive a restart: a
+/// backend added and a weight set through the CLI are there after SIGHUP (and steered to),
+/// and after a restart.
+#[test]
+fn a_reload_of_the_unchanged_file_keeps_runtime_changes_like_a_restart() {
+    let two = VipDef {
+        backends: vec![0, 1],
+        ..VipDef::tcp(VIP, vip(), BACKENDS)
+    };
+    let mut lab = start(DaemonLabOptions::new(SERVER, BACKENDS, vec![two]));
+    let (b0, b2) = (lab.topo.backends[0].v4, lab.topo.backends[2].v4);
+    lab.cli_ok(&["backend", "add", VIP, &b2.to_string()]);
+    lab.cli_ok(&["backend", "set-weight", VIP, &b0.to_string(), "50"]);
+    let check = |lab: &DaemonLab, when: &str| {
+        assert!(
+            lab.backend(VIP, b2.into()).is_some(),
+            "{when}: the added backend is gone: {:?}",
+            lab.backends(VIP)
+        );
+        let w = lab.backend(VIP, b0.into()).unwrap();
+        assert_eq!(w["weight"], 50, "{when}: the weight set is lost: {w}");
+    };
+    check(&lab, "before the reload");
+    lab.sighup().unwrap();
+    wait_reloaded(&lab, 1);
+    check(&lab, "after a reload of the unchanged file");
+    let served = sessions(&lab, 24);
+    assert!(
+        served.contains_key(&lab.topo.backends[2].name),
+        "no new session reached the added backend after the reload: {served:?}"
+    );
+    lab.restart().unwrap();
+    check(&lab, "after a restart");
+}

@@ -251,8 +251,9 @@ fn an_unprivileged_user_holding_connections_to_both_listeners_breaks_no_stream()
 }
 
 /// The audit log and state file are 0600; SIGHUP applies what it can and names what needs a
-/// restart; a start that fails after the XDP attach leaves no program attached and nothing
-/// pinned.
+/// restart; a start that fails on a taken metrics port loads nothing, one that fails after the
+/// XDP attach leaves no program attached and nothing pinned, and neither touches the state
+/// file or the saved rings.
 #[test]
 fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_back() {
     // Exporters run on the backends, but the first configuration scrapes none of them.
@@ -321,21 +322,44 @@ fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_b
     }
     assert_eq!(lab.cli_json(&["status"])["backends"], 3);
 
-    // Stop (unpins), then a start that fails after the attach: the metrics port is taken
-    // (the admin socket and the interfaces are checked before the load; the metrics port is
-    // bound after the attach, before anything is served).
+    // Stop (unpins; the rings are saved beside the state file), then a start that fails
+    // before the load: the metrics port is taken (bound with the admin socket, before
+    // anything is loaded or attached).
     assert!(lab.stop().unwrap().success());
     assert!(!lab.bpffs.join("link_eth0").exists());
-    let addr = lab.metrics;
-    let _taken = lab
-        .topo
-        .lb
-        .ns
-        .run(move || std::net::TcpListener::bind(addr))
-        .unwrap()
-        .unwrap();
+    let files = |lab: &DaemonLab| {
+        (
+            fs::read(&lab.state_file).ok(),
+            fs::read(lab.state_file.with_extension("rings")).ok(),
+        )
+    };
+    let saved = files(&lab);
+    assert!(
+        saved.0.is_some() && saved.1.is_some(),
+        "no state file or no saved rings after the stop"
+    );
+    let taken = lab.take_metrics_port().unwrap();
     let e = format!("{:#}", lab.start_daemon().unwrap_err());
     assert!(e.contains("binding the metrics address"), "{e}");
+    let log = lab.log();
+    assert!(
+        !log.contains("XDP attached"),
+        "the start attached before it bound the metrics port:\n{log}"
+    );
+    assert!(!lab.bpffs.exists(), "the failed start left {:?}", lab.bpffs);
+    assert!(!lab.lb_has_xdp().unwrap(), "XDP is attached");
+    assert!(
+        files(&lab) == saved,
+        "the failed start changed the state files"
+    );
+    drop(taken);
+
+    // A start that fails after the attach: the state file cannot be written (a directory
+    // where its temporary file goes).
+    let tmp = lab.state_file.with_extension("tmp");
+    fs::create_dir(&tmp).unwrap();
+    let e = format!("{:#}", lab.start_daemon().unwrap_err());
+    assert!(e.contains(&tmp.display().to_string()), "{e}");
     let log = lab.log();
     assert!(
         log.contains("XDP attached"),
@@ -350,6 +374,11 @@ fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_b
         "the link is still pinned"
     );
     assert!(!lab.lb_has_xdp().unwrap(), "XDP is still attached");
+    assert!(
+        files(&lab) == saved,
+        "the failed start changed the state files"
+    );
+    fs::remove_dir(&tmp).unwrap();
 }
 
 /// A local user connecting to the metrics port from 64 loopback addresses (4 each, four

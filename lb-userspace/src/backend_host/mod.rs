@@ -33,7 +33,7 @@ use tokio::signal::unix::SignalKind;
 
 use self::{config::HostConfig, dsr::Finding};
 use crate::{
-    daemon::{attach_interfaces, ifindex, init_logging},
+    daemon::{attach_interfaces, ifindex, init_logging, undo},
     dataplane::{remove_pinned, Dataplane, LoadOptions, PROG_DECAP},
     metrics::{counters as counters_family, dataplane_counters, gauges},
     notify,
@@ -202,12 +202,19 @@ pub async fn run(path: &Path) -> Result<()> {
     };
     let mut dp = Dataplane::load(BPF_OBJECT, &opts)?;
     let reused = dp.reused();
-    let attached = attach_interfaces(&mut dp, PROG_DECAP, &cfg.interfaces, &cfg.bpffs)
-        .and_then(|a| add_vips(&cfg.vips).map(|()| a));
+    let mut undone = Vec::new();
+    let attached = attach_interfaces(
+        &mut dp,
+        PROG_DECAP,
+        &cfg.interfaces,
+        &cfg.bpffs,
+        &mut undone,
+    )
+    .and_then(|a| add_vips(&cfg.vips).map(|()| a));
     let attached = match attached {
         Ok(a) => a,
-        // A failed first start leaves nothing behind; a re-adopted data plane stays as the
-        // earlier run left it (still decapsulating).
+        // A failed first start leaves nothing behind; a re-adopted data plane gets back the
+        // links the earlier run left (still decapsulating).
         Err(e) if !reused => {
             drop(dp);
             if let Err(c) = remove_pinned(&cfg.bpffs) {
@@ -216,7 +223,10 @@ pub async fn run(path: &Path) -> Result<()> {
             remove_vips(&cfg.vips);
             return Err(e);
         }
-        Err(e) => return Err(e),
+        Err(e) => {
+            undo(&mut dp, undone);
+            return Err(e);
+        }
     };
     tracing::info!(
         reused,
