@@ -275,6 +275,18 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
         "New flows to the VIP",
         per_vip(|t| t.new_flows),
     );
+    counters(
+        &mut reg,
+        "vip_handshakes",
+        "TCP handshakes started at the VIP (client SYNs of new flows, once per flow)",
+        per_vip(|t| t.handshakes),
+    );
+    counters(
+        &mut reg,
+        "vip_handshakes_completed",
+        "TCP handshakes at the VIP whose client sent its first ACK",
+        per_vip(|t| t.handshakes_completed),
+    );
 
     gauges(
         &mut reg,
@@ -315,6 +327,19 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
         "backend_new_flows",
         "New flows steered to the backend",
         per_backend(|t| t.new_flows),
+    );
+    counters(
+        &mut reg,
+        "backend_handshakes",
+        "TCP handshakes started on the backend (client SYNs of new flows, once per flow)",
+        per_backend(|t| t.handshakes),
+    );
+    counters(
+        &mut reg,
+        "backend_handshakes_completed",
+        "TCP handshakes on the backend whose client sent its first ACK; the rest never \
+         completed (refused, unanswered or abandoned)",
+        per_backend(|t| t.handshakes_completed),
     );
     gauges(
         &mut reg,
@@ -564,6 +589,8 @@ mod tests {
                 packets: 10,
                 bytes: 1500,
                 new_flows: 2,
+                handshakes: 3,
+                handshakes_completed: 2,
             },
         );
         snap.counters.backends.insert(
@@ -572,6 +599,8 @@ mod tests {
                 packets: 7,
                 bytes: 700,
                 new_flows: 1,
+                handshakes: 2,
+                handshakes_completed: 1,
             },
         );
         snap.counters.global.insert("drop_no_backend".into(), 3);
@@ -600,6 +629,7 @@ mod tests {
                 telemetry_age: Some(std::time::Duration::from_millis(500)),
                 ttfb_s: Some(0.25),
                 delivery_bps: Some(4000.0),
+                handshakes: None,
             },
         );
         snap
@@ -616,6 +646,10 @@ mod tests {
             r#"sluice_backend_packets_total{vip="chat",backend="10.1.0.1"} 7"#,
             r#"sluice_backend_bytes_total{vip="chat",backend="fd00::1"} 0"#,
             r#"sluice_backend_new_flows_total{vip="chat",backend="10.1.0.1"} 1"#,
+            r#"sluice_vip_handshakes_total{vip="chat"} 3"#,
+            r#"sluice_vip_handshakes_completed_total{vip="chat"} 2"#,
+            r#"sluice_backend_handshakes_total{vip="chat",backend="10.1.0.1"} 2"#,
+            r#"sluice_backend_handshakes_completed_total{vip="chat",backend="10.1.0.1"} 1"#,
             "# TYPE sluice_backend_active_flows gauge",
             r#"sluice_backend_active_flows{vip="chat",backend="10.1.0.1"} 4"#,
             r#"sluice_backend_weight{vip="chat",backend="fd00::1"} 100"#,
