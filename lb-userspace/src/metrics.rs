@@ -242,7 +242,8 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
     };
     let vip_labels = |v: &crate::state::Vip| vec![("vip", v.spec.name.clone())];
 
-    let per_vip = |f: fn(crate::controller::Traffic) -> u64| {
+    type Field = fn(crate::controller::Traffic) -> u64;
+    let per_vip = |f: Field| {
         vips()
             .map(|v| (vip_labels(v), f(snap.vip_traffic(v))))
             .collect()
@@ -257,36 +258,24 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             (vec![("listener", "metrics".into())], metrics),
         ],
     );
-    counters(
-        &mut reg,
-        "vip_packets",
-        "Packets steered to the VIP",
-        per_vip(|t| t.packets),
-    );
-    counters(
-        &mut reg,
-        "vip_bytes",
-        "Bytes steered to the VIP",
-        per_vip(|t| t.bytes),
-    );
-    counters(
-        &mut reg,
-        "vip_new_flows",
-        "New flows to the VIP",
-        per_vip(|t| t.new_flows),
-    );
-    counters(
-        &mut reg,
-        "vip_handshakes",
-        "TCP handshakes started at the VIP (client SYNs of new flows, once per flow)",
-        per_vip(|t| t.handshakes),
-    );
-    counters(
-        &mut reg,
-        "vip_handshakes_completed",
-        "TCP handshakes at the VIP whose client sent its first ACK",
-        per_vip(|t| t.handshakes_completed),
-    );
+    let vip_families: [(&str, &str, Field); 5] = [
+        ("vip_packets", "Packets steered to the VIP", |t| t.packets),
+        ("vip_bytes", "Bytes steered to the VIP", |t| t.bytes),
+        ("vip_new_flows", "New flows to the VIP", |t| t.new_flows),
+        (
+            "vip_handshakes",
+            "TCP handshakes started at the VIP (client SYNs of new flows, once per flow)",
+            |t| t.handshakes,
+        ),
+        (
+            "vip_handshakes_completed",
+            "TCP handshakes at the VIP whose client sent its first ACK",
+            |t| t.handshakes_completed,
+        ),
+    ];
+    for (name, help, field) in vip_families {
+        counters(&mut reg, name, help, per_vip(field));
+    }
 
     gauges(
         &mut reg,
@@ -305,42 +294,36 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             .collect(),
     );
 
-    let per_backend = |f: fn(crate::controller::Traffic) -> u64| {
+    let per_backend = |f: Field| {
         backends()
             .map(|(_, b, l)| (l, f(snap.backend_traffic(b))))
             .collect()
     };
-    counters(
-        &mut reg,
-        "backend_packets",
-        "Packets sent to the backend",
-        per_backend(|t| t.packets),
-    );
-    counters(
-        &mut reg,
-        "backend_bytes",
-        "Bytes sent to the backend",
-        per_backend(|t| t.bytes),
-    );
-    counters(
-        &mut reg,
-        "backend_new_flows",
-        "New flows steered to the backend",
-        per_backend(|t| t.new_flows),
-    );
-    counters(
-        &mut reg,
-        "backend_handshakes",
-        "TCP handshakes started on the backend (client SYNs of new flows, once per flow)",
-        per_backend(|t| t.handshakes),
-    );
-    counters(
-        &mut reg,
-        "backend_handshakes_completed",
-        "TCP handshakes on the backend whose client sent its first ACK; the rest never \
-         completed (refused, unanswered or abandoned)",
-        per_backend(|t| t.handshakes_completed),
-    );
+    let backend_families: [(&str, &str, Field); 5] = [
+        ("backend_packets", "Packets sent to the backend", |t| {
+            t.packets
+        }),
+        ("backend_bytes", "Bytes sent to the backend", |t| t.bytes),
+        (
+            "backend_new_flows",
+            "New flows steered to the backend",
+            |t| t.new_flows,
+        ),
+        (
+            "backend_handshakes",
+            "TCP handshakes started on the backend (client SYNs of new flows, once per flow)",
+            |t| t.handshakes,
+        ),
+        (
+            "backend_handshakes_completed",
+            "TCP handshakes on the backend whose client sent its first ACK; the rest never \
+             completed (refused, unanswered or abandoned)",
+            |t| t.handshakes_completed,
+        ),
+    ];
+    for (name, help, field) in backend_families {
+        counters(&mut reg, name, help, per_backend(field));
+    }
     gauges(
         &mut reg,
         "backend_active_flows",

@@ -198,13 +198,7 @@ fn congested_backend_gets_no_new_sessions_while_its_streams_finish_and_returns_a
     );
 
     // 90 new sessions: b0 gets none while moved away.
-    let results = lab.greet_many(vip(), 90, 6);
-    let errors: Vec<String> = results
-        .iter()
-        .filter_map(|r| r.as_ref().err().map(|e| format!("{e:#}")))
-        .collect();
-    assert!(errors.is_empty(), "new sessions failed: {errors:?}");
-    let new = tally(results.iter().filter_map(|r| r.as_ref().ok()));
+    let new = lab.sessions(vip(), 90);
     let fair = 90 / BACKENDS;
     let got = new.get(&hot.name).copied().unwrap_or(0);
     eprintln!("90 sessions while b0 is congested: {new:?}");
@@ -291,16 +285,7 @@ fn dead_backend_is_marked_down_within_the_health_bound_and_new_sessions_avoid_it
         "down for another reason than 2 refused checks: {down}"
     );
 
-    let results = lab.greet_many(vip(), 30, 6);
-    let errors: Vec<String> = results
-        .iter()
-        .filter_map(|r| r.as_ref().err().map(|e| format!("{e:#}")))
-        .collect();
-    assert!(
-        errors.is_empty(),
-        "new sessions failed after the backend died: {errors:?}"
-    );
-    let new = tally(results.iter().filter_map(|r| r.as_ref().ok()));
+    let new = lab.sessions(vip(), 30);
     eprintln!("30 sessions after the kill: {new:?}");
     assert_eq!(new.get(&dead.name), None, "{new:?}");
     // The data plane took it out at once; the policy's view follows at its next step.
@@ -752,16 +737,7 @@ fn a_backend_refusing_connections_behind_a_passing_health_check_is_moved_away() 
     );
 
     // New sessions all succeed, none on the refusing backend.
-    let results = lab.greet_many(vip(), 30, 6);
-    let errors: Vec<String> = results
-        .iter()
-        .filter_map(|r| r.as_ref().err().map(|e| format!("{e:#}")))
-        .collect();
-    assert!(
-        errors.is_empty(),
-        "sessions failed after the move: {errors:?}"
-    );
-    let new = tally(results.iter().filter_map(|r| r.as_ref().ok()));
+    let new = lab.sessions(vip(), 30);
     assert_eq!(new.get(&sick.name), None, "{new:?}");
     // Its handshakes were counted in the data plane and exported.
     let metrics = lab.metrics_page().unwrap();
