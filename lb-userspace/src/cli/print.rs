@@ -229,7 +229,7 @@ pub(super) fn print_backends(out: &mut dyn Write, v: &Value) -> Result<()> {
                         r.map_or("-".into(), |r| format!("{:.1}kB/s", r / 1e3))
                     ),
                 },
-                // Completed of started TCP handshakes in the refusing rule's window.
+                // Completed of started TCP handshakes, the newest the refusing rule judges.
                 match (
                     s["handshakes"]["completed"].as_u64(),
                     s["handshakes"]["started"].as_u64(),

@@ -134,8 +134,9 @@ pub struct BackendDecision {
     /// In-band time to first byte and per-stream delivery rate, where fresh.
     pub ttfb_s: Option<f64>,
     pub delivery_bps: Option<f64>,
-    /// TCP handshakes started and completed over the last [`refusing::WINDOW`], where the
-    /// data plane counts them.
+    /// The TCP handshakes the refusing rule judges (its newest, at least
+    /// [`refusing::MIN_HANDSHAKES`] within [`refusing::WINDOW`] where there are as many),
+    /// started and completed, where the data plane counts them.
     pub handshakes: Option<Handshakes>,
 }
 
@@ -286,7 +287,7 @@ struct Work<'a> {
     wants_out: bool,
     /// Its VIP's backends in rotation have no headroom ([`HEADROOM`]).
     crowded: bool,
-    /// Its handshakes over the last [`refusing::WINDOW`].
+    /// Its handshakes as the refusing rule samples them ([`refusing::Window::observe`]).
     handshakes: Handshakes,
 }
 
