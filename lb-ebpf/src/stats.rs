@@ -37,5 +37,10 @@ fn add(s: Option<*mut TrafficStats>, bytes: u64, new_flow: bool, handshake: u8) 
 #[inline(always)]
 pub fn traffic(vip: u32, backend: u32, bytes: u64, new_flow: bool, handshake: u8) {
     add(VIP_STATS.get_ptr_mut(vip), bytes, new_flow, handshake);
-    add(BACKEND_STATS.get_ptr_mut(backend), bytes, new_flow, handshake);
+    add(
+        BACKEND_STATS.get_ptr_mut(backend),
+        bytes,
+        new_flow,
+        handshake,
+    );
 }
