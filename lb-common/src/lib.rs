@@ -12,7 +12,7 @@ pub mod trace;
 /// Bumped whenever a map's key or value layout changes, or the counter list does (`STATS`
 /// is read by index); pinned maps carry it so a newer program refuses to reuse maps it
 /// cannot read.
-pub const LAYOUT_VERSION: u32 = 5;
+pub const LAYOUT_VERSION: u32 = 6;
 
 pub const MAX_VIPS: u32 = 128;
 /// Backend ids index the backend array; id 0 is the "unset" sentinel (a ring slot or
@@ -131,7 +131,7 @@ pub const BACKEND_F_FULL: u8 = 1 << 0;
 /// flow's previous backend for second-chance forwarding) instead of IPIP.
 pub const BACKEND_F_GUE: u8 = 1 << 1;
 /// `Backend::flags`: weight 0 by the operator, down, moved away by the policy for a fault
-/// (throttled, congested, slow; at weight 0 or a reduced one), or requests wait in its
+/// (throttled, congested, slow, refusing; at weight 0 or a reduced one), or requests wait in its
 /// queue: a client's affinity entry brings it no new session; only its ring slots do. A
 /// saturation move is no fault.
 pub const BACKEND_F_NO_AFFINITY: u8 = 1 << 2;
@@ -188,7 +188,16 @@ pub struct ConnEntry {
     pub last_seen_ns: u64,
     /// In-band state, written only on `VIP_F_INBAND` VIPs (zero elsewhere).
     pub inband: InbandFlow,
+    /// `CONN_F_*` bits.
+    pub flags: u8,
+    pub _pad: [u8; 3],
 }
+
+/// `ConnEntry::flags`: the flow's SYN counted a handshake started on its backend
+/// (`TrafficStats::handshakes`) and no ACK of the client has completed it yet. A SYN
+/// retransmitted while it is set counts nothing more; the first ACK clears it and counts
+/// `handshakes_completed`. Set only by a SYN that creates the entry or reopens it.
+pub const CONN_F_HANDSHAKE: u8 = 1 << 0;
 
 /// In-band times are `CLOCK_MONOTONIC >> INBAND_TIME_SHIFT`: units of 2^20 ns (about
 /// 1.05 ms), a shift instead of a division on the packet path, 32 bits wrap after 52 days.
@@ -317,6 +326,28 @@ pub struct TrafficStats {
     pub packets: u64,
     pub bytes: u64,
     pub new_flows: u64,
+    /// TCP handshakes started: client SYNs that created a connection entry, or reopened one
+    /// whose handshake had completed, counted once per flow however often the SYN is
+    /// retransmitted. Connection-table VIPs only: a second-chance VIP keeps no per-flow
+    /// state at the balancer, and a flow the flood guard leaves out of the table is not
+    /// counted.
+    pub handshakes: u64,
+    /// Of `handshakes`: those whose client sent its first ACK. The difference is handshakes
+    /// that never completed (the backend refused or never answered, or the client gave up).
+    pub handshakes_completed: u64,
+}
+
+impl TrafficStats {
+    /// The sum of two CPUs' counters.
+    pub fn merged(self, o: &TrafficStats) -> TrafficStats {
+        TrafficStats {
+            packets: self.packets + o.packets,
+            bytes: self.bytes + o.bytes,
+            new_flows: self.new_flows + o.new_flows,
+            handshakes: self.handshakes + o.handshakes,
+            handshakes_completed: self.handshakes_completed + o.handshakes_completed,
+        }
+    }
 }
 
 /// `LbConfig::flags`: some VIP listens on every port, so an address whose exact-port lookup

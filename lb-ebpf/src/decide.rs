@@ -7,16 +7,19 @@ use lb_common::{
     stat::{self, Counter},
     AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FlowKey, InbandFlow, LbConfig, VipKey,
     VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_CAPPED, BACKEND_F_FULL, BACKEND_F_GUE,
-    BACKEND_F_NO_AFFINITY, LB_F_WILDCARD_VIPS, MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_HISTORY,
-    RING_SIZE_MAX, VIP_F_ADMISSION, VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SRC_HASH,
+    BACKEND_F_NO_AFFINITY, CONN_F_HANDSHAKE, LB_F_WILDCARD_VIPS, MAX_PROBES, PROTO_TCP,
+    RINGS_PER_VIP, RING_HISTORY, RING_SIZE_MAX, VIP_F_ADMISSION, VIP_F_SECOND_CHANCE, VIP_F_SHED,
+    VIP_F_SRC_HASH,
 };
 
 use crate::{
     maps::{AFFINITY, BACKENDS, CONNS, FLOOD, MAGLEV_RINGS, VIPS},
-    stats::count,
+    stats::{count, HANDSHAKE_COMPLETED, HANDSHAKE_STARTED},
 };
 
 const NS_PER_SEC: u64 = 1_000_000_000;
+
+const _: () = assert!(HANDSHAKE_STARTED == CONN_F_HANDSHAKE);
 
 /// Why a packet is not forwarded: dropped for a reason, or a new session shed by admission
 /// control (which may be answered with a RST). Each carries its counter.
@@ -43,8 +46,12 @@ pub struct Decision {
     /// The backends that held the flow's ring slot before, for a GUE backend to pass on a
     /// packet it has no socket for (see [`second_hops`]); all `None` when there are none.
     pub previous: SecondHops,
-    /// The flow's connection entry when it was found on its backend (for in-band signals).
+    /// The flow's connection entry when it was found on its backend (for in-band signals
+    /// and the handshake's completion).
     pub conn: Option<*mut ConnEntry>,
+    /// `HANDSHAKE_STARTED` when this SYN started a handshake on `backend_id`,
+    /// `HANDSHAKE_COMPLETED` when this ACK completed one.
+    pub handshake: u8,
 }
 
 /// Exact (address, port, protocol) first, then, if any VIP takes every port, the address's
@@ -80,7 +87,9 @@ fn backend(id: u32, vip: &VipMeta) -> Option<BackendEntry> {
 /// Steers one packet of a VIP flow. `track` is false for ICMP errors: they follow a flow
 /// but never create one. `opens` is true for a packet that starts a session (a TCP SYN, or
 /// any UDP packet without a connection entry): only those are subject to admission
-/// control, so an established stream whose entry was evicted is never shed.
+/// control, so an established stream whose entry was evicted is never shed. `acks` is true
+/// for a TCP acknowledgement without SYN or RST: the first one of a flow whose SYN was
+/// counted completes its handshake.
 #[inline(always)]
 pub fn decide(
     key: &FlowKey,
@@ -88,6 +97,7 @@ pub fn decide(
     cfg: &LbConfig,
     track: bool,
     opens: bool,
+    acks: bool,
 ) -> Result<Decision, Refusal> {
     // CLOCK_MONOTONIC at tick resolution: a precise read costs ~30 ns per packet here, and
     // connection ages only need seconds.
@@ -110,6 +120,7 @@ pub fn decide(
             now,
             previous,
             conn: None,
+            handshake: 0,
         });
     }
 
@@ -138,6 +149,24 @@ pub fn decide(
                         (*e).last_seen_ns = now;
                     }
                 }
+                // A SYN on an entry whose handshake is pending is a retransmission: the
+                // handshake counts once. One on a completed entry starts a new one. The
+                // first ACK completes it; once it has, every later packet pays one bit
+                // test of the entry it already read.
+                // Toggling the bit: `HANDSHAKE_STARTED` is `CONN_F_HANDSHAKE`. Written so,
+                // the program stays well inside the verifier's instruction limit; flags
+                // spelt out as two branches took it to 99.5% of it.
+                let pending = unsafe { (*e).flags } & CONN_F_HANDSHAKE;
+                let handshake = if reopens {
+                    pending ^ HANDSHAKE_STARTED
+                } else if pending != 0 && acks {
+                    HANDSHAKE_COMPLETED
+                } else {
+                    0
+                };
+                if handshake != 0 {
+                    unsafe { (*e).flags ^= CONN_F_HANDSHAKE };
+                }
                 count(stat::CONN_HIT);
                 return Ok(Decision {
                     backend_id: id,
@@ -147,6 +176,7 @@ pub fn decide(
                     now,
                     previous: NO_SECOND_HOPS,
                     conn: Some(e),
+                    handshake,
                 });
             }
         }
@@ -158,6 +188,8 @@ pub fn decide(
             unsafe {
                 (*e).backend = id;
                 (*e).last_seen_ns = now;
+                // The new backend never saw the SYN: its ACK completes nothing there.
+                (*e).flags = 0;
             }
             return Ok(Decision {
                 backend_id: id,
@@ -167,6 +199,7 @@ pub fn decide(
                 now,
                 previous,
                 conn: None,
+                handshake: 0,
             });
         }
         // The stale entry goes, and the SYN is steered as a miss is.
@@ -182,16 +215,25 @@ pub fn decide(
         return Err(Refusal::Shed(stat::SHED_PRIORITY));
     }
     let (id, b, previous) = choose(key, vip, h, now, opens)?;
+    // Only a flow with an entry can tell its SYN's retransmission and its first ACK apart:
+    // a handshake counts where the entry is made.
+    let mut handshake = 0;
     if !track {
         // Nothing to pin.
     } else if flood_guard(cfg, now) {
         count(stat::FLOOD_BYPASS);
     } else {
+        if opens && key.proto == PROTO_TCP {
+            handshake = HANDSHAKE_STARTED;
+        }
         let e = ConnEntry {
             backend: id,
             hash: h,
             last_seen_ns: now,
             inband: InbandFlow::default(),
+            // The same bit: a started handshake is pending until the flow's first ACK.
+            flags: handshake,
+            _pad: [0; 3],
         };
         // An LRU insert evicts rather than fails: the kernel refuses one only when this CPU
         // already holds the bucket's lock (-EBUSY, a tracing program re-entering the map),
@@ -206,6 +248,7 @@ pub fn decide(
         now,
         previous,
         conn: None,
+        handshake,
     })
 }
 

@@ -48,7 +48,14 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
         });
         return xdp_action::XDP_PASS;
     };
-    let d = match decide::decide(&p.key, &vip, cfg, !p.icmp_error, p.opens()) {
+    let d = match decide::decide(
+        &p.key,
+        &vip,
+        cfg,
+        !p.icmp_error,
+        p.opens(),
+        p.acks() && !p.icmp_error,
+    ) {
         Ok(d) => {
             if cfg.flags & LB_F_TRACE != 0 {
                 trace::decision(&p.key, vip.id, d.backend_id, d.new_flow);
@@ -78,7 +85,13 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
             inband::observe(&ctx, &p, e, d.backend_id, d.now);
         }
     }
-    stats::traffic(vip.id, d.backend_id, p.l3_len as u64, d.new_flow);
+    stats::traffic(
+        vip.id,
+        d.backend_id,
+        p.l3_len as u64,
+        d.new_flow,
+        d.handshake,
+    );
     match encap::forward(&ctx, &p, &d, cfg) {
         Ok(action) => action,
         Err(reason) => {

@@ -224,6 +224,15 @@ impl crate::controller::Plane for MapPlane {
             .collect()
     }
 
+    fn backend_traffic(
+        &mut self,
+        ids: &[u32],
+    ) -> Result<std::collections::BTreeMap<u32, crate::controller::Traffic>> {
+        ids.iter()
+            .map(|&id| Ok((id, self.dp.backend_stats(id)?.into())))
+            .collect()
+    }
+
     fn counters(&mut self, state: &State) -> Result<crate::controller::Counters> {
         let global = self.dp.stats()?;
         let mut c = crate::controller::Counters::default();

@@ -969,14 +969,14 @@ mod tests {
         assert_eq!(lines.len(), 3, "{out}");
         assert!(
             lines[0].starts_with(
-                "ADDRESS   ID  WEIGHT  EFFECTIVE  STATE     STEERING  SCORE  COOLDOWN  TELEMETRY  INBAND  HEALTHY  FLOWS  PACKETS  BYTES  DRAIN"
+                "ADDRESS   ID  WEIGHT  EFFECTIVE  STATE     STEERING  SCORE  COOLDOWN  TELEMETRY  INBAND  HANDSHAKES  HEALTHY  FLOWS  PACKETS  BYTES  DRAIN"
             ),
             "{out}"
         );
-        assert!(lines[1].starts_with("10.1.0.1  1   100     100        draining  -         -      -         -          -       yes      0      0        0      since 0s ago, deadline in 9m 59s"), "{out}");
+        assert!(lines[1].starts_with("10.1.0.1  1   100     100        draining  -         -      -         -          -       -           yes      0      0        0      since 0s ago, deadline in 9m 59s"), "{out}");
         assert!(
             lines[2].starts_with(
-                "10.1.0.2  2   5       5          active    -         -      -         -          -       yes      0      0        0      -"
+                "10.1.0.2  2   5       5          active    -         -      -         -          -       -           yes      0      0        0      -"
             ),
             "{out}"
         );

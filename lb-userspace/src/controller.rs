@@ -98,6 +98,11 @@ pub trait Plane: Send {
         let _ = ids;
         Ok(BTreeMap::new())
     }
+    /// Traffic counters of these backend ids, summed over CPUs (none without a data plane).
+    fn backend_traffic(&mut self, ids: &[u32]) -> Result<BTreeMap<u32, Traffic>> {
+        let _ = ids;
+        Ok(BTreeMap::new())
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -114,6 +119,9 @@ pub struct Traffic {
     pub packets: u64,
     pub bytes: u64,
     pub new_flows: u64,
+    /// TCP handshakes started and completed (`lb_common::TrafficStats`).
+    pub handshakes: u64,
+    pub handshakes_completed: u64,
 }
 
 impl From<TrafficStats> for Traffic {
@@ -122,6 +130,8 @@ impl From<TrafficStats> for Traffic {
             packets: t.packets,
             bytes: t.bytes,
             new_flows: t.new_flows,
+            handshakes: t.handshakes,
+            handshakes_completed: t.handshakes_completed,
         }
     }
 }
@@ -506,6 +516,11 @@ impl<P: Plane> Controller<P> {
         self.plane.inband(ids)
     }
 
+    /// See [`Plane::backend_traffic`].
+    pub fn backend_traffic(&mut self, ids: &[u32]) -> Result<BTreeMap<u32, Traffic>> {
+        self.plane.backend_traffic(ids)
+    }
+
     pub fn active_flows(&mut self) -> Result<BTreeMap<u32, u64>> {
         let idle = self.settings.flow_idle;
         self.plane.active_flows(idle)
@@ -605,6 +620,8 @@ pub mod fake {
         pub fail_next: bool,
         /// Cumulative in-band aggregates per backend id.
         pub inband: BTreeMap<u32, lb_common::InbandStats>,
+        /// Cumulative traffic counters per backend id.
+        pub traffic: BTreeMap<u32, Traffic>,
     }
 
     impl Plane for FakePlane {
@@ -637,6 +654,12 @@ pub mod fake {
             Ok(ids
                 .iter()
                 .filter_map(|id| self.inband.get(id).map(|s| (*id, *s)))
+                .collect())
+        }
+        fn backend_traffic(&mut self, ids: &[u32]) -> Result<BTreeMap<u32, Traffic>> {
+            Ok(ids
+                .iter()
+                .filter_map(|id| self.traffic.get(id).map(|t| (*id, *t)))
                 .collect())
         }
     }

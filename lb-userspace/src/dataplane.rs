@@ -740,11 +740,7 @@ impl Dataplane {
         let a: PerCpuArray<&mut MapData, TrafficStats> = PerCpuArray::try_from(self.map(map)?)?;
         let v = a.get(&id, 0)?;
         Ok(v.iter()
-            .fold(TrafficStats::default(), |acc, s| TrafficStats {
-                packets: acc.packets + s.packets,
-                bytes: acc.bytes + s.bytes,
-                new_flows: acc.new_flows + s.new_flows,
-            }))
+            .fold(TrafficStats::default(), |acc, s| acc.merged(s)))
     }
 
     pub fn vip_stats(&mut self, vip_id: u32) -> Result<TrafficStats> {

@@ -248,7 +248,8 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
     };
     let vip_labels = |v: &crate::state::Vip| vec![("vip", v.spec.name.clone())];
 
-    let per_vip = |f: fn(crate::controller::Traffic) -> u64| {
+    type Field = fn(crate::controller::Traffic) -> u64;
+    let per_vip = |f: Field| {
         vips()
             .map(|v| (vip_labels(v), f(snap.vip_traffic(v))))
             .collect()
@@ -263,24 +264,24 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             (vec![("listener", "metrics".into())], metrics),
         ],
     );
-    counters(
-        &mut reg,
-        "vip_packets",
-        "Packets steered to the VIP",
-        per_vip(|t| t.packets),
-    );
-    counters(
-        &mut reg,
-        "vip_bytes",
-        "Bytes steered to the VIP",
-        per_vip(|t| t.bytes),
-    );
-    counters(
-        &mut reg,
-        "vip_new_flows",
-        "New flows to the VIP",
-        per_vip(|t| t.new_flows),
-    );
+    let vip_families: [(&str, &str, Field); 5] = [
+        ("vip_packets", "Packets steered to the VIP", |t| t.packets),
+        ("vip_bytes", "Bytes steered to the VIP", |t| t.bytes),
+        ("vip_new_flows", "New flows to the VIP", |t| t.new_flows),
+        (
+            "vip_handshakes",
+            "TCP handshakes started at the VIP (client SYNs of new flows, once per flow)",
+            |t| t.handshakes,
+        ),
+        (
+            "vip_handshakes_completed",
+            "TCP handshakes at the VIP whose client sent its first ACK",
+            |t| t.handshakes_completed,
+        ),
+    ];
+    for (name, help, field) in vip_families {
+        counters(&mut reg, name, help, per_vip(field));
+    }
 
     gauges(
         &mut reg,
@@ -299,29 +300,36 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             .collect(),
     );
 
-    let per_backend = |f: fn(crate::controller::Traffic) -> u64| {
+    let per_backend = |f: Field| {
         backends()
             .map(|(_, b, l)| (l, f(snap.backend_traffic(b))))
             .collect()
     };
-    counters(
-        &mut reg,
-        "backend_packets",
-        "Packets sent to the backend",
-        per_backend(|t| t.packets),
-    );
-    counters(
-        &mut reg,
-        "backend_bytes",
-        "Bytes sent to the backend",
-        per_backend(|t| t.bytes),
-    );
-    counters(
-        &mut reg,
-        "backend_new_flows",
-        "New flows steered to the backend",
-        per_backend(|t| t.new_flows),
-    );
+    let backend_families: [(&str, &str, Field); 5] = [
+        ("backend_packets", "Packets sent to the backend", |t| {
+            t.packets
+        }),
+        ("backend_bytes", "Bytes sent to the backend", |t| t.bytes),
+        (
+            "backend_new_flows",
+            "New flows steered to the backend",
+            |t| t.new_flows,
+        ),
+        (
+            "backend_handshakes",
+            "TCP handshakes started on the backend (client SYNs of new flows, once per flow)",
+            |t| t.handshakes,
+        ),
+        (
+            "backend_handshakes_completed",
+            "TCP handshakes on the backend whose client sent its first ACK; the rest never \
+             completed (refused, unanswered or abandoned)",
+            |t| t.handshakes_completed,
+        ),
+    ];
+    for (name, help, field) in backend_families {
+        counters(&mut reg, name, help, per_backend(field));
+    }
     gauges(
         &mut reg,
         "backend_active_flows",
@@ -570,6 +578,8 @@ mod tests {
                 packets: 10,
                 bytes: 1500,
                 new_flows: 2,
+                handshakes: 3,
+                handshakes_completed: 2,
             },
         );
         snap.counters.backends.insert(
@@ -578,6 +588,8 @@ mod tests {
                 packets: 7,
                 bytes: 700,
                 new_flows: 1,
+                handshakes: 2,
+                handshakes_completed: 1,
             },
         );
         snap.counters.global.insert("drop_no_backend".into(), 3);
@@ -606,6 +618,7 @@ mod tests {
                 telemetry_age: Some(std::time::Duration::from_millis(500)),
                 ttfb_s: Some(0.25),
                 delivery_bps: Some(4000.0),
+                handshakes: None,
             },
         );
         snap
@@ -622,6 +635,10 @@ mod tests {
             r#"sluice_backend_packets_total{vip="chat",backend="10.1.0.1"} 7"#,
             r#"sluice_backend_bytes_total{vip="chat",backend="fd00::1"} 0"#,
             r#"sluice_backend_new_flows_total{vip="chat",backend="10.1.0.1"} 1"#,
+            r#"sluice_vip_handshakes_total{vip="chat"} 3"#,
+            r#"sluice_vip_handshakes_completed_total{vip="chat"} 2"#,
+            r#"sluice_backend_handshakes_total{vip="chat",backend="10.1.0.1"} 2"#,
+            r#"sluice_backend_handshakes_completed_total{vip="chat",backend="10.1.0.1"} 1"#,
             "# TYPE sluice_backend_active_flows gauge",
             r#"sluice_backend_active_flows{vip="chat",backend="10.1.0.1"} 4"#,
             r#"sluice_backend_weight{vip="chat",backend="fd00::1"} 100"#,

@@ -13,9 +13,9 @@ use tokio::sync::Mutex;
 
 use crate::{
     clock::now_ms,
-    config::{Config, HealthCheck},
+    config::{Config, FlowState, HealthCheck, Protocol},
     controller::{self, Controller, Overlay, Peer, Plane},
-    policy::{self, health, BackendDecision, BackendInput, Decisions, Policy},
+    policy::{self, health, BackendDecision, BackendInput, Decisions, Handshakes, Policy},
     state::{Op, Vip},
     telemetry::{inband::Tracker, BackendKey, Hub, Source},
 };
@@ -163,8 +163,35 @@ pub fn ingest_inband<P: Plane>(
     Ok(())
 }
 
-/// One policy step: gathers sessions, health and telemetry, steps the policy, installs the
-/// overlay and records the decisions' events. Returns the per-backend decisions.
+/// The cumulative TCP handshake counters of the backends of TCP VIPs with a connection table
+/// (the data plane counts none elsewhere), by backend id.
+pub fn handshakes<P: Plane>(
+    c: &mut Controller<P>,
+    state: &crate::state::State,
+) -> anyhow::Result<BTreeMap<u32, Handshakes>> {
+    let ids: Vec<u32> = state
+        .vips
+        .values()
+        .filter(|v| v.spec.protocol == Protocol::Tcp && v.spec.flow_state == FlowState::Table)
+        .flat_map(|v| v.backends.values().map(|b| b.id))
+        .collect();
+    if ids.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    Ok(c.backend_traffic(&ids)?
+        .into_iter()
+        .map(|(id, t)| {
+            let h = Handshakes {
+                started: t.handshakes,
+                completed: t.handshakes_completed,
+            };
+            (id, h)
+        })
+        .collect())
+}
+
+/// One policy step: gathers sessions, health, telemetry and handshakes, steps the policy,
+/// installs the overlay and records the decisions' events. Returns the per-backend decisions.
 pub async fn step<P: Plane + 'static>(
     ctl: &Mutex<Controller<P>>,
     hub: &std::sync::Mutex<Hub>,
@@ -177,7 +204,8 @@ pub async fn step<P: Plane + 'static>(
     let sessions = c.active_flows()?;
     let state = c.state().clone();
     ingest_inband(&mut c, &state, hub, inband)?;
-    let (overlay, d) = decide(&c, hub, policy, shed_rst, now, &sessions);
+    let handshakes = handshakes(&mut c, &state)?;
+    let (overlay, d) = decide(&c, hub, policy, shed_rst, now, &sessions, &handshakes);
     c.set_overlay(overlay)?;
     record(&mut c, &d);
     Ok(d.backends)
@@ -193,8 +221,9 @@ pub fn record<P: Plane>(c: &mut Controller<P>, d: &Decisions) {
     c.set_decisions(d.backends.clone());
 }
 
-/// Steps the policy on `sessions` (this host's, or the fleet's for its steering leader)
-/// and the controller's health and telemetry; the overlay it decides, not installed.
+/// Steps the policy on `sessions` (this host's, or the fleet's for its steering leader),
+/// `handshakes` ([`handshakes`]) and the controller's health and telemetry; the overlay it
+/// decides, not installed.
 pub fn decide<P: Plane>(
     c: &Controller<P>,
     hub: &std::sync::Mutex<Hub>,
@@ -202,6 +231,7 @@ pub fn decide<P: Plane>(
     shed_rst: bool,
     now: Duration,
     sessions: &BTreeMap<u32, u64>,
+    handshakes: &BTreeMap<u32, Handshakes>,
 ) -> (Overlay, Decisions) {
     let state = c.state();
     let views: BTreeMap<u32, _> = {
@@ -231,6 +261,7 @@ pub fn decide<P: Plane>(
             sessions: sessions.get(&b.id).copied().unwrap_or(0),
             max_sessions: b.spec.max_sessions,
             telemetry: views.get(&b.id),
+            handshakes: handshakes.get(&b.id).copied(),
         })
         .collect();
     let d = policy.step(now, &inputs);

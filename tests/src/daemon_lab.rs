@@ -1112,6 +1112,23 @@ impl DaemonLab {
         Ok(b)
     }
 
+    /// `n` short sessions opened now, 6 at a time: all must succeed; returns how many each
+    /// backend greeted.
+    pub fn sessions(&self, vip: SocketAddr, n: usize) -> BTreeMap<String, usize> {
+        let results = self.greet_many(vip, n, 6);
+        let errors: Vec<String> = results
+            .iter()
+            .filter_map(|r| r.as_ref().err().map(|e| format!("{e:#}")))
+            .collect();
+        assert!(
+            errors.is_empty(),
+            "{} of {n} new sessions failed:\n{}",
+            errors.len(),
+            errors.join("\n")
+        );
+        tally(results.iter().filter_map(|r| r.as_ref().ok()))
+    }
+
     /// `n` short sessions, `parallel` at a time: the greeting backend (or the error) of each.
     pub fn greet_many(&self, vip: SocketAddr, n: usize, parallel: usize) -> Vec<Result<String>> {
         let mut out = Vec::with_capacity(n);

@@ -198,13 +198,7 @@ fn congested_backend_gets_no_new_sessions_while_its_streams_finish_and_returns_a
     );
 
     // 90 new sessions: b0 gets none while moved away.
-    let results = lab.greet_many(vip(), 90, 6);
-    let errors: Vec<String> = results
-        .iter()
-        .filter_map(|r| r.as_ref().err().map(|e| format!("{e:#}")))
-        .collect();
-    assert!(errors.is_empty(), "new sessions failed: {errors:?}");
-    let new = tally(results.iter().filter_map(|r| r.as_ref().ok()));
+    let new = lab.sessions(vip(), 90);
     let fair = 90 / BACKENDS;
     let got = new.get(&hot.name).copied().unwrap_or(0);
     eprintln!("90 sessions while b0 is congested: {new:?}");
@@ -291,16 +285,7 @@ fn dead_backend_is_marked_down_within_the_health_bound_and_new_sessions_avoid_it
         "down for another reason than 2 refused checks: {down}"
     );
 
-    let results = lab.greet_many(vip(), 30, 6);
-    let errors: Vec<String> = results
-        .iter()
-        .filter_map(|r| r.as_ref().err().map(|e| format!("{e:#}")))
-        .collect();
-    assert!(
-        errors.is_empty(),
-        "new sessions failed after the backend died: {errors:?}"
-    );
-    let new = tally(results.iter().filter_map(|r| r.as_ref().ok()));
+    let new = lab.sessions(vip(), 30);
     eprintln!("30 sessions after the kill: {new:?}");
     assert_eq!(new.get(&dead.name), None, "{new:?}");
     // The data plane took it out at once; the policy's view follows at its next step.
@@ -672,4 +657,103 @@ fn shared_pool_sheds_the_low_class_and_freed_capacity_goes_to_the_high_class() {
     let stop = event(&events, "shed-stop", None)
         .unwrap_or_else(|| panic!("no shed-stop event: {events:?}"));
     assert_eq!(stop["vip"], pool.as_str(), "{stop}");
+}
+
+/// A backend whose health port answers while its serving port refuses every connection (its
+/// server replaced by one that listens on the backend's own address only, so connections to
+/// the VIP are reset by its kernel, straight to the client): the health checks keep passing,
+/// and only the clients' unanswered SYNs tell. Within a few seconds the policy moves it away
+/// as `refusing`; new sessions then all succeed, on the other backends.
+#[test]
+fn a_backend_refusing_connections_behind_a_passing_health_check_is_moved_away() {
+    let mut lab = start_settled(DaemonLabOptions::new(
+        SERVER,
+        BACKENDS,
+        vec![VipDef::tcp(VIP, vip(), BACKENDS)],
+    ));
+    let sick = lab.topo.backends[1].clone();
+    let results = lab.greet_many(vip(), 30, 6);
+    assert!(results.iter().all(|r| r.is_ok()), "a healthy fleet");
+
+    let server = lab.servers[1];
+    lab.topo.signal(server, libc::SIGKILL).unwrap();
+    let own: Vec<String> = [false, true]
+        .into_iter()
+        .flat_map(|v6| {
+            let a = SocketAddr::new(sick.addr(v6), TCP_PORT);
+            ["--tcp".to_string(), a.to_string()]
+        })
+        .collect();
+    let lifetime = lab.opts.server_lifetime;
+    let server_bin = lab.opts.server.clone();
+    lab.servers[1] = lab
+        .topo
+        .start_server(1, &server_bin, "health-only", lifetime, &own)
+        .unwrap();
+    let refusing_at = Instant::now();
+
+    // Clients keep opening sessions; a third of them fail until the backend is moved away.
+    let mut failed = 0;
+    let moved = wait_for(
+        "the refusing backend moved away as refusing",
+        Duration::from_secs(15),
+        || {
+            failed += lab
+                .greet_many(vip(), 12, 6)
+                .iter()
+                .filter(|r| r.is_err())
+                .count();
+            let b = lab.backend(VIP, sick.v4.into()).unwrap();
+            if b["steering"]["reason"] == "refusing" && b["effective_weight"] == 0 {
+                Ok(Some(b))
+            } else {
+                Err(format!("{:?}", steering(&lab.backends(VIP))))
+            }
+        },
+    )
+    .unwrap();
+    eprintln!(
+        "moved away {:?} after it began refusing ({failed} sessions failed meanwhile): {moved}",
+        refusing_at.elapsed()
+    );
+    assert_eq!(
+        moved["healthy"], true,
+        "its health checks still pass: {moved}"
+    );
+    assert_eq!(moved["steering"]["state"], "moved-away", "{moved}");
+    let h = &moved["steering"]["handshakes"];
+    assert!(
+        h["started"].as_u64() > h["completed"].as_u64(),
+        "its window shows handshakes that never completed: {moved}"
+    );
+    let events = lab.events();
+    let reroute = event(&events, "reroute", Some(&sick.v4.to_string())).expect("a reroute");
+    assert!(
+        reroute["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("TCP handshakes never completed"),
+        "{reroute}"
+    );
+
+    // New sessions all succeed, none on the refusing backend.
+    let new = lab.sessions(vip(), 30);
+    assert_eq!(new.get(&sick.name), None, "{new:?}");
+    // Its handshakes were counted in the data plane and exported.
+    let metrics = lab.metrics_page().unwrap();
+    let line = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name) && l.contains(&format!("backend=\"{}\"", sick.v4)))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("{name} of {} missing:\n{metrics}", sick.v4))
+    };
+    let (started, completed) = (
+        line("sluice_backend_handshakes_total"),
+        line("sluice_backend_handshakes_completed_total"),
+    );
+    assert!(
+        started >= completed + 10,
+        "{started} handshakes started, {completed} completed"
+    );
 }

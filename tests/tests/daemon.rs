@@ -87,22 +87,6 @@ fn finish_all(streams: Vec<Running>, what: &str) -> Vec<String> {
     backends
 }
 
-/// `n` short sessions opened now: all must succeed; returns how many each backend greeted.
-fn sessions(lab: &DaemonLab, n: usize) -> BTreeMap<String, usize> {
-    let results = lab.greet_many(vip(), n, 6);
-    let errors: Vec<String> = results
-        .iter()
-        .filter_map(|r| r.as_ref().err().map(|e| format!("{e:#}")))
-        .collect();
-    assert!(
-        errors.is_empty(),
-        "{} of {n} new sessions failed:\n{}",
-        errors.len(),
-        errors.join("\n")
-    );
-    tally(results.iter().filter_map(|r| r.as_ref().ok()))
-}
-
 fn has_event(lab: &DaemonLab, kind: &str, backend: &str) -> bool {
     lab.events()
         .iter()
@@ -132,7 +116,7 @@ fn drain_mid_stream_finishes_the_backends_streams_sends_new_sessions_elsewhere_t
     assert!(b["drain_since_ms"].is_u64(), "{b}");
 
     // New sessions after the drain never reach it.
-    let new = sessions(&lab, 30);
+    let new = lab.sessions(vip(), 30);
     eprintln!("30 sessions after the drain: {new:?}");
     assert_eq!(
         new.get(&drained.name),
@@ -243,7 +227,7 @@ fn undrain_puts_a_draining_backend_back_into_rotation() {
     // drain-to-undrain steps take on a loaded machine (checked below, not assumed).
     let keep = open_spread(&lab, 1, 200, 100);
     lab.cli_ok(&["backend", "drain", VIP, &addr]);
-    let during = sessions(&lab, 12);
+    let during = lab.sessions(vip(), 12);
     assert_eq!(during.get(&b.name), None, "{during:?}");
     assert!(
         keep.iter().any(|s| s.backend == b.name && !s.is_finished()),
@@ -253,7 +237,7 @@ fn undrain_puts_a_draining_backend_back_into_rotation() {
     let out = lab.cli_ok(&["backend", "undrain", VIP, &addr]);
     assert!(out.contains("takes new flows again"), "{out}");
     assert_eq!(lab.backend(VIP, b.v4.into()).unwrap()["state"], "active");
-    let after = sessions(&lab, 30);
+    let after = lab.sessions(vip(), 30);
     eprintln!("while draining: {during:?}; after undrain: {after:?}");
     assert!(
         after.get(&b.name).copied().unwrap_or(0) > 0,
@@ -306,7 +290,7 @@ fn kill_9_mid_stream_keeps_streams_and_new_sessions_and_the_restart_readopts_the
     );
     assert!(lab.lb_has_xdp().unwrap(), "XDP detached with the daemon");
     // The data plane keeps steering with no daemon.
-    let dead = sessions(&lab, 12);
+    let dead = lab.sessions(vip(), 12);
     eprintln!("12 sessions with the daemon dead: {dead:?}");
 
     lab.start_daemon().unwrap();
@@ -367,7 +351,7 @@ fn removing_a_backend_resteers_its_flows_and_new_sessions_to_the_others() {
         "no audit line for the removal:\n{audit}"
     );
 
-    let new = sessions(&lab, 30);
+    let new = lab.sessions(vip(), 30);
     eprintln!("30 sessions after the removal: {new:?}");
     assert_eq!(new.get(&gone.name), None, "{new:?}");
 
@@ -578,7 +562,7 @@ fn sigterm_detaches_and_unpins_unless_keep_dataplane_on_exit() {
         lab.lb_has_xdp().unwrap(),
         "keep_dataplane_on_exit: XDP detached"
     );
-    let served = sessions(&lab, 6);
+    let served = lab.sessions(vip(), 6);
     eprintln!("6 sessions with the daemon stopped, data plane kept: {served:?}");
 
     // keep_dataplane_on_exit = false: a restart re-adopts, SIGTERM detaches and unpins.
@@ -783,7 +767,7 @@ fn upgrade_to_a_newer_binary_swaps_the_program_with_no_frame_lost_and_refuses_an
         new,
         "build B's program is the one linked"
     );
-    let after = sessions(&lab, 12);
+    let after = lab.sessions(vip(), 12);
     eprintln!("12 sessions under build B: {after:?}");
     finish_all(streams, "streams across the upgrade");
 
@@ -822,7 +806,7 @@ fn upgrade_to_a_newer_binary_swaps_the_program_with_no_frame_lost_and_refuses_an
         sent += 1;
     }
     settled(sent, "probes after the refused start");
-    let dead = sessions(&lab, 6);
+    let dead = lab.sessions(vip(), 6);
     eprintln!("6 sessions after the refused start: {dead:?}");
 
     lab.reconfigure(|o| {

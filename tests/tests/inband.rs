@@ -1,13 +1,17 @@
 //! In-band signals measured by the real `sluice_xdp` through BPF_PROG_TEST_RUN on crafted
 //! client packets of one TCP flow: requests, the first byte of an answer, delivery
 //! progress, stalls, sequence wrap-around and retransmissions, read back from the
-//! per-backend `INBAND_STATS` map and the counters.
+//! per-backend `INBAND_STATS` map and the counters; and the handshakes every TCP VIP with a
+//! connection table counts (started by a SYN, completed by the client's first ACK), read
+//! back from the per-backend and per-VIP traffic counters.
 //!
 //! Times are not slept: the test ages the flow's in-band timestamps in its connection entry
 //! (as if the request had been sent that long ago), so every figure below is exact or lies
 //! in one histogram bucket whatever the machine's speed.
 
-use lb_common::{stat, FlowKey, InbandStats, INBAND_STALL_UNITS, PROTO_TCP, VIP_F_INBAND};
+use lb_common::{
+    stat, FlowKey, InbandStats, INBAND_STALL_UNITS, PROTO_TCP, VIP_F_INBAND, VIP_F_SECOND_CHANCE,
+};
 use sluice_tests::{flow, frames::*, Lab};
 
 const XDP_TX: u32 = 3;
@@ -16,7 +20,9 @@ const CLIENT_MAC: Mac = [0x02, 0, 0, 0, 0, 0x02];
 const VIP: &str = "10.200.0.1";
 const CLIENT: &str = "192.0.2.10";
 const SYN: u8 = 0x02;
+const RST: u8 = 0x04;
 const ACK: u8 = 0x10;
+const FIN_ACK: u8 = 0x11;
 const PSH_ACK: u8 = 0x18;
 
 /// 300 ms in in-band units (2^20 ns): bucket 9 holds [256, 512) units.
@@ -33,26 +39,24 @@ impl Flow {
     /// A lab with one VIP (in-band signals on or off) and a flow whose SYN has created its
     /// connection entry.
     fn open(inband: bool, sport: u16, client_isn: u32) -> Flow {
+        let mut f = Flow::new(if inband { VIP_F_INBAND } else { 0 }, sport);
+        f.send(SYN, client_isn, 0, b"");
+        f
+    }
+
+    /// A lab with one VIP of `flags` (id 1, two backends) and a flow that has sent nothing.
+    fn new(flags: u32, sport: u16) -> Flow {
         let mut lab = Lab::new();
-        let vip = lab.vip(
-            1,
-            VIP,
-            80,
-            PROTO_TCP,
-            if inband { VIP_F_INBAND } else { 0 },
-            0,
-        );
+        let vip = lab.vip(1, VIP, 80, PROTO_TCP, flags, 0);
         lab.backends(&vip, &[(1, "10.1.0.1", 1), (2, "10.1.0.2", 1)]);
         let key = flow(CLIENT, sport, VIP, 80, PROTO_TCP);
         let backend = lab.ring_choice(&vip, &key, false);
-        let mut f = Flow {
+        Flow {
             lab,
             key,
             sport,
             backend,
-        };
-        f.send(SYN, client_isn, 0, b"");
-        f
+        }
     }
 
     /// Sends one client segment; every one must be forwarded.
@@ -75,6 +79,18 @@ impl Flow {
 
     fn stats(&mut self) -> InbandStats {
         self.lab.dp.inband_stats(self.backend).unwrap()
+    }
+
+    /// (started, completed) handshakes of the flow's backend, of the other backend and of
+    /// the VIP.
+    fn handshakes(&mut self) -> [(u64, u64); 3] {
+        let other = 3 - self.backend;
+        [
+            self.lab.dp.backend_stats(self.backend).unwrap(),
+            self.lab.dp.backend_stats(other).unwrap(),
+            self.lab.dp.vip_stats(1).unwrap(),
+        ]
+        .map(|t| (t.handshakes, t.handshakes_completed))
     }
 
     /// Moves the flow's request and progress times `units` into the past.
@@ -291,4 +307,64 @@ fn a_vip_without_inband_signals_measures_nothing() {
     assert_eq!(f.stats(), InbandStats::default());
     let e = f.lab.dp.conn(&f.key).unwrap().unwrap();
     assert_eq!(e.inband, Default::default());
+}
+
+#[test]
+fn a_syn_then_its_ack_is_one_handshake_started_and_completed() {
+    for inband in [false, true] {
+        let (c, s) = (300u32, 400u32);
+        let mut f = Flow::open(inband, 40010, c);
+        assert_eq!(f.handshakes(), [(1, 0), (0, 0), (1, 0)], "inband {inband}");
+        f.send(ACK, c + 1, s + 1, b"");
+        assert_eq!(f.handshakes(), [(1, 1), (0, 0), (1, 1)], "inband {inband}");
+        // The rest of the flow counts nothing more.
+        f.send(PSH_ACK, c + 1, s + 1, &[b'q'; 10]);
+        f.send(ACK, c + 11, s + 501, b"");
+        f.send(FIN_ACK, c + 11, s + 501, b"");
+        assert_eq!(f.handshakes(), [(1, 1), (0, 0), (1, 1)], "inband {inband}");
+    }
+}
+
+#[test]
+fn a_retransmitted_syn_without_ack_is_one_handshake_never_completed() {
+    let c = 77u32;
+    let mut f = Flow::open(false, 40011, c);
+    f.send(SYN, c, 0, b"");
+    f.send(SYN, c, 0, b"");
+    assert_eq!(f.handshakes(), [(1, 0), (0, 0), (1, 0)]);
+    // The client gives up with a RST (its SYN-ACK came too late): no completion either.
+    f.send(RST, c + 1, 0, b"");
+    assert_eq!(f.handshakes(), [(1, 0), (0, 0), (1, 0)]);
+}
+
+#[test]
+fn a_reused_port_after_a_completed_handshake_starts_another() {
+    let (c, s) = (1_000u32, 2_000u32);
+    let mut f = Flow::open(false, 40012, c);
+    f.send(ACK, c + 1, s + 1, b"");
+    // The same 5-tuple opens again while its entry lives (the backend keeps its clients).
+    let c2 = 900_000u32;
+    f.send(SYN, c2, 0, b"");
+    f.send(SYN, c2, 0, b"");
+    assert_eq!(f.handshakes(), [(2, 1), (0, 0), (2, 1)]);
+    f.send(ACK, c2 + 1, s + 1, b"");
+    assert_eq!(f.handshakes(), [(2, 2), (0, 0), (2, 2)]);
+}
+
+#[test]
+fn a_flow_first_seen_mid_stream_counts_no_handshake() {
+    // An ACK without an entry (evicted, or the LB restarted without its maps) creates one.
+    let mut f = Flow::new(0, 40013);
+    f.send(ACK, 5, 6, b"");
+    f.send(PSH_ACK, 5, 6, &[b'q'; 10]);
+    assert_eq!(f.handshakes(), [(0, 0), (0, 0), (0, 0)]);
+}
+
+#[test]
+fn a_second_chance_vip_keeps_no_flow_and_counts_no_handshake() {
+    let mut f = Flow::new(VIP_F_SECOND_CHANCE, 40014);
+    f.send(SYN, 10, 0, b"");
+    f.send(ACK, 11, 21, b"");
+    assert_eq!(f.handshakes(), [(0, 0), (0, 0), (0, 0)]);
+    assert_eq!(f.lab.stat(stat::SECOND_CHANCE_STEERED), 2);
 }

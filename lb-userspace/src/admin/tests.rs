@@ -133,7 +133,7 @@ fn every_endpoint_round_trips() {
     assert!(v["global"].is_object());
     assert_eq!(
         v["vips"][0]["traffic"],
-        json!({"packets": 0, "bytes": 0, "new_flows": 0})
+        json!({"packets": 0, "bytes": 0, "new_flows": 0, "handshakes": 0, "handshakes_completed": 0})
     );
     assert_eq!(v["vips"][0]["backends"][1]["address"], "10.1.0.2");
 

@@ -229,6 +229,14 @@ pub(super) fn print_backends(out: &mut dyn Write, v: &Value) -> Result<()> {
                         r.map_or("-".into(), |r| format!("{:.1}kB/s", r / 1e3))
                     ),
                 },
+                // Completed of started TCP handshakes, the newest the refusing rule judges.
+                match (
+                    s["handshakes"]["completed"].as_u64(),
+                    s["handshakes"]["started"].as_u64(),
+                ) {
+                    (Some(c), Some(n)) => format!("{c}/{n}"),
+                    _ => "-".to_string(),
+                },
                 if b["healthy"].as_bool() == Some(false) {
                     "no"
                 } else {
@@ -256,6 +264,7 @@ pub(super) fn print_backends(out: &mut dyn Write, v: &Value) -> Result<()> {
             "COOLDOWN",
             "TELEMETRY",
             "INBAND",
+            "HANDSHAKES",
             "HEALTHY",
             "FLOWS",
             "PACKETS",
@@ -295,7 +304,16 @@ pub(super) fn print_stats(out: &mut dyn Write, v: &Value) -> Result<()> {
     table(out, &["COUNTER", "VALUE"], &global)?;
     writeln!(out)?;
     let t = |row: &mut Vec<String>, t: &Value| {
-        row.extend(["packets", "bytes", "new_flows"].map(|k| cell(&t[k])));
+        row.extend(
+            [
+                "packets",
+                "bytes",
+                "new_flows",
+                "handshakes",
+                "handshakes_completed",
+            ]
+            .map(|k| cell(&t[k])),
+        );
     };
     let mut rows = vec![];
     for vip in items(&v["vips"]) {
@@ -310,7 +328,15 @@ pub(super) fn print_stats(out: &mut dyn Write, v: &Value) -> Result<()> {
     }
     table(
         out,
-        &["VIP", "BACKEND", "PACKETS", "BYTES", "NEW FLOWS"],
+        &[
+            "VIP",
+            "BACKEND",
+            "PACKETS",
+            "BYTES",
+            "NEW FLOWS",
+            "HANDSHAKES",
+            "COMPLETED",
+        ],
         &rows,
     )
 }

@@ -337,6 +337,11 @@ pub(super) async fn step<S: Store, P: Plane>(
         if let Err(e) = scheduler::ingest_inband(&mut c, &state, &s.hub, &mut s.inband) {
             tracing::warn!(error = %e, "reading in-band aggregates");
         }
+        // Handshakes likewise: the leader's share of the fleet's clients.
+        let handshakes = scheduler::handshakes(&mut c, &state).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "reading handshake counters");
+            BTreeMap::new()
+        });
         let (overlay, d) = scheduler::decide(
             &c,
             &s.hub,
@@ -344,6 +349,7 @@ pub(super) async fn step<S: Store, P: Plane>(
             s.shed_rst,
             s.epoch.elapsed(),
             &sessions,
+            &handshakes,
         );
         scheduler::record(&mut c, &d);
         overlay

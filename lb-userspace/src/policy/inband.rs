@@ -161,6 +161,7 @@ mod tests {
                 sessions: 10,
                 max_sessions: 0,
                 telemetry: Some(t),
+                handshakes: None,
             })
             .collect();
         p.step(now, &inputs)

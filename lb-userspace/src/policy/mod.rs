@@ -22,6 +22,8 @@
 //!   queue or KV reading at its threshold for one scrape is a burst a healthy fleet at 65%
 //!   load sees every few minutes, each move costs affinity and two weight changes, and a
 //!   whole VIP saturated is admission control's business ([`Policy::trigger`]);
+//! - a backend whose clients' TCP handshakes fail far more often than its peers' moves away
+//!   as `refusing` under the same cooldown ([`refusing`]);
 //! - a down backend gets weight 0 ([`health`] tracks up/down);
 //! - while a backend is moved away for a fault, the markedly more loaded of the rest take
 //!   none of its share: their level is held to the share they had ([`Policy::hold_shares`]);
@@ -31,14 +33,15 @@
 //! Guard: telemetry alone never empties a VIP. When every healthy backend of positive weight
 //! would be moved away, half of them (rounded up) stay in at their score weight, and
 //! admission control deals with real overload. They are ranked first by why they are out
-//! (throttled > congested > saturated > stale: [`Reason::severity`]), then by score: a
-//! throttled backend that was emptied has a low score because it carries nothing, not
-//! because it would serve well.
+//! (refusing > throttled, slow > congested > saturated > stale: [`Reason::severity`]), then
+//! by score: a throttled backend that was emptied has a low score because it carries
+//! nothing, not because it would serve well.
 
 mod admission;
 mod cooldown;
 pub mod health;
 mod inband;
+mod refusing;
 mod score;
 #[cfg(test)]
 mod tests;
@@ -53,6 +56,7 @@ use serde::{Serialize, Serializer};
 
 pub use self::{
     admission::{Shed, LOWEST_CLASS},
+    refusing::Handshakes,
     score::Reason,
 };
 use self::{
@@ -83,6 +87,9 @@ pub struct BackendInput<'a> {
     pub max_sessions: u32,
     /// `None`: no telemetry configured for this backend.
     pub telemetry: Option<&'a BackendTelemetry>,
+    /// Cumulative TCP handshakes the data plane counted for it; `None` where it counts none
+    /// (a UDP or second-chance VIP).
+    pub handshakes: Option<Handshakes>,
 }
 
 /// Where a backend stands for new sessions.
@@ -127,6 +134,10 @@ pub struct BackendDecision {
     /// In-band time to first byte and per-stream delivery rate, where fresh.
     pub ttfb_s: Option<f64>,
     pub delivery_bps: Option<f64>,
+    /// The TCP handshakes the refusing rule judges (its newest, at least
+    /// [`refusing::MIN_HANDSHAKES`] within [`refusing::WINDOW`] where there are as many),
+    /// started and completed, where the data plane counts them.
+    pub handshakes: Option<Handshakes>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -248,6 +259,7 @@ struct Memory {
     reduced: bool,
     /// The weight last decided; `None` before the first.
     weight: Option<u32>,
+    handshakes: refusing::Window,
 }
 
 /// The steering engine; holds per-backend memory (scores, cooldowns) between steps.
@@ -275,6 +287,8 @@ struct Work<'a> {
     wants_out: bool,
     /// Its VIP's backends in rotation have no headroom ([`HEADROOM`]).
     crowded: bool,
+    /// Its handshakes as the refusing rule samples them ([`refusing::Window::observe`]).
+    handshakes: Handshakes,
 }
 
 impl Policy {
@@ -307,6 +321,10 @@ impl Policy {
         self.headroom(&mut work);
         let mut events = Vec::new();
         inband::slow(now, &mut work, &mut self.mismatched, &mut events);
+        let backends = &self.backends;
+        refusing::refusing(&mut work, |id| {
+            matches!(backends[&id].move_away.phase, Phase::InRotation { .. })
+        });
         self.relevel(now, &work);
         self.respeed(&work);
         self.trigger(now, &mut work);
@@ -348,6 +366,7 @@ impl Policy {
             holds_share: false,
             reduced: false,
             weight: None,
+            handshakes: refusing::Window::default(),
         });
         if input.healthy && !m.healthy {
             m.move_away.on_up(now);
@@ -359,6 +378,7 @@ impl Policy {
             m.score.update(pressure, cfg);
             m.speed.update(t.sample.tpot_s, cfg);
         }
+        let handshakes = m.handshakes.observe(now, input.handshakes);
         Work {
             input,
             conditions: input
@@ -370,6 +390,7 @@ impl Policy {
             eligible: input.healthy && input.weight > 0,
             wants_out: false,
             crowded: false,
+            handshakes,
         }
     }
 
@@ -807,6 +828,7 @@ impl Policy {
             telemetry_age: input.telemetry.and_then(|t| t.age),
             ttfb_s: input.telemetry.and_then(|t| t.sample.ttfb_s),
             delivery_bps: input.telemetry.and_then(|t| t.sample.delivery_bps),
+            handshakes: input.handshakes.map(|_| w.handshakes),
         }
     }
 

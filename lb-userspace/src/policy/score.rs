@@ -48,6 +48,8 @@ pub enum Reason {
     /// In-band time to first byte or delivery rate departs from the VIP's other backends
     /// (`policy::inband`).
     Slow,
+    /// Its clients' TCP handshakes fail far more often than its peers' (`policy::refusing`).
+    Refusing,
 }
 
 impl Reason {
@@ -56,12 +58,16 @@ impl Reason {
     /// stale telemetry is no evidence, so a conversation's next turn still finds its prefix
     /// cached on such a backend.
     pub fn is_fault(self) -> bool {
-        matches!(self, Reason::Congestion | Reason::Throttling | Reason::Slow)
+        matches!(
+            self,
+            Reason::Congestion | Reason::Throttling | Reason::Slow | Reason::Refusing
+        )
     }
 
-    /// How strongly the reason argues against new sessions: a throttled accelerator is slow
-    /// whatever its load; congestion slows its collectives; saturation passes as load moves
-    /// elsewhere; stale telemetry is no evidence at all.
+    /// How strongly the reason argues against new sessions: a refusing backend fails the
+    /// sessions it gets; a throttled accelerator is slow whatever its load; congestion slows
+    /// its collectives; saturation passes as load moves elsewhere; stale telemetry is no
+    /// evidence at all.
     pub fn severity(self) -> u8 {
         match self {
             Reason::Stale => 0,
@@ -70,6 +76,7 @@ impl Reason {
             Reason::Throttling => 3,
             // What the clients see, whatever the exporters say.
             Reason::Slow => 3,
+            Reason::Refusing => 4,
         }
     }
 }

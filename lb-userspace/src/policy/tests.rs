@@ -31,6 +31,8 @@ struct Backend {
     sessions: u64,
     max_sessions: u32,
     telemetry: Option<BackendTelemetry>,
+    /// Cumulative TCP handshakes; `None`: the data plane counts none.
+    handshakes: Option<Handshakes>,
 }
 
 struct Sim {
@@ -52,6 +54,7 @@ impl Sim {
                 sessions: 0,
                 max_sessions: 0,
                 telemetry: Some(telemetry(idle())),
+                handshakes: None,
             })
             .collect();
         Sim {
@@ -90,6 +93,7 @@ impl Sim {
                 sessions: b.sessions,
                 max_sessions: b.max_sessions,
                 telemetry: b.telemetry.as_ref(),
+                handshakes: b.handshakes,
             })
             .collect();
         let d = self.policy.step(self.now, &inputs);
@@ -1243,5 +1247,142 @@ fn a_faulty_backends_share_goes_to_the_backends_with_room() {
             "down {down}: {:?}",
             d.iter().map(weights).collect::<Vec<_>>()
         );
+    }
+}
+
+impl Sim {
+    /// `n` backends of VIP "v" without telemetry (no exporter), whose handshakes the data
+    /// plane counts.
+    fn counting_handshakes(n: u32) -> Self {
+        let mut sim = Sim::new(PolicyConfig::default(), n);
+        for b in &mut sim.backends {
+            b.telemetry = None;
+            b.handshakes = Some(Handshakes::default());
+        }
+        sim
+    }
+
+    /// One step, then the handshakes of the second that follows it: backend `i` gets
+    /// `per_step` handshakes at full weight, in proportion to the weight just decided, and
+    /// `complete(i, started)` of them complete.
+    fn step_handshakes(
+        &mut self,
+        per_step: u64,
+        mut complete: impl FnMut(usize, u64) -> u64,
+    ) -> Decisions {
+        let d = self.step();
+        for (i, (b, dec)) in self.backends.iter_mut().zip(&d.backends).enumerate() {
+            let started = per_step * u64::from(dec.weight) / 100;
+            let h = b.handshakes.as_mut().expect("counting");
+            h.started += started;
+            h.completed += complete(i, started);
+        }
+        d
+    }
+}
+
+/// A backend whose health port answers while its serving port resets every connection: its
+/// clients' SYNs are never followed by an ACK. It is moved away within two seconds, with the
+/// usual cooldown, and once its handshakes complete again it returns when the cooldown ends
+/// and ramps back to full weight.
+#[test]
+fn a_backend_refusing_handshakes_moves_within_seconds_and_returns_when_they_complete() {
+    let cfg = PolicyConfig::default();
+    let mut sim = Sim::counting_handshakes(3);
+    // Clients abandon one handshake in ten everywhere.
+    let healthy = |_: usize, n: u64| n * 9 / 10;
+    for _ in 0..10 {
+        let d = sim.step_handshakes(20, healthy);
+        assert!(d.events.is_empty(), "{:?}", d.events);
+    }
+    // Backend 3 refuses from now on.
+    let refusing = |i: usize, n: u64| if i == 2 { 0 } else { n * 9 / 10 };
+    let moved_at = sim.now;
+    let out: Vec<Decisions> = (0..2).map(|_| sim.step_handshakes(20, refusing)).collect();
+    let b = &out[1].backends[2];
+    assert_eq!((b.weight, b.state), (0, SteerState::MovedAway));
+    assert_eq!(b.reason, Some(Reason::Refusing));
+    assert!(b.breaks_affinity, "a refusing backend keeps no client");
+    let reroute = out
+        .iter()
+        .flat_map(|d| &d.events)
+        .find(|e| e.kind == EventKind::Reroute)
+        .expect("a reroute event");
+    assert!(
+        reroute.reason.contains(
+            "20 of its last 20 TCP handshakes never completed (100%), its peers' 10% of 40"
+        ),
+        "{}",
+        reroute.reason
+    );
+    assert_eq!(
+        out[1].backends[2].handshakes,
+        Some(Handshakes {
+            started: 20,
+            completed: 0
+        })
+    );
+    // The others keep their weight.
+    assert!(out[1].backends[..2].iter().all(|b| b.weight == 100));
+    // Its worker restarts: handshakes complete again. It comes back when the cooldown ends
+    // (its failures have left the window by then) and ramps up.
+    let back = (0..30)
+        .map(|_| sim.step_handshakes(20, healthy))
+        .position(|d| kinds(&d, 3).contains(&EventKind::Recover))
+        .expect("it returns");
+    let out_for = sim.now - moved_at;
+    assert!(
+        out_for >= cfg.cooldown_base && out_for <= cfg.cooldown_base + 4 * S,
+        "back after {out_for:?} (step {back})"
+    );
+    let d = sim.run_until(sim.now + cfg.slow_start + 2 * S);
+    let last = &d.last().expect("steps").backends[2];
+    assert_eq!((last.weight, last.state), (100, SteerState::Active));
+    assert!(d.iter().all(|d| d.backends[2].reason.is_none()));
+}
+
+/// Clients that give up on handshakes at the same rate everywhere (30% of them, with noise,
+/// and a few seconds when every handshake of the VIP fails) are no outlier: in ten minutes
+/// nobody is moved.
+#[test]
+fn equal_abandonment_everywhere_moves_nobody() {
+    let mut sim = Sim::counting_handshakes(4);
+    let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+    let mut events = Vec::new();
+    while sim.now < 600 * S {
+        let blackout = (300 * S..305 * S).contains(&sim.now);
+        let d = sim.step_handshakes(20, |_, n| {
+            if blackout {
+                0
+            } else {
+                (0..n).filter(|_| noise(&mut rng) >= 0.3).count() as u64
+            }
+        });
+        events.extend(d.events);
+    }
+    assert!(events.is_empty(), "{events:?}");
+}
+
+/// Too few handshakes, or no peer with enough of its own, is no evidence.
+#[test]
+fn a_refusing_backend_needs_enough_handshakes_and_a_peer_to_depart_from() {
+    // Five failing handshakes per step for one, one completing every other step for its
+    // peer: the peer never has ten in its window.
+    let mut sim = Sim::counting_handshakes(2);
+    for step in 0..30 {
+        let d = sim.step();
+        assert!(d.events.is_empty(), "{:?}", d.events);
+        sim.backends[0].handshakes.as_mut().unwrap().started += 5;
+        if step % 2 == 0 {
+            let peer = sim.backends[1].handshakes.as_mut().unwrap();
+            peer.started += 1;
+            peer.completed += 1;
+        }
+    }
+    // A backend alone in its VIP has no peers, however many of its handshakes fail.
+    let mut sim = Sim::counting_handshakes(1);
+    for _ in 0..20 {
+        let d = sim.step_handshakes(50, |_, _| 0);
+        assert!(d.events.is_empty(), "{:?}", d.events);
     }
 }
