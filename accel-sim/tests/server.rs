@@ -151,6 +151,90 @@ fn freeze_keeps_the_pages_while_the_model_goes_on() {
 }
 
 #[test]
+fn lie_shows_an_idle_accelerator_while_the_model_keeps_its_pace() {
+    let a = start(&[]);
+    let body = |r: String| r.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    fault(&a, r#"{"kind":"lie"}"#);
+    fault(&a, r#"{"kind":"throttle","factor":0.4}"#);
+    let mut s = send(
+        a.serve,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt":"abcd","max_tokens":2000,"stream":true}"#,
+    );
+    let mut buf = [0u8; 4096];
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let n = s.read(&mut buf).expect("reading the stream");
+        assert!(n > 0, "stream ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let state = exchange(a.control, "GET", "/state", "");
+    assert!(state.contains("\"running\":1"), "{state}");
+    assert!(state.contains("\"speed\":0.4"), "{state}");
+    let metrics = body(exchange(a.serve, "GET", "/metrics", ""));
+    assert!(
+        metrics.contains(
+            "vllm:num_requests_running{engine=\"0\",model_name=\"sluice-sim/llama-3.3-70b-fp8\"} 0"
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("vllm:generation_tokens_total{engine=\"0\",model_name=\"sluice-sim/llama-3.3-70b-fp8\"} 0.0"),
+        "{metrics}"
+    );
+    let dcgm = body(exchange(a.serve, "GET", "/dcgm", ""));
+    assert!(
+        !dcgm.contains("} 91\n"),
+        "a lying page shows no throttle heat: {dcgm}"
+    );
+    fault(&a, r#"{"kind":"clear"}"#);
+    let metrics = body(exchange(a.serve, "GET", "/metrics", ""));
+    assert!(
+        metrics.contains(
+            "vllm:num_requests_running{engine=\"0\",model_name=\"sluice-sim/llama-3.3-70b-fp8\"} 1"
+        ),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn flap_alternates_the_speed_on_its_own_schedule() {
+    let a = start(&[]);
+    let speed = |a: &Accel| {
+        let r = exchange(a.control, "GET", "/state", "");
+        let body = r.split("\r\n\r\n").nth(1).unwrap().to_owned();
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["speed"]
+            .as_f64()
+            .unwrap()
+    };
+    fault(&a, r#"{"kind":"flap","factor":0.25,"period_s":0.4}"#);
+    // Slowed at once, then full speed and slowed again within two periods: both are seen
+    // within a few periods whatever the scheduling delays.
+    let mut seen = Vec::new();
+    for _ in 0..40 {
+        seen.push(speed(&a));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(seen[0], 0.25, "{seen:?}");
+    assert!(seen.contains(&1.0), "{seen:?}");
+    let changes = seen.windows(2).filter(|w| w[0] != w[1]).count();
+    assert!(changes >= 3, "{changes} changes in 2 s: {seen:?}");
+    let bad = exchange(
+        a.control,
+        "POST",
+        "/fault",
+        r#"{"kind":"flap","factor":0.5,"period_s":-1}"#,
+    );
+    assert!(
+        bad.starts_with("HTTP/1.1 400") && bad.contains("period_s"),
+        "{bad}"
+    );
+    fault(&a, r#"{"kind":"clear"}"#);
+    assert_eq!(speed(&a), 1.0);
+}
+
+#[test]
 fn kill_exits_and_resets_open_streams() {
     let mut a = start(&[]);
     let mut s = send(
