@@ -812,15 +812,9 @@ pub fn main(args: &[String]) -> Result<()> {
 }
 
 fn document(m: &MatrixArgs, cells: &[Value], wall_s: u64, interrupted: bool) -> Value {
-    let (git_head, _) = sys::git_state();
-    json!({
-        "benchmark": "steer-matrix",
-        "command_line": std::env::args().collect::<Vec<_>>().join(" "),
-        "git_head": git_head,
-        "date_utc": sys::utc_now(),
-        "kernel": sys::kernel_release(),
-        "cpu_model": sys::cpu_model(),
-        "cpus": sys::online_cpus(),
+    super::result_doc(
+        "steer-matrix",
+        json!({
         "duration_s": m.duration.as_secs(),
         "seeds": m.seeds,
         "fleets": m.fleets.iter().map(Fleet::json).collect::<Vec<_>>(),
@@ -828,7 +822,8 @@ fn document(m: &MatrixArgs, cells: &[Value], wall_s: u64, interrupted: bool) -> 
         "interrupted": interrupted,
         "report": report(cells),
         "cells": cells,
-    })
+        }),
+    )
 }
 
 #[cfg(test)]

@@ -257,15 +257,9 @@ pub fn run(args: &Args) -> Result<Value> {
             plot::cdf(&format!("{}: time to first token", scenario.name()), &cdfs),
         )?;
     }
-    let (git_head, _) = sys::git_state();
-    Ok(json!({
-        "benchmark": "steer",
-        "command_line": std::env::args().collect::<Vec<_>>().join(" "),
-        "git_head": git_head,
-        "date_utc": sys::utc_now(),
-        "kernel": sys::kernel_release(),
-        "cpu_model": sys::cpu_model(),
-        "cpus": sys::online_cpus(),
+    Ok(result_doc(
+        "steer",
+        json!({
         "backends": args.backends,
         "duration_s": args.duration.as_secs(),
         "seed": args.seed,
@@ -278,7 +272,27 @@ pub fn run(args: &Args) -> Result<Value> {
         "wall_s": started.elapsed().as_secs(),
         "cells": cells,
         "aims": aims(&cells_by_key(&cells.iter().collect::<Vec<_>>())),
-    }))
+        }),
+    ))
+}
+
+/// A result document: what every steer result opens with (the benchmark, how it was run,
+/// on what), then `fields`.
+fn result_doc(benchmark: &str, fields: Value) -> Value {
+    let (git_head, _) = sys::git_state();
+    let mut doc = json!({
+        "benchmark": benchmark,
+        "command_line": std::env::args().collect::<Vec<_>>().join(" "),
+        "git_head": git_head,
+        "date_utc": sys::utc_now(),
+        "kernel": sys::kernel_release(),
+        "cpu_model": sys::cpu_model(),
+        "cpus": sys::online_cpus(),
+    });
+    if let (Some(d), Value::Object(f)) = (doc.as_object_mut(), fields) {
+        d.extend(f);
+    }
+    doc
 }
 
 fn slug(p: Policy) -> String {
@@ -369,6 +383,8 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
     let addrs: Vec<String> = (0..n)
         .map(|i| lab.backend_addr(i, vip_addr).to_string())
         .collect();
+    // How the daemon's events name the backends.
+    let ips: Vec<String> = lab.topo.backends.iter().map(|b| b.v4.to_string()).collect();
     wait_for(
         "every backend healthy and scraped",
         Duration::from_secs(20),
@@ -547,7 +563,7 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             bound_ms: AVOID_BOUND_MS,
         });
     let (completed, broken, on_killed) = stats::sessions(&records, kill);
-    let changes = stats::weight_changes(&events, since_ms);
+    let changes = stats::weight_changes(&events, since_ms, &ips);
     let total_changes: u64 = changes.values().sum();
     let max_changes = changes.values().copied().max().unwrap_or(0);
     let mut after = Vec::new();
