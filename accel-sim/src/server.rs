@@ -81,6 +81,8 @@ struct State {
     recent: Recent,
     /// The pages as they were when `freeze` began.
     frozen: Option<[String; 3]>,
+    /// What the pages show while they lie: idle, with the counters of when `lie` began.
+    lying: Option<Snapshot>,
     next_id: SeqId,
     dying: bool,
 }
@@ -115,13 +117,13 @@ impl Shared {
             kv_fraction: st.engine.kv_used_fraction(),
             totals: st.engine.totals().clone(),
             utilisation: st.recent.utilisation(self.now_s()),
-            throttle: st.faults.throttle,
+            throttle: st.faults.throttle_at(self.now_s()),
             fabric: st.fabric.clone(),
         }
     }
 
     fn pages(&self, st: &State) -> [String; 3] {
-        let s = self.snapshot(st);
+        let s = st.lying.clone().unwrap_or_else(|| self.snapshot(st));
         [
             telemetry::vllm_page(&s),
             telemetry::dcgm_page(&s),
@@ -139,7 +141,7 @@ impl Shared {
             "tokens_per_s": st.recent.tokens_per_s(now),
             "step_ms": st.engine.last_step_s() * 1000.0,
             "fault": st.faults.describe(),
-            "speed": st.engine.speed(),
+            "speed": st.faults.speed(self.cfg.base_speed, now),
             "utilisation": st.recent.utilisation(now),
             "finished": st.engine.totals().finished,
             "preemptions": st.engine.totals().preemptions,
@@ -187,6 +189,7 @@ pub async fn run(cfg: Config, ready: impl FnOnce(&[SocketAddr], SocketAddr)) -> 
             fabric: Fabric::default(),
             recent: Recent::default(),
             frozen: None,
+            lying: None,
             next_id: 0,
             dying: false,
         }),
@@ -492,7 +495,9 @@ async fn control_request(req: Request<Incoming>, sh: &Arc<Shared>) -> Resp {
                         StatusCode::BAD_REQUEST,
                         &json!({"error": format!(
                             "{e}; expected {{\"kind\": \"throttle\"|\"congest\"|\"slow\", \
-                             \"factor\": 0..1}} or {{\"kind\": \"hang\"|\"freeze\"|\"kill\"|\"clear\"}}"
+                             \"factor\": 0..1}}, {{\"kind\": \"flap\", \"factor\": 0..1, \
+                             \"period_s\": SECONDS}} or {{\"kind\": \
+                             \"hang\"|\"freeze\"|\"lie\"|\"kill\"|\"clear\"}}"
                         )}),
                     )
                 }
@@ -519,11 +524,17 @@ fn apply_fault(sh: &Arc<Shared>, fault: &FaultRequest) -> Resp {
         return json_resp(StatusCode::OK, &body);
     }
     let was_frozen = st.faults.freeze;
-    if let Err(e) = st.faults.apply(fault) {
+    let now = sh.now_s();
+    if let Err(e) = st.faults.apply(fault, now) {
         return json_resp(StatusCode::BAD_REQUEST, &json!({ "error": e }));
     }
-    let speed = st.faults.speed(sh.cfg.base_speed);
+    let speed = st.faults.speed(sh.cfg.base_speed, now);
     st.engine.set_speed(speed);
+    if st.faults.lie && st.lying.is_none() {
+        st.lying = Some(sh.snapshot(&st).idle());
+    } else if !st.faults.lie {
+        st.lying = None;
+    }
     if st.faults.freeze && !was_frozen {
         st.frozen = Some(sh.pages(&st));
     } else if !st.faults.freeze {
@@ -574,6 +585,10 @@ async fn engine_loop(sh: Arc<Shared>) {
             if st.faults.hang || st.dying {
                 None
             } else {
+                // A flap changes the speed on its own schedule: each step takes the
+                // speed in force when it starts.
+                let speed = st.faults.speed(sh.cfg.base_speed, start_s);
+                st.engine.set_speed(speed);
                 st.engine.step(start_s)
             }
         };

@@ -124,6 +124,21 @@ pub struct Snapshot {
     pub fabric: Fabric,
 }
 
+impl Snapshot {
+    /// What a lying exporter shows: the same accelerator idle (nothing running or waiting,
+    /// no KV in use, no utilisation, no throttle), its counters where they stand.
+    pub fn idle(&self) -> Snapshot {
+        Snapshot {
+            running: 0,
+            waiting: 0,
+            kv_fraction: 0.0,
+            utilisation: 0.0,
+            throttle: None,
+            ..self.clone()
+        }
+    }
+}
+
 /// `GET /metrics`: vLLM's V1 engine metrics.
 pub fn vllm_page(s: &Snapshot) -> String {
     let labels = format!("engine=\"0\",model_name=\"{}\"", s.model);
@@ -524,6 +539,32 @@ mod tests {
         let got = dcgm::extract(&prom::parse(&dcgm_page(&idle)).unwrap(), &[], &[]).unwrap();
         // Idle (0x1) is not a throttle reason Sluice counts.
         assert_eq!((got.gpu_util, got.throttle), (Some(0.0), Some(0)));
+    }
+
+    /// A lying exporter's pages read back through Sluice's parsers as an idle, unthrottled
+    /// accelerator, whatever load and throttle the snapshot it lies about carries.
+    #[test]
+    fn a_lying_snapshot_reads_back_idle() {
+        let busy = busy_snapshot(Some(0.4), Some(0.5));
+        let lie = busy.idle();
+        let text = vllm_page(&lie);
+        let vllm = prom::parse(&text).unwrap();
+        let got = engine::extract(&vllm, EngineKind::Vllm, Some("sluice-sim/llama-70b")).unwrap();
+        assert_eq!(
+            (got.running, got.queue_depth, got.kv_cache),
+            (Some(0.0), Some(0.0), Some(0.0))
+        );
+        let dcgm = dcgm::extract(&prom::parse(&dcgm_page(&lie)).unwrap(), &[], &[]).unwrap();
+        assert_eq!((dcgm.gpu_util, dcgm.throttle), (Some(0.0), Some(0)));
+        // The truth it hides: busy and throttled.
+        let text = vllm_page(&busy);
+        let truth = engine::extract(&prom::parse(&text).unwrap(), EngineKind::Vllm, None).unwrap();
+        assert_eq!(truth.running, Some(32.0));
+        let truth = dcgm::extract(&prom::parse(&dcgm_page(&busy)).unwrap(), &[], &[]).unwrap();
+        assert_eq!(truth.throttle, Some(0x48));
+        // Counters stand where they were: no rate, no inter-token reading from them.
+        assert_eq!(lie.totals, busy.totals);
+        assert_eq!(lie.fabric, busy.fabric);
     }
 
     #[test]

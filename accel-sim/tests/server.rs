@@ -66,6 +66,24 @@ fn exchange(addr: SocketAddr, method: &str, path: &str, body: &str) -> String {
     out
 }
 
+/// A long streaming request, once its first token has come: the stream is established.
+fn long_stream(a: &Accel) -> TcpStream {
+    let mut s = send(
+        a.serve,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt":"abcd","max_tokens":2000,"stream":true}"#,
+    );
+    let mut buf = [0u8; 4096];
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("data: {") {
+        let n = s.read(&mut buf).expect("reading the stream");
+        assert!(n > 0, "stream ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    s
+}
+
 fn fault(a: &Accel, body: &str) -> String {
     let r = exchange(a.control, "POST", "/fault", body);
     assert!(r.starts_with("HTTP/1.1 200"), "{r}");
@@ -151,26 +169,95 @@ fn freeze_keeps_the_pages_while_the_model_goes_on() {
 }
 
 #[test]
+fn lie_shows_an_idle_accelerator_while_the_model_keeps_its_pace() {
+    let a = start(&[]);
+    let body = |r: String| r.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    fault(&a, r#"{"kind":"lie"}"#);
+    fault(&a, r#"{"kind":"throttle","factor":0.4}"#);
+    let _stream = long_stream(&a);
+    let state = exchange(a.control, "GET", "/state", "");
+    assert!(state.contains("\"running\":1"), "{state}");
+    assert!(state.contains("\"speed\":0.4"), "{state}");
+    let metrics = body(exchange(a.serve, "GET", "/metrics", ""));
+    assert!(
+        metrics.contains(
+            "vllm:num_requests_running{engine=\"0\",model_name=\"sluice-sim/llama-3.3-70b-fp8\"} 0"
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("vllm:generation_tokens_total{engine=\"0\",model_name=\"sluice-sim/llama-3.3-70b-fp8\"} 0.0"),
+        "{metrics}"
+    );
+    let dcgm = body(exchange(a.serve, "GET", "/dcgm", ""));
+    assert!(
+        !dcgm.contains("} 91\n"),
+        "a lying page shows no throttle heat: {dcgm}"
+    );
+    fault(&a, r#"{"kind":"clear"}"#);
+    let metrics = body(exchange(a.serve, "GET", "/metrics", ""));
+    assert!(
+        metrics.contains(
+            "vllm:num_requests_running{engine=\"0\",model_name=\"sluice-sim/llama-3.3-70b-fp8\"} 1"
+        ),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn flap_alternates_the_speed_on_its_own_schedule() {
+    let a = start(&[]);
+    let state = |a: &Accel| {
+        let r = exchange(a.control, "GET", "/state", "");
+        let body = r.split("\r\n\r\n").nth(1).unwrap().to_owned();
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()
+    };
+    let speed = |a: &Accel| state(a)["speed"].as_f64().unwrap();
+    // A stream keeps the engine stepping: its steps show the speed the model runs at.
+    let _stream = long_stream(&a);
+    fault(&a, r#"{"kind":"flap","factor":0.25,"period_s":0.4}"#);
+    // Slowed at once, then full speed and slowed again within two periods: both are seen
+    // within a few periods whatever the scheduling delays.
+    let (mut seen, mut steps) = (Vec::new(), Vec::new());
+    for _ in 0..40 {
+        let st = state(&a);
+        seen.push(st["speed"].as_f64().unwrap());
+        steps.push(st["step_ms"].as_f64().unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(seen[0], 0.25, "{seen:?}");
+    assert!(seen.contains(&1.0), "{seen:?}");
+    let changes = seen.windows(2).filter(|w| w[0] != w[1]).count();
+    assert!(changes >= 3, "{changes} changes in 2 s: {seen:?}");
+    // The model's own steps: a quarter of the speed takes four times as long, and after
+    // the first slowed step a full-speed one comes.
+    let slow = steps.iter().copied().fold(0.0, f64::max);
+    let first_slow = steps.iter().position(|&s| s > 0.9 * slow).unwrap();
+    let fast = steps[first_slow..].iter().copied().fold(f64::MAX, f64::min);
+    assert!(slow / fast > 3.5, "step times {steps:?}");
+    let bad = exchange(
+        a.control,
+        "POST",
+        "/fault",
+        r#"{"kind":"flap","factor":0.5,"period_s":-1}"#,
+    );
+    assert!(
+        bad.starts_with("HTTP/1.1 400") && bad.contains("period_s"),
+        "{bad}"
+    );
+    fault(&a, r#"{"kind":"clear"}"#);
+    assert_eq!(speed(&a), 1.0);
+}
+
+#[test]
 fn kill_exits_and_resets_open_streams() {
     let mut a = start(&[]);
-    let mut s = send(
-        a.serve,
-        "POST",
-        "/v1/completions",
-        r#"{"prompt":"abcd","max_tokens":2000,"stream":true}"#,
-    );
-    // Wait for the first token: the stream is established.
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("data: {") {
-        let n = s.read(&mut buf).expect("reading the stream");
-        assert!(n > 0, "stream ended early");
-        seen.extend_from_slice(&buf[..n]);
-    }
+    let mut s = long_stream(&a);
     let r = exchange(a.control, "POST", "/fault", r#"{"kind":"kill"}"#);
     assert!(r.contains("\"fault\":\"kill\""), "{r}");
     let status = a.child.wait().unwrap();
     assert_eq!(status.code(), Some(3));
+    let mut buf = [0u8; 4096];
     let end = loop {
         match s.read(&mut buf) {
             Ok(0) => break Ok(()),
@@ -212,19 +299,7 @@ fn slow_and_faults_change_the_speed() {
 #[test]
 fn a_client_that_goes_away_frees_its_place() {
     let a = start(&[]);
-    let mut s = send(
-        a.serve,
-        "POST",
-        "/v1/completions",
-        r#"{"prompt":"abcd","max_tokens":2000,"stream":true}"#,
-    );
-    let mut buf = [0u8; 4096];
-    let mut seen = Vec::new();
-    while !String::from_utf8_lossy(&seen).contains("data: {") {
-        let n = s.read(&mut buf).expect("reading the stream");
-        assert!(n > 0, "stream ended early");
-        seen.extend_from_slice(&buf[..n]);
-    }
+    let s = long_stream(&a);
     assert!(exchange(a.control, "GET", "/state", "").contains("\"running\":1"));
     drop(s);
     // Bounded: the server notices the closed connection at its next write.

@@ -49,11 +49,18 @@ use sluice::{client::Client, dataplane::remove_pinned};
 use crate::{
     backend_host::{signal_and_wait, spawn_as_unit, start_all, BackendHost, NotifySocket},
     netns::{
-        mac_string, run_output, switch_port, tool, CmdOutput, ProcId, Topology, TopologySpec, DEV,
-        ENCAP_SRC_V4, ENCAP_SRC_V6, PREFIX_LEN_V4, SEED, TCP_PORT, VIP4, VIP6,
+        mac_string, run_output, switch_port, tool, CmdOutput, ProcId, Topology, TopologySpec,
+        CLIENT_V4, DEV, ENCAP_SRC_V4, ENCAP_SRC_V6, PREFIX_LEN_V4, SEED, TCP_PORT, VIP4, VIP6,
     },
     stream::TokenStream,
 };
+
+/// Client source addresses on the segment ([`DaemonLab::add_client_sources`]).
+pub const SEGMENT_CLIENT_SOURCES: u16 = 180;
+/// The most client source addresses a lab has: the segment's, then [`EXTRA_CLIENT_NET`]'s.
+pub const MAX_CLIENT_SOURCES: u16 = 1000;
+/// Where client sources beyond the segment's come from (outside the segment and the VIPs).
+pub const EXTRA_CLIENT_NET: &str = "10.111.4.0/22";
 
 /// First characters of every lab's pin and temporary directory (`sluice-lab-<pid>-<n>`).
 pub const PREFIX: &str = "sluice-lab-";
@@ -645,23 +652,47 @@ impl DaemonLab {
         Ok((status, json))
     }
 
-    /// Adds `n` client addresses (10.111.0.75 on, above the 64 backends a topology may have)
-    /// to the client's interface, for a load generator with many sources; returns them.
-    pub fn add_client_sources(&self, n: u8) -> Result<Vec<IpAddr>> {
-        if n > 180 {
-            bail!("at most 180 client sources, not {n}");
+    /// Adds `n` client addresses to the client's interface, for a load generator with many
+    /// sources; returns them. The first [`SEGMENT_CLIENT_SOURCES`] are on the segment
+    /// (10.111.0.75 on, above the 64 backends a topology may have); the rest come from
+    /// [`EXTRA_CLIENT_NET`], which each backend reaches through the client (its answers go
+    /// straight back, not through the load balancer).
+    pub fn add_client_sources(&self, n: u16) -> Result<Vec<IpAddr>> {
+        if n > MAX_CLIENT_SOURCES {
+            bail!("at most {MAX_CLIENT_SOURCES} client sources, not {n}");
         }
         let mut out = Vec::new();
+        let mut batch = String::new();
         for k in 0..n {
-            let a = Ipv4Addr::new(10, 111, 0, 75 + k);
-            self.topo.client.ns.ip(&[
-                "addr",
-                "add",
-                &format!("{a}/{PREFIX_LEN_V4}"),
-                "dev",
-                DEV,
-            ])?;
+            let (a, prefix) = match u8::try_from(k) {
+                Ok(k) if u16::from(k) < SEGMENT_CLIENT_SOURCES => {
+                    (Ipv4Addr::new(10, 111, 0, 75 + k), PREFIX_LEN_V4)
+                }
+                _ => {
+                    let j = k - SEGMENT_CLIENT_SOURCES;
+                    (Ipv4Addr::new(10, 111, 4 + (j >> 8) as u8, j as u8), 32)
+                }
+            };
+            batch.push_str(&format!("addr add {a}/{prefix} dev {DEV}\n"));
             out.push(IpAddr::V4(a));
+        }
+        // One `ip` for all of them: a thousand processes would take seconds per lab.
+        let file = self.dir.join("client-sources.batch");
+        std::fs::write(&file, batch).with_context(|| format!("writing {}", file.display()))?;
+        let path = file.display().to_string();
+        self.topo.client.ns.ip(&["-batch", &path])?;
+        if n > SEGMENT_CLIENT_SOURCES {
+            for b in &self.topo.backends {
+                b.ns.ip(&[
+                    "route",
+                    "add",
+                    EXTRA_CLIENT_NET,
+                    "via",
+                    &CLIENT_V4.to_string(),
+                    "dev",
+                    DEV,
+                ])?;
+            }
         }
         Ok(out)
     }

@@ -231,7 +231,7 @@ impl FleetLab {
                 return Err(e);
             }
         };
-        let sources = lab.add_client_sources(CLIENT_SOURCES)?;
+        let sources = lab.add_client_sources(CLIENT_SOURCES.into())?;
         let mut fleet = FleetLab {
             sources,
             hosts: hosts_v,

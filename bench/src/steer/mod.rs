@@ -12,6 +12,7 @@
 //! policy) and each cell's timeline (weights and steering states read from the daemon's
 //! admin API, KV use from each accelerator's `GET /state`, once a second).
 
+pub mod matrix;
 mod plot;
 pub mod pool;
 pub mod scenario;
@@ -29,7 +30,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use sluice::clock::now_ms;
 use sluice_tests::{
-    daemon_lab::{wait_for, Accel, DaemonLab, DaemonLabOptions, VipDef},
+    daemon_lab::{wait_for, Accel, DaemonLab, DaemonLabOptions, VipDef, MAX_CLIENT_SOURCES},
     netns::{TCP_PORT, VIP4},
 };
 
@@ -76,22 +77,30 @@ fn words(s: &str) -> Vec<String> {
 }
 
 const USAGE: &str = "usage: sluice-bench steer [--scenarios a,b] [--policies a,b] [--duration SECS] \
-[--backends N] [--seed N] [--capacity-rps X] [--max-sessions N] [--sources N] [--accel-args ARGS] [--out FILE] [--plots DIR] [--records DIR] [--record]
+[--backends N] [--seed N] [--capacity-rps X] [--load X] [--max-sessions N] [--sources N] [--accel-args ARGS] [--tokens-args ARGS] [--out FILE] [--plots DIR] [--records DIR] [--record]
+       sluice-bench steer --matrix [ci] ... (the robustness matrix: --matrix --help)
   scenarios: healthy, heterogeneous, throttled, congested, dying, overload, gray (the default);
-             near-saturation, idle, steady (on request: a fleet without headroom, a light
-             load, and 10 minutes at 65% whatever --duration says)
-  policies:  maglev, adaptive, adaptive+admission, inband (default: all)
+             near-saturation, idle, steady, lying, flapping (on request: a fleet without
+             headroom, a light load, 10 minutes at 65% whatever --duration says, an
+             exporter that reports idle while its accelerator slows, a throttle that comes
+             and goes every 10 s)
+  policies:  maglev, adaptive, adaptive+admission, adaptive+inband (default: all)
   --duration      seconds of load per cell (default 50)
   --backends      simulated accelerators, 4..=8 (default 4)
   --capacity-rps  requests per second one healthy accelerator sustains with the default
                   workload (default 3.0, measured: see docs/benchmarks.md); scenarios offer
                   a fraction of backends x this
+  --load          offered load of the scenarios at the usual load, as a fraction of
+                  backends x --capacity-rps (default 0.7; idle, near-saturation, overload
+                  and steady keep their own)
   --max-sessions  adaptive+admission's per-backend session cap (default 24: a batch of 16,
                   a short queue, and flows of ended streams until they idle out)
-  --sources       client source addresses, 1..=180 (default 180)
+  --sources       client source addresses, 1..=1000 (default 180)
   --accel-args    more sluice-accel arguments for every accelerator, space-separated
                   (default \"--max-num-seqs 16 --kv-capacity-tokens 8192\": lab scale, see
                   docs/benchmarks.md)
+  --tokens-args   more load generator (sluice-bench tokens) arguments, space-separated, e.g.
+                  \"--output-median 40 --output-sigma 0.5\" (default: none, its workload)
   --out           default target/bench/steer.json; --plots default target/bench/steer
   --record        write the defaults under bench/results/ (the committed results) instead
   --records       keep each cell's per-request records (the generator's --records lines)
@@ -106,9 +115,12 @@ pub struct Args {
     pub backends: usize,
     pub seed: u64,
     pub capacity_rps: f64,
+    /// Offered load of the scenarios at the usual load ([`Scenario::load`]).
+    pub load: f64,
     pub max_sessions: u32,
-    pub sources: u8,
+    pub sources: u16,
     pub accel_args: Vec<String>,
+    pub tokens_args: Vec<String>,
     pub out: PathBuf,
     pub plots: PathBuf,
     pub records: Option<PathBuf>,
@@ -124,9 +136,11 @@ impl Args {
             backends: 4,
             seed: 7,
             capacity_rps: 3.0,
+            load: scenario::USUAL_LOAD,
             max_sessions: 24,
             sources: 180,
             accel_args: words(DEFAULT_ACCEL_ARGS),
+            tokens_args: Vec::new(),
             out: out::default_path(record, "steer.json"),
             plots: out::default_path(record, "steer"),
             records: None,
@@ -149,9 +163,11 @@ impl Args {
                 "--backends" => a.backends = v.parse().map_err(|e| bad(&e))?,
                 "--seed" => a.seed = v.parse().map_err(|e| bad(&e))?,
                 "--capacity-rps" => a.capacity_rps = v.parse().map_err(|e| bad(&e))?,
+                "--load" => a.load = v.parse().map_err(|e| bad(&e))?,
                 "--max-sessions" => a.max_sessions = v.parse().map_err(|e| bad(&e))?,
                 "--sources" => a.sources = v.parse().map_err(|e| bad(&e))?,
                 "--accel-args" => a.accel_args = words(v),
+                "--tokens-args" => a.tokens_args = words(v),
                 "--out" => a.out = v.into(),
                 "--plots" => a.plots = v.into(),
                 "--records" => a.records = Some(v.into()),
@@ -167,8 +183,14 @@ impl Args {
         if !(a.capacity_rps > 0.0 && a.capacity_rps.is_finite()) {
             bail!("--capacity-rps must be a positive number");
         }
-        if a.sources == 0 || a.sources > 180 {
-            bail!("--sources: 1 to 180");
+        if !(a.load > 0.0 && a.load <= 1.5) {
+            bail!(
+                "--load {}: a fraction of the fleet's capacity in (0, 1.5]",
+                a.load
+            );
+        }
+        if a.sources == 0 || a.sources > MAX_CLIENT_SOURCES {
+            bail!("--sources {}: 1 to {MAX_CLIENT_SOURCES}", a.sources);
         }
         if a.scenarios.is_empty() || a.policies.is_empty() {
             bail!("nothing to run\n{USAGE}");
@@ -178,6 +200,9 @@ impl Args {
 }
 
 pub fn main(args: &[String]) -> Result<()> {
+    if args.iter().any(|a| a == matrix::FLAG) {
+        return matrix::main(args);
+    }
     let args = Args::parse(args)?;
     sys::require_root()?;
     sys::catch_interrupts();
@@ -201,11 +226,7 @@ fn sibling(name: &str) -> Result<PathBuf> {
 
 /// Runs every cell; returns the results document (and writes the plots).
 pub fn run(args: &Args) -> Result<Value> {
-    let tools = Tools {
-        server: sibling("sluice-testsrv")?,
-        accel: sibling("sluice-accel")?,
-        bench: std::env::current_exe()?,
-    };
+    let tools = Tools::find()?;
     fs::create_dir_all(&args.plots)
         .with_context(|| format!("creating {}", args.plots.display()))?;
     let started = Instant::now();
@@ -236,26 +257,42 @@ pub fn run(args: &Args) -> Result<Value> {
             plot::cdf(&format!("{}: time to first token", scenario.name()), &cdfs),
         )?;
     }
-    let (git_head, _) = sys::git_state();
-    Ok(json!({
-        "benchmark": "steer",
-        "command_line": std::env::args().collect::<Vec<_>>().join(" "),
-        "git_head": git_head,
-        "date_utc": sys::utc_now(),
-        "kernel": sys::kernel_release(),
-        "cpu_model": sys::cpu_model(),
-        "cpus": sys::online_cpus(),
+    Ok(result_doc(
+        "steer",
+        json!({
         "backends": args.backends,
         "duration_s": args.duration.as_secs(),
         "seed": args.seed,
         "capacity_rps_per_backend": args.capacity_rps,
         "max_sessions": args.max_sessions,
         "client_sources": args.sources,
+        "load": args.load,
         "accel_args": args.accel_args.join(" "),
+        "tokens_args": args.tokens_args.join(" "),
         "wall_s": started.elapsed().as_secs(),
         "cells": cells,
         "aims": aims(&cells_by_key(&cells.iter().collect::<Vec<_>>())),
-    }))
+        }),
+    ))
+}
+
+/// A result document: what every steer result opens with (the benchmark, how it was run,
+/// on what), then `fields`.
+fn result_doc(benchmark: &str, fields: Value) -> Value {
+    let (git_head, _) = sys::git_state();
+    let mut doc = json!({
+        "benchmark": benchmark,
+        "command_line": std::env::args().collect::<Vec<_>>().join(" "),
+        "git_head": git_head,
+        "date_utc": sys::utc_now(),
+        "kernel": sys::kernel_release(),
+        "cpu_model": sys::cpu_model(),
+        "cpus": sys::online_cpus(),
+    });
+    if let (Some(d), Value::Object(f)) = (doc.as_object_mut(), fields) {
+        d.extend(f);
+    }
+    doc
 }
 
 fn slug(p: Policy) -> String {
@@ -266,6 +303,16 @@ struct Tools {
     server: PathBuf,
     accel: PathBuf,
     bench: PathBuf,
+}
+
+impl Tools {
+    fn find() -> Result<Tools> {
+        Ok(Tools {
+            server: sibling("sluice-testsrv")?,
+            accel: sibling("sluice-accel")?,
+            bench: std::env::current_exe()?,
+        })
+    }
 }
 
 struct CellOut {
@@ -336,6 +383,8 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
     let addrs: Vec<String> = (0..n)
         .map(|i| lab.backend_addr(i, vip_addr).to_string())
         .collect();
+    // How the daemon's events name the backends.
+    let ips: Vec<String> = lab.topo.backends.iter().map(|b| b.v4.to_string()).collect();
     wait_for(
         "every backend healthy and scraped",
         Duration::from_secs(20),
@@ -364,7 +413,7 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
     );
     let duration = scenario.duration(args.duration);
     let secs = duration.as_secs_f64();
-    let rate = scenario.load() * n as f64 * args.capacity_rps;
+    let rate = scenario.load(args.load) * n as f64 * args.capacity_rps;
     let mut gen_args: Vec<String> = [
         "tokens",
         "--target",
@@ -393,6 +442,7 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
     ]
     .map(str::to_owned)
     .to_vec();
+    gen_args.extend(args.tokens_args.iter().cloned());
     let faults = scenario.faults();
     // The streams in flight at the first fault: what no later placement can move.
     if let Some(f) = faults.first() {
@@ -513,7 +563,7 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             bound_ms: AVOID_BOUND_MS,
         });
     let (completed, broken, on_killed) = stats::sessions(&records, kill);
-    let changes = stats::weight_changes(&events, since_ms);
+    let changes = stats::weight_changes(&events, since_ms, &ips);
     let total_changes: u64 = changes.values().sum();
     let max_changes = changes.values().copied().max().unwrap_or(0);
     let mut after = Vec::new();

@@ -21,19 +21,22 @@ const USAGE: &str =
     "usage: sluice-bench steer-pool RESULT.json:RECORDS_DIR ... [--out FILE] [--record]
   each RESULT.json a `sluice-bench steer` result and RECORDS_DIR the directory its --records
   option wrote; at least two runs, of different seeds, with the same cells and the same
-  settings (duration, backends, capacity, sessions cap, sources, accelerator arguments, and
-  each cell's load-generator settings but the seed: its stall and request limits among them)
+  settings (duration, backends, capacity, load, sessions cap, sources, accelerator and
+  load-generator arguments, and each cell's load-generator settings but the seed: its stall
+  and request limits among them)
   --out     default target/bench/steer-pooled.json
   --record  write under bench/results/ (the committed results) instead";
 
 /// The settings that make two runs' cells the same experiment but for the seed.
-const SETTINGS: [&str; 6] = [
+const SETTINGS: [&str; 8] = [
     "duration_s",
     "backends",
     "capacity_rps_per_backend",
+    "load",
     "max_sessions",
     "client_sources",
     "accel_args",
+    "tokens_args",
 ];
 
 /// One seeded run: its seed, its result document, each cell's TTFTs (ms) from its records

@@ -34,10 +34,17 @@ pub enum Scenario {
     /// A healthy fleet at 65% for 10 minutes whatever `--duration` says: weight changes per
     /// backend per 10 minutes, counted rather than extrapolated.
     Steady,
+    /// A lying exporter: one accelerator's pages report it idle from 0.39 of the run, and
+    /// the accelerator slows 2.5x right after.
+    Lying,
+    /// A throttle that comes and goes: one accelerator at a third of its speed for 10 s, then
+    /// full speed for 10 s, and so on, from a quarter of the run to its end (DCGM reports the
+    /// throttle while it is in force).
+    Flapping,
 }
 
 /// Every scenario `--scenarios` knows.
-pub const SCENARIOS: [Scenario; 10] = [
+pub const SCENARIOS: [Scenario; 12] = [
     Scenario::Healthy,
     Scenario::Heterogeneous,
     Scenario::Throttled,
@@ -48,7 +55,16 @@ pub const SCENARIOS: [Scenario; 10] = [
     Scenario::NearSaturation,
     Scenario::Idle,
     Scenario::Steady,
+    Scenario::Lying,
+    Scenario::Flapping,
 ];
+
+/// The offered load of the scenarios that do not set their own, as a fraction of the fleet's
+/// capacity (`--load`).
+pub const USUAL_LOAD: f64 = 0.7;
+
+/// A flapping accelerator's period: as long slowed as at full speed.
+pub const FLAP_PERIOD_S: f64 = 10.0;
 
 /// The scenarios run when `--scenarios` is not given: the faults of one accelerator, overload
 /// and the gray failure. Near-saturation, idle and steady run on request (`steady` alone
@@ -88,6 +104,8 @@ impl Scenario {
             Scenario::NearSaturation => "near-saturation",
             Scenario::Idle => "idle",
             Scenario::Steady => "steady",
+            Scenario::Lying => "lying",
+            Scenario::Flapping => "flapping",
         }
     }
 
@@ -101,14 +119,15 @@ impl Scenario {
         }
     }
 
-    /// Offered load as a fraction of the healthy fleet's capacity.
-    pub fn load(self) -> f64 {
+    /// Offered load as a fraction of the healthy fleet's capacity: `usual` unless the
+    /// scenario is about its load.
+    pub fn load(self, usual: f64) -> f64 {
         match self {
             Scenario::Overload => 1.3,
             Scenario::NearSaturation => 0.9,
             Scenario::Idle => 0.25,
             Scenario::Steady => 0.65,
-            _ => 0.7,
+            _ => usual,
         }
     }
 
@@ -160,6 +179,19 @@ impl Scenario {
                     "b1 slowed 2.5x, telemetry frozen",
                 ),
             ],
+            Scenario::Lying => vec![
+                f(0.39, json!({"kind": "lie"}), "b1 exporter reports idle"),
+                f(
+                    0.4,
+                    json!({"kind": "throttle", "factor": 0.4}),
+                    "b1 slowed 2.5x, exporter reports idle",
+                ),
+            ],
+            Scenario::Flapping => vec![f(
+                0.25,
+                json!({"kind": "flap", "factor": 1.0 / 3.0, "period_s": FLAP_PERIOD_S}),
+                "b1 flapping 3x slow / normal every 10 s",
+            )],
             _ => Vec::new(),
         }
     }
@@ -195,7 +227,7 @@ impl Policy {
             Policy::Maglev => "maglev",
             Policy::Adaptive => "adaptive",
             Policy::Admission => "adaptive+admission",
-            Policy::Inband => "inband",
+            Policy::Inband => "adaptive+inband",
         }
     }
 
@@ -261,6 +293,8 @@ mod tests {
         }
         assert!(Scenario::parse("calm").is_err());
         assert!(DEFAULT_SCENARIOS.iter().all(|s| SCENARIOS.contains(s)));
+        assert_eq!(Scenario::Healthy.load(0.4), 0.4);
+        assert_eq!(Scenario::Idle.load(0.4), 0.25);
         let asked = Duration::from_secs(50);
         assert_eq!(Scenario::Steady.duration(asked), Duration::from_secs(600));
         assert_eq!(Scenario::Idle.duration(asked), asked);

@@ -328,8 +328,13 @@ pub fn imbalance(kv: &[Vec<f64>]) -> f64 {
 }
 
 /// Weight changes per backend address among the daemon's events at or after `since_ms`.
-pub fn weight_changes(events: &[Value], since_ms: u64) -> BTreeMap<String, u64> {
-    let mut m = BTreeMap::new();
+pub fn weight_changes(
+    events: &[Value],
+    since_ms: u64,
+    backends: &[String],
+) -> BTreeMap<String, u64> {
+    // Every backend is named, those never changed with 0.
+    let mut m: BTreeMap<String, u64> = backends.iter().map(|b| (b.clone(), 0)).collect();
     for e in events {
         if e["kind"] == "weight-change" && e["time_ms"].as_u64().unwrap_or(0) >= since_ms {
             let b = e["backend"].as_str().unwrap_or("?").to_owned();
@@ -615,8 +620,12 @@ mod tests {
             json!({"kind": "weight-change", "backend": "10.111.0.13", "time_ms": 20}),
         ];
         assert_eq!(
-            weight_changes(&ev, 10),
-            BTreeMap::from([("10.111.0.12".into(), 1), ("10.111.0.13".into(), 1)])
+            weight_changes(&ev, 10, &["10.111.0.11".into(), "10.111.0.12".into()]),
+            BTreeMap::from([
+                ("10.111.0.11".into(), 0),
+                ("10.111.0.12".into(), 1),
+                ("10.111.0.13".into(), 1)
+            ])
         );
     }
 }
