@@ -6,7 +6,6 @@
 
 use std::{
     collections::{BTreeMap, VecDeque},
-    fs,
     io::Write,
     net::IpAddr,
     path::PathBuf,
@@ -482,14 +481,8 @@ impl<P: Plane> Controller<P> {
             hash: HashKind::Fnv1a,
             state: self.state.clone(),
         };
-        if let Some(dir) = path.parent() {
-            fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        }
-        let tmp = path.with_extension("tmp");
-        private_file::write(&tmp, &serde_json::to_vec_pretty(&p)?)
-            .with_context(|| format!("writing {}", tmp.display()))?;
-        fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))?;
-        Ok(())
+        private_file::write(path, &serde_json::to_vec_pretty(&p)?)
+            .with_context(|| format!("writing {}", path.display()))
     }
 
     /// See [`Plane::inband`].
@@ -635,6 +628,8 @@ pub mod fake {
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
     use super::{fake::FakePlane, *};
     use crate::state::testing::{be, vip};
     use crate::test_dir::TestDir;
