@@ -246,7 +246,7 @@ async fn measure(n: usize, a: &Args, hc: &HealthConfig) -> Result<serde_json::Va
     let _keep = listeners(failing, a.survivors)?;
     let mut doomed = listeners(0, failing)?;
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(run_health(
+    let mut task = tokio::spawn(run_health(
         ctl.clone(),
         cfg.clone(),
         Instant::now(),
@@ -275,7 +275,13 @@ async fn measure(n: usize, a: &Args, hc: &HealthConfig) -> Result<serde_json::Va
     tokio::time::sleep(Duration::from_secs(a.steady_secs)).await;
     let cpu_failed = pct(cpu_secs() - c0, t0.elapsed());
     let _ = stop.send(());
-    task.await?;
+    // Run 2 measures the stop; here it only must not outlive the run.
+    if tokio::time::timeout(Duration::from_secs(a.max_wait_secs), &mut task)
+        .await
+        .is_err()
+    {
+        task.abort();
+    }
     drop(_keep);
 
     // Run 2: the stop, sent while a mass failure is being marked.
@@ -285,7 +291,7 @@ async fn measure(n: usize, a: &Args, hc: &HealthConfig) -> Result<serde_json::Va
     let ctl = Arc::new(Mutex::new(ctl));
     let mut doomed = listeners(0, n)?;
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(run_health(ctl.clone(), cfg, Instant::now(), async {
+    let mut task = tokio::spawn(run_health(ctl.clone(), cfg, Instant::now(), async {
         let _ = stopped.await;
     }));
     tokio::time::sleep(2 * hc.interval).await;
@@ -294,11 +300,12 @@ async fn measure(n: usize, a: &Args, hc: &HealthConfig) -> Result<serde_json::Va
     tokio::time::sleep(hc.interval * hc.fall).await;
     let t = Instant::now();
     let _ = stop.send(());
-    let stopped_in = tokio::time::timeout(Duration::from_secs(a.max_wait_secs), task).await;
+    let stopped_in = tokio::time::timeout(Duration::from_secs(a.max_wait_secs), &mut task).await;
     let stop_s = stopped_in.is_ok().then(|| t.elapsed().as_secs_f64());
     let _ = std::fs::remove_dir_all(&dir);
     if stopped_in.is_err() {
-        // The checker is still running: the runtime's drop at the end ends it.
+        // Ended at its next await, so that it takes no CPU from the next size's figures.
+        task.abort();
         eprintln!(
             "{n} backends: the checker did not return within {} s of the stop",
             a.max_wait_secs

@@ -137,12 +137,19 @@ impl Trackers {
     }
 }
 
+/// The granularity of a round's start times: probes due in the same step start together,
+/// so a round of thousands wakes the checker some tens of times, not once per probe.
+pub const START_STEP: Duration = Duration::from_millis(10);
+
 /// When the `i`th of a round's `n` probes starts, after the round's start: spread evenly
-/// over the part of the interval that leaves each probe its whole timeout before the next
-/// round, so a round's answers are in by then and its connects do not leave all at once.
+/// (in steps of [`START_STEP`]) over the part of the interval that leaves each probe its
+/// whole timeout before the next round, so a round's answers are in by then and its
+/// connects do not leave all at once.
 pub fn offset(i: usize, n: usize, cfg: &HealthConfig) -> Duration {
     let spread = cfg.interval.saturating_sub(cfg.timeout).as_nanos();
-    Duration::from_nanos((spread * i as u128 / n.max(1) as u128) as u64)
+    let at = spread * i as u128 / n.max(1) as u128;
+    let step = START_STEP.as_nanos();
+    Duration::from_nanos((at / step * step) as u64)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -398,7 +405,12 @@ mod tests {
         assert!(starts.windows(2).all(|w| w[0] <= w[1]));
         let last = starts[n - 1] + cfg.timeout;
         assert!(last < cfg.interval, "{last:?}");
-        assert!(last > cfg.interval - Duration::from_millis(1), "{last:?}");
+        assert!(last >= cfg.interval - START_STEP, "{last:?}");
+        assert!(starts
+            .iter()
+            .all(|s| s.as_nanos() % START_STEP.as_nanos() == 0));
+        let distinct: BTreeSet<&Duration> = starts.iter().collect();
+        assert_eq!(distinct.len(), 50, "one wake-up per step of the spread");
         assert_eq!(offset(0, 0, &cfg), Duration::ZERO);
     }
 
