@@ -363,7 +363,8 @@ pub fn main(args: &[String]) -> Result<()> {
     rt.shutdown_timeout(Duration::from_secs(1));
     let out = json!({
         "bench": "health",
-        "command": sys::parent_cmdline().unwrap_or_else(|| std::env::args().collect::<Vec<_>>().join(" ")),
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "parent": sys::parent_cmdline(),
         "revision": rev,
         "date": sys::utc_now(),
         "cpus": sys::online_cpus(),
