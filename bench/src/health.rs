@@ -232,11 +232,40 @@ async fn until_down<P: Plane>(
     }
 }
 
+/// The state file's and audit log's directory of one size, removed however the size ends.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Result<Scratch> {
+        let s = Scratch(
+            std::env::temp_dir().join(format!("sluice-bench-health-{}", std::process::id())),
+        );
+        s.empty()?;
+        Ok(s)
+    }
+
+    fn empty(&self) -> Result<()> {
+        let _ = std::fs::remove_dir_all(&self.0);
+        std::fs::create_dir_all(&self.0).with_context(|| format!("creating {}", self.0.display()))
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// One size: a run for CPU and time to mark, then a run for the stop.
 async fn measure(n: usize, a: &Args, hc: &HealthConfig) -> Result<serde_json::Value> {
-    let dir = std::env::temp_dir().join(format!("sluice-bench-health-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
+    let dir = Scratch::new()?;
     let failing = n - a.survivors;
     let pct = |cpu: f64, wall: Duration| r1(100.0 * cpu / wall.as_secs_f64());
 
@@ -285,8 +314,7 @@ async fn measure(n: usize, a: &Args, hc: &HealthConfig) -> Result<serde_json::Va
     drop(_keep);
 
     // Run 2: the stop, sent while a mass failure is being marked.
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
+    dir.empty()?;
     let (ctl, cfg) = controller(n, &dir)?;
     let ctl = Arc::new(Mutex::new(ctl));
     let mut doomed = listeners(0, n)?;
@@ -302,7 +330,6 @@ async fn measure(n: usize, a: &Args, hc: &HealthConfig) -> Result<serde_json::Va
     let _ = stop.send(());
     let stopped_in = tokio::time::timeout(Duration::from_secs(a.max_wait_secs), &mut task).await;
     let stop_s = stopped_in.is_ok().then(|| t.elapsed().as_secs_f64());
-    let _ = std::fs::remove_dir_all(&dir);
     if stopped_in.is_err() {
         // Ended at its next await, so that it takes no CPU from the next size's figures.
         task.abort();
