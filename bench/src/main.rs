@@ -6,6 +6,8 @@
 //!   `sluice_pass` baseline (see `xdp.rs`; `sluice-bench xdp --help`).
 //! - `maglev`: table build time for 10 to 1000 backends and the cost of publishing a change.
 //! - `failover`: time from a backend's death to the data plane steering around it.
+//! - `health`: the health checker's CPU, time to mark a mass failure and time to stop at
+//!   100 to 4,095 backends (`health.rs`).
 //! - `tokens`: a load generator of OpenAI-style token streams (see `tokens/mod.rs`;
 //!   `sluice-bench tokens --help`); needs no root.
 //! - `reads`: `sluice backend list`, a `/metrics` scrape and a policy step with a full
@@ -18,6 +20,7 @@
 //! results) with `--record` (`out.rs`).
 
 mod failover;
+mod health;
 mod history;
 mod maglev;
 mod out;
@@ -30,11 +33,26 @@ mod xdp;
 
 use std::process::ExitCode;
 
+/// A benchmark's arguments parsed by clap as `name args...`; None when they asked for
+/// `--help` (printed here).
+pub fn cli_args<T: clap::Parser>(name: &str, args: &[String]) -> anyhow::Result<Option<T>> {
+    match T::try_parse_from(std::iter::once(name.to_string()).chain(args.iter().cloned())) {
+        Ok(c) => Ok(Some(c)),
+        Err(e) if !e.use_stderr() => {
+            // --help, --version
+            print!("{e}");
+            Ok(None)
+        }
+        // The caller adds its own `error: `.
+        Err(e) => anyhow::bail!("{}", e.to_string().trim_start_matches("error: ").trim_end()),
+    }
+}
+
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let Some(name) = args.next() else {
         eprintln!(
-            "usage: sluice-bench <name> [args...] [--record]\nbenchmarks: xdp, maglev, failover, reads, tokens, steer, steer-pool, history\n{}",
+            "usage: sluice-bench <name> [args...] [--record]\nbenchmarks: xdp, maglev, failover, health, reads, tokens, steer, steer-pool, history\n{}",
             out::RECORD_HELP
         );
         return ExitCode::from(2);
@@ -44,6 +62,7 @@ fn main() -> ExitCode {
         "xdp" => xdp::main(&args),
         "maglev" => maglev::main(&args),
         "failover" => failover::main(&args),
+        "health" => health::main(&args),
         "reads" => reads::main(&args),
         "tokens" => tokens::main(&args),
         "steer" => steer::main(&args),
@@ -51,7 +70,7 @@ fn main() -> ExitCode {
         "history" => history::main(&args),
         _ => {
             eprintln!(
-                "unknown benchmark: {name} (known: xdp, maglev, failover, reads, tokens, steer, steer-pool, history)"
+                "unknown benchmark: {name} (known: xdp, maglev, failover, health, reads, tokens, steer, steer-pool, history)"
             );
             return ExitCode::from(2);
         }

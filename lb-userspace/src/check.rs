@@ -7,6 +7,7 @@ use std::{io::Write, path::Path};
 use crate::{
     config::{self, Config},
     daemon::specs,
+    private_file,
     state::{Limits, State},
     telemetry,
 };
@@ -59,6 +60,16 @@ pub fn check(text: &str, origin: &str) -> Result<Checked, Refused> {
     }
     if let Err(e) = telemetry::target::targets(&config) {
         problems.extend(e.lines().map(|l| format!("{origin}: {l}")));
+    }
+    // The daemon writes these as root: a directory another user can write would let that
+    // user redirect the writes (`private_file`).
+    for (key, file) in [
+        ("daemon.state_file", &config.daemon.state_file),
+        ("admin.audit_log", &config.admin.audit_log),
+    ] {
+        if let Err(e) = private_file::check_dir(file) {
+            problems.push(format!("{origin}: {key}: {e}"));
+        }
     }
     if !problems.is_empty() {
         return Err(Refused(problems));
@@ -118,6 +129,29 @@ mod tests {
         let e = check("[dataplane\n", "x.toml").unwrap_err();
         assert_eq!(e.0.len(), 1, "{e}");
         assert!(e.0[0].starts_with("x.toml:1:"), "{e}");
+    }
+
+    #[test]
+    fn state_and_audit_paths_in_a_directory_others_can_write_are_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = crate::test_dir::TestDir::new("check-shared");
+        std::fs::set_permissions(&*dir, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        for (section, key, file) in [
+            ("daemon", "state_file", "state.json"),
+            ("admin", "audit_log", "audit.jsonl"),
+        ] {
+            let text = format!(
+                "{MINIMAL}\n[{section}]\n{key} = \"{}\"\n",
+                dir.join(file).display()
+            );
+            let e = check(&text, "x.toml").unwrap_err();
+            assert_eq!(e.0.len(), 1, "{e}");
+            assert!(
+                e.0[0].starts_with(&format!("x.toml: {section}.{key}: {}", dir.display())),
+                "{e}"
+            );
+            assert!(e.0[0].contains("writable by every user"), "{e}");
+        }
     }
 
     #[test]

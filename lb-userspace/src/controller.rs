@@ -6,7 +6,6 @@
 
 use std::{
     collections::{BTreeMap, VecDeque},
-    fs,
     io::Write,
     net::IpAddr,
     path::PathBuf,
@@ -193,6 +192,14 @@ pub enum HashKind {
     Legacy,
     /// 64-bit FNV-1a over the file's bytes: the same value from every build.
     Fnv1a,
+}
+
+/// A health verdict of one backend (see [`Controller::set_health`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct HealthChange {
+    pub vip: String,
+    pub address: IpAddr,
+    pub healthy: bool,
 }
 
 pub struct Settings {
@@ -396,6 +403,28 @@ impl<P: Plane> Controller<P> {
         result
     }
 
+    /// Applies a round of health verdicts as one change: one data-plane write, one state
+    /// write and one audit line however many backends flip. All or nothing.
+    pub fn set_health(
+        &mut self,
+        changes: &[HealthChange],
+        now_ms: u64,
+    ) -> Result<(), RequestError> {
+        let mut new = self.state.clone();
+        let result = changes
+            .iter()
+            .try_for_each(|c| new.set_health(&c.vip, c.address, c.healthy))
+            .map_err(RequestError::from)
+            .and_then(|()| self.write(new));
+        self.audit(json!({
+            "time_ms": now_ms,
+            "peer": null,
+            "request": {"op": "set-health", "changes": changes},
+            "result": match &result { Ok(()) => "ok".to_string(), Err(e) => format!("error: {e}") },
+        }));
+        result
+    }
+
     /// Runs a reloaded configuration the way a start does ([`State::for_config`]): the file
     /// the running state was built from keeps it whole; a changed file replaces the VIPs and
     /// backends (ids, drains and health of what stays are kept). All or nothing, like a
@@ -501,14 +530,8 @@ impl<P: Plane> Controller<P> {
             hash: HashKind::Fnv1a,
             state: self.state.clone(),
         };
-        if let Some(dir) = path.parent() {
-            fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        }
-        let tmp = path.with_extension("tmp");
-        private_file::write(&tmp, &serde_json::to_vec_pretty(&p)?)
-            .with_context(|| format!("writing {}", tmp.display()))?;
-        fs::rename(&tmp, path).with_context(|| format!("replacing {}", path.display()))?;
-        Ok(())
+        private_file::write(path, &serde_json::to_vec_pretty(&p)?)
+            .with_context(|| format!("writing {}", path.display()))
     }
 
     /// See [`Plane::inband`].
@@ -667,6 +690,8 @@ pub mod fake {
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
     use super::{fake::FakePlane, *};
     use crate::state::testing::{be, vip};
     use crate::test_dir::TestDir;
@@ -722,6 +747,39 @@ mod tests {
         assert_eq!(line["result"], "ok");
         assert_eq!(line["before"], serde_json::Value::Null);
         assert_eq!(line["after"]["backends"].as_object().unwrap().len(), 2);
+    }
+
+    /// A round of health verdicts is one data-plane write, one state write and one audit
+    /// line, whatever its size; one that names an unknown backend changes nothing.
+    #[test]
+    fn a_round_of_health_changes_is_one_update() {
+        let (d, mut c) = fresh();
+        c.submit(add_chat(), Peer::default(), 5).unwrap();
+        let (writes, lines) = (c.plane().applied.len(), 1);
+        let down = |a: &str| HealthChange {
+            vip: "chat".into(),
+            address: a.parse().unwrap(),
+            healthy: false,
+        };
+        c.set_health(&[down("10.1.0.1"), down("10.1.0.2")], 6)
+            .unwrap();
+        assert_eq!(c.plane().applied.len(), writes + 1);
+        assert!(c.state().vips["chat"].backends.values().all(|b| !b.healthy));
+        let saved: Persisted =
+            serde_json::from_slice(&fs::read(d.join("state.json")).unwrap()).unwrap();
+        assert_eq!(&saved.state, c.state());
+        let audit = fs::read_to_string(d.join("audit.jsonl")).unwrap();
+        assert_eq!(audit.lines().count(), lines + 1);
+        let line: serde_json::Value = serde_json::from_str(audit.lines().last().unwrap()).unwrap();
+        assert_eq!(line["request"]["changes"].as_array().unwrap().len(), 2);
+
+        let before = c.state().clone();
+        let mut up = down("10.1.0.1");
+        up.healthy = true;
+        let e = c.set_health(&[up, down("10.1.0.9")], 7).unwrap_err();
+        assert_eq!(e.http_status(), 404, "{e}");
+        assert_eq!(c.state(), &before, "all or nothing");
+        assert_eq!(c.plane().applied.len(), writes + 1);
     }
 
     #[test]

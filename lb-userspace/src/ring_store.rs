@@ -27,7 +27,7 @@ pub fn path_for(state_file: &Path) -> PathBuf {
     state_file.with_extension("rings")
 }
 
-/// Writes `rings` to `path` (through a temporary file, so a reader never sees half of it).
+/// Writes `rings` to `path`, a private file (`private_file::write`).
 pub fn save(path: &Path, rings: &Rings) -> Result<()> {
     let mut out = MAGIC.to_vec();
     out.extend_from_slice(&LAYOUT_VERSION.to_le_bytes());
@@ -47,9 +47,7 @@ pub fn save(path: &Path, rings: &Rings) -> Result<()> {
             out.extend_from_slice(&s.changed.to_le_bytes());
         }
     }
-    let tmp = path.with_extension("rings.tmp");
-    std::fs::write(&tmp, &out).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
+    crate::private_file::write(path, &out).with_context(|| format!("writing {}", path.display()))
 }
 
 /// Reads what [`save`] wrote; `Ok(None)` when there is no such file.
@@ -164,6 +162,32 @@ mod tests {
         assert!(load(&path).unwrap().is_none(), "no file: nothing to seed");
         save(&path, &rings()).unwrap();
         assert_eq!(load(&path).unwrap().unwrap(), rings());
+    }
+
+    /// The rings are 0600 like the state file, also where the umask would let anyone read.
+    #[test]
+    fn saved_rings_are_private_under_any_umask() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = TestDir::new("rings-umask");
+        let path = dir.join("state.rings");
+        // SAFETY: umask cannot fail; the previous one is put back.
+        let old = unsafe { libc::umask(0) };
+        let saved = save(&path, &rings());
+        unsafe { libc::umask(old) };
+        saved.unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+    }
+
+    /// A link planted at the temporary does not redirect the write.
+    #[test]
+    fn a_link_at_the_temporary_is_not_followed() {
+        let dir = TestDir::new("rings-link");
+        let victim = dir.join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join("state.rings.tmp")).unwrap();
+        save(&dir.join("state.rings"), &rings()).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert_eq!(load(&dir.join("state.rings")).unwrap().unwrap(), rings());
     }
 
     #[test]

@@ -2,21 +2,24 @@
 //! results into controller calls. The decisions themselves live in `policy` (pure).
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashMap},
     future::Future,
     net::IpAddr,
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use tokio::sync::Mutex;
+use tokio::{
+    sync::{Mutex, Semaphore},
+    task::JoinSet,
+};
 
 use crate::{
     clock::now_ms,
-    config::{Config, FlowState, HealthCheck, Protocol},
-    controller::{self, Controller, Overlay, Peer, Plane},
+    config::{Config, FlowState, HealthCheck, HealthConfig, Protocol},
+    controller::{self, Controller, HealthChange, Overlay, Plane},
     policy::{self, health, BackendDecision, BackendInput, Decisions, Handshakes, Policy},
-    state::{Op, Vip},
+    state::Vip,
     telemetry::{inband::Tracker, BackendKey, Hub, Source},
 };
 
@@ -31,22 +34,81 @@ fn to_controller(e: &policy::PolicyEvent, time_ms: u64) -> controller::Event {
     }
 }
 
-/// The health check of a backend: the configured one, else TCP to the VIP's port (a
-/// backend of an all-ports VIP added at run time without one is not checked).
-fn check_of(cfg: &Config, vip: &Vip, addr: IpAddr) -> Option<HealthCheck> {
-    let configured = cfg
-        .vips
+/// The configured health check of each backend, looked up once rather than per probe.
+fn configured_checks(cfg: &Config) -> HashMap<BackendKey, HealthCheck> {
+    cfg.vips
         .iter()
-        .find(|v| v.name == vip.spec.name)
-        .and_then(|v| v.backends.iter().find(|b| b.address == addr))
-        .map(|b| b.health.clone());
-    configured.or((vip.spec.port != 0).then_some(HealthCheck::Tcp {
-        port: vip.spec.port,
-    }))
+        .flat_map(|v| {
+            v.backends
+                .iter()
+                .map(|b| ((v.name.clone(), b.address), b.health.clone()))
+        })
+        .collect()
 }
 
-/// Probes every backend each `health.interval`; a backend that fails `fall` times is marked
-/// down in the data plane at once (its flows re-steer), and up again after `rise` successes.
+/// The health check of a backend: the configured one, else TCP to the VIP's port (a
+/// backend of an all-ports VIP added at run time without one is not checked).
+fn check_of(
+    configured: &HashMap<BackendKey, HealthCheck>,
+    vip: &Vip,
+    addr: IpAddr,
+) -> Option<HealthCheck> {
+    configured
+        .get(&(vip.spec.name.clone(), addr))
+        .cloned()
+        .or((vip.spec.port != 0).then_some(HealthCheck::Tcp {
+            port: vip.spec.port,
+        }))
+}
+
+/// Probes in flight at once, at most: the bound on the sockets a round holds. Probes
+/// answered at once (the common case) hold theirs for a moment; with every backend
+/// timing out, a round of `n` backends takes about `n / MAX_IN_FLIGHT × timeout`.
+pub const MAX_IN_FLIGHT: usize = 1024;
+
+/// Runs one round's probes, each started at its offset in the round (`health::offset`) and
+/// at most [`MAX_IN_FLIGHT`] at once; each result comes with the time its probe ended.
+async fn probe_round(
+    probes: &[(BackendKey, bool, HealthCheck)],
+    hc: &HealthConfig,
+    slots: &Arc<Semaphore>,
+) -> Vec<(Result<(), health::CheckError>, Instant)> {
+    let start = tokio::time::Instant::now();
+    let mut tasks = JoinSet::new();
+    for (i, ((_, addr), _, check)) in probes.iter().enumerate() {
+        let (addr, check, timeout) = (*addr, check.clone(), hc.timeout);
+        let at = start + health::offset(i, probes.len(), hc);
+        let slots = slots.clone();
+        tasks.spawn(async move {
+            tokio::time::sleep_until(at).await;
+            let _slot = slots.acquire_owned().await;
+            (
+                i,
+                health::check(addr, &check, timeout).await,
+                Instant::now(),
+            )
+        });
+    }
+    let mut results: Vec<Option<(Result<(), health::CheckError>, Instant)>> =
+        probes.iter().map(|_| None).collect();
+    while let Some(done) = tasks.join_next().await {
+        if let Ok((i, r, ended)) = done {
+            results[i] = Some((r, ended));
+        }
+    }
+    results
+        .into_iter()
+        .map(|r| {
+            r.unwrap_or_else(|| (Err(health::CheckError::Timeout(hc.timeout)), Instant::now()))
+        })
+        .collect()
+}
+
+/// Probes every backend each `health.interval`, the probes spread over the interval; a
+/// backend that fails `fall` times is marked down in the data plane (its flows re-steer),
+/// and up again after `rise` successes. A round's flips go to the controller as one change
+/// (one table rebuild, one state write). Returns as soon as `shutdown` completes, also in
+/// the middle of a round (its probes are dropped).
 pub async fn run_health<P: Plane + 'static>(
     ctl: Arc<Mutex<Controller<P>>>,
     cfg: Arc<Config>,
@@ -54,7 +116,9 @@ pub async fn run_health<P: Plane + 'static>(
     shutdown: impl Future<Output = ()>,
 ) {
     let hc = cfg.health.clone();
-    let mut trackers: BTreeMap<BackendKey, health::Health> = BTreeMap::new();
+    let configured = configured_checks(&cfg);
+    let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let mut trackers = health::Trackers::default();
     let mut every = tokio::time::interval(hc.interval);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
@@ -64,65 +128,76 @@ pub async fn run_health<P: Plane + 'static>(
             _ = &mut shutdown => return,
         }
         let probes: Vec<(BackendKey, bool, HealthCheck)> = {
-            let c = ctl.lock().await;
+            let c = tokio::select! {
+                c = ctl.lock() => c,
+                _ = &mut shutdown => return,
+            };
             c.state()
                 .vips
                 .values()
                 .flat_map(|v| {
-                    let cfg = &cfg;
+                    let configured = &configured;
                     v.backends.values().filter_map(move |b| {
-                        let check = check_of(cfg, v, b.spec.address)?;
+                        let check = check_of(configured, v, b.spec.address)?;
                         Some(((v.spec.name.clone(), b.spec.address), b.healthy, check))
                     })
                 })
                 .collect()
         };
-        let keys: BTreeSet<BackendKey> = probes.iter().map(|(k, ..)| k.clone()).collect();
-        trackers.retain(|k, _| keys.contains(k));
-        // All probes run at once, each bounded by the timeout; each reports when it ended.
-        let tasks: Vec<_> = probes
-            .iter()
-            .map(|((_, addr), _, check)| {
-                let (addr, check, timeout) = (*addr, check.clone(), hc.timeout);
-                tokio::spawn(
-                    async move { (health::check(addr, &check, timeout).await, Instant::now()) },
-                )
+        let results = tokio::select! {
+            r = probe_round(&probes, &hc, &slots) => r,
+            _ = &mut shutdown => return,
+        };
+        let mut ended = Vec::with_capacity(results.len());
+        let outcomes: Vec<health::Outcome> = probes
+            .into_iter()
+            .zip(results)
+            .map(|((key, healthy, _), (result, at))| {
+                ended.push(at);
+                health::Outcome {
+                    key,
+                    healthy,
+                    result,
+                }
             })
             .collect();
-        let mut results = Vec::with_capacity(tasks.len());
-        for t in tasks {
-            results.push(t.await.unwrap_or_else(|_| {
-                (Err(health::CheckError::Timeout(hc.timeout)), Instant::now())
-            }));
+        let mut local = outcomes.iter().filter_map(|o| match &o.result {
+            Err(e @ health::CheckError::Local(_)) => Some(e),
+            _ => None,
+        });
+        if let Some(e) = local.next() {
+            tracing::warn!(checks = 1 + local.count(), error = %e, "health checks skipped; their backends keep their state");
         }
-        for (((vip, addr), healthy, _), (result, ended)) in probes.into_iter().zip(results) {
-            let now = epoch.elapsed();
-            let t = trackers
-                .entry((vip.clone(), addr))
-                .or_insert_with(|| health::Health::new(now, healthy));
-            if let Err(e @ health::CheckError::Local(_)) = &result {
-                tracing::warn!(%vip, backend = %addr, error = %e, "health check skipped; the backend keeps its state");
-            }
-            let Some(ev) = t.record(now, &result, &hc, &vip, addr) else {
-                continue;
-            };
-            let mut c = ctl.lock().await;
-            let op = Op::SetHealth {
-                vip: vip.clone(),
-                address: addr,
-                healthy: t.up,
-            };
-            let mut ev = to_controller(&ev, now_ms());
-            match c.submit(op, Peer::default(), now_ms()) {
-                // The failover latency the operator cares about, measured where it happens
-                // (the failover bench reads it from the event).
-                Ok(()) => ev.reason.push_str(&format!(
+        let flips = trackers.round(epoch.elapsed(), &outcomes, &hc);
+        if flips.is_empty() {
+            continue;
+        }
+        let changes: Vec<HealthChange> = flips
+            .iter()
+            .map(|(_, ev)| HealthChange {
+                vip: ev.vip.clone(),
+                address: ev.backend.expect("a health event names its backend"),
+                healthy: ev.kind == policy::EventKind::Up,
+            })
+            .collect();
+        let mut c = tokio::select! {
+            c = ctl.lock() => c,
+            _ = &mut shutdown => return,
+        };
+        let applied = c.set_health(&changes, now_ms());
+        if let Err(e) = &applied {
+            tracing::error!(backends = changes.len(), error = %e, "cannot apply a round of health changes");
+        }
+        let t = now_ms();
+        for (i, ev) in &flips {
+            let mut ev = to_controller(ev, t);
+            // The failover latency the operator cares about, measured where it happens (the
+            // failover bench reads it from the event).
+            if applied.is_ok() {
+                ev.reason.push_str(&format!(
                     "; data plane updated {} us after the deciding check",
-                    ended.elapsed().as_micros()
-                )),
-                Err(e) => {
-                    tracing::error!(%vip, backend = %addr, error = %e, "cannot apply a health change")
-                }
+                    ended[*i].elapsed().as_micros()
+                ));
             }
             c.record(ev);
         }

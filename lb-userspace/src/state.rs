@@ -227,6 +227,12 @@ impl State {
         Ok(self.vips.get_mut(name).expect("checked"))
     }
 
+    /// Sets a backend's health verdict in place (a round of verdicts changes one copy).
+    pub fn set_health(&mut self, vip: &str, addr: IpAddr, healthy: bool) -> Result<(), OpError> {
+        self.backend_mut(vip, addr)?.healthy = healthy;
+        Ok(())
+    }
+
     fn backend_mut(&mut self, vip: &str, addr: IpAddr) -> Result<&mut Backend, OpError> {
         self.vip_mut(vip)?.backends.get_mut(&addr).ok_or_else(|| {
             OpError::NotFound(format!(
@@ -526,7 +532,7 @@ impl State {
                 vip,
                 address,
                 healthy,
-            } => s.backend_mut(vip, *address)?.healthy = *healthy,
+            } => s.set_health(vip, *address, *healthy)?,
         }
         Ok(s)
     }

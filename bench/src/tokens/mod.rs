@@ -671,17 +671,8 @@ pub fn summary_json(cfg: &Config, report: &Report) -> serde_json::Value {
 }
 
 pub fn main(args: &[String]) -> Result<()> {
-    let cli = match Cli::try_parse_from(
-        std::iter::once("sluice-bench tokens".to_string()).chain(args.iter().cloned()),
-    ) {
-        Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
-            // --help, --version
-            print!("{e}");
-            return Ok(());
-        }
-        // The caller adds its own `error: `.
-        Err(e) => bail!("{}", e.to_string().trim_start_matches("error: ").trim_end()),
+    let Some(cli) = crate::cli_args::<Cli>("sluice-bench tokens", args)? else {
+        return Ok(());
     };
     let cfg = config(&cli)?;
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -5,6 +5,7 @@
 //! down transition to the data plane at once; an up backend enters slow start in the policy.
 
 use std::{
+    collections::{BTreeMap, BTreeSet},
     net::{IpAddr, SocketAddr},
     time::Duration,
 };
@@ -15,7 +16,10 @@ use hyper_util::rt::TokioIo;
 use serde::Serialize;
 use tokio::{net::TcpStream, time::timeout};
 
-use crate::config::{HealthCheck, HealthConfig};
+use crate::{
+    config::{HealthCheck, HealthConfig},
+    telemetry::BackendKey,
+};
 
 use super::{EventKind, PolicyEvent};
 
@@ -93,6 +97,59 @@ impl Health {
             telemetry: None,
         })
     }
+}
+
+/// Each backend's tracker, kept across rounds of checks.
+#[derive(Debug, Default)]
+pub struct Trackers(BTreeMap<BackendKey, Health>);
+
+/// One probe of a round: the backend, whether the table has it up, and the check's result.
+#[derive(Debug)]
+pub struct Outcome {
+    pub key: BackendKey,
+    pub healthy: bool,
+    pub result: Result<(), CheckError>,
+}
+
+impl Trackers {
+    /// Folds one round's outcomes in at `now` (a backend missing from the round was removed
+    /// and is forgotten; a new one starts from the table's state). Returns the outcomes
+    /// whose backend flips, by index, with their events: the caller applies them together.
+    pub fn round(
+        &mut self,
+        now: Duration,
+        outcomes: &[Outcome],
+        cfg: &HealthConfig,
+    ) -> Vec<(usize, PolicyEvent)> {
+        let keys: BTreeSet<&BackendKey> = outcomes.iter().map(|o| &o.key).collect();
+        self.0.retain(|k, _| keys.contains(k));
+        let mut flips = Vec::new();
+        for (i, o) in outcomes.iter().enumerate() {
+            let t = self
+                .0
+                .entry(o.key.clone())
+                .or_insert_with(|| Health::new(now, o.healthy));
+            if let Some(ev) = t.record(now, &o.result, cfg, &o.key.0, o.key.1) {
+                flips.push((i, ev));
+            }
+        }
+        flips
+    }
+}
+
+/// The granularity of a round's start times: probes due in the same step start together,
+/// so a round of thousands wakes the checker some tens of times, not once per probe.
+pub const START_STEP: Duration = Duration::from_millis(10);
+
+/// When the `i`th of a round's `n` probes starts, after the round's start: spread evenly
+/// (in steps of [`START_STEP`]) over the part of the interval that leaves each probe its
+/// whole timeout before the next round, so a round's answers are in by then and its
+/// connects do not leave all at once.
+pub fn offset(i: usize, n: usize, cfg: &HealthConfig) -> Duration {
+    let spread = cfg.interval.saturating_sub(cfg.timeout).as_nanos();
+    let at = spread * i as u128 / n.max(1) as u128;
+    let step = START_STEP.as_nanos();
+    Duration::from_nanos((at / step * step) as u64)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -271,6 +328,90 @@ mod tests {
             h.record(S, &Err(refused), &cfg, "v", LOCAL).is_some(),
             "a real failure counts"
         );
+    }
+
+    fn refused() -> Result<(), CheckError> {
+        Err(CheckError::Connect(std::io::Error::from_raw_os_error(
+            libc::ECONNREFUSED,
+        )))
+    }
+
+    fn outcomes(n: u32, failing: impl Fn(u32) -> bool) -> Vec<Outcome> {
+        (0..n)
+            .map(|i| Outcome {
+                key: ("v".into(), IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i))),
+                healthy: true,
+                result: if failing(i) { refused() } else { Ok(()) },
+            })
+            .collect()
+    }
+
+    /// A mass failure flips every failed backend in the same round, the `fall`th after it
+    /// began (so within `interval × fall` of it), and the survivors not at all.
+    #[test]
+    fn a_mass_failure_is_decided_in_one_round() {
+        let cfg = cfg(2, 2);
+        let mut t = Trackers::default();
+        assert!(t
+            .round(Duration::ZERO, &outcomes(1000, |_| false), &cfg)
+            .is_empty());
+        let failing = |i| i >= 3;
+        let first = t.round(cfg.interval, &outcomes(1000, failing), &cfg);
+        assert!(first.is_empty(), "one failure is not a verdict");
+        let second = t.round(2 * cfg.interval, &outcomes(1000, failing), &cfg);
+        assert_eq!(second.len(), 997);
+        assert!(second
+            .iter()
+            .all(|(i, e)| *i >= 3 && e.kind == EventKind::Down && e.at == 2 * cfg.interval));
+        let mut after: Vec<Outcome> = outcomes(1000, failing);
+        for o in after.iter_mut().skip(3) {
+            o.healthy = false;
+        }
+        assert!(t.round(3 * cfg.interval, &after, &cfg).is_empty());
+        // They come back after `rise` rounds of success, again together.
+        assert!(t
+            .round(4 * cfg.interval, &outcomes(1000, |_| false), &cfg)
+            .is_empty());
+        let up = t.round(5 * cfg.interval, &outcomes(1000, |_| false), &cfg);
+        assert_eq!(up.len(), 997);
+        assert!(up.iter().all(|(_, e)| e.kind == EventKind::Up));
+    }
+
+    /// A backend removed between rounds is forgotten; one added starts from its table state
+    /// (a down one needs `rise` successes, not one).
+    #[test]
+    fn removed_backends_are_forgotten_and_new_ones_start_from_the_table() {
+        let cfg = cfg(2, 2);
+        let mut t = Trackers::default();
+        t.round(Duration::ZERO, &outcomes(2, |i| i == 1), &cfg);
+        assert_eq!(t.0.len(), 2);
+        t.round(S, &outcomes(1, |_| false), &cfg);
+        assert_eq!(t.0.len(), 1, "the removed backend's streak is gone");
+        let mut back = outcomes(2, |i| i == 1);
+        back[1].healthy = false;
+        back[1].result = Ok(());
+        assert!(t.round(2 * S, &back, &cfg).is_empty());
+        assert_eq!(t.round(3 * S, &back, &cfg).len(), 1);
+    }
+
+    /// A round's starts spread evenly over `interval - timeout`: the last probe still has its
+    /// whole timeout before the next round.
+    #[test]
+    fn probes_start_spread_over_the_interval_less_the_timeout() {
+        let cfg = HealthConfig::default();
+        let n = 4095;
+        let starts: Vec<Duration> = (0..n).map(|i| offset(i, n, &cfg)).collect();
+        assert_eq!(starts[0], Duration::ZERO);
+        assert!(starts.windows(2).all(|w| w[0] <= w[1]));
+        let last = starts[n - 1] + cfg.timeout;
+        assert!(last < cfg.interval, "{last:?}");
+        assert!(last >= cfg.interval - START_STEP, "{last:?}");
+        assert!(starts
+            .iter()
+            .all(|s| s.as_nanos() % START_STEP.as_nanos() == 0));
+        let distinct: BTreeSet<&Duration> = starts.iter().collect();
+        assert_eq!(distinct.len(), 50, "one wake-up per step of the spread");
+        assert_eq!(offset(0, 0, &cfg), Duration::ZERO);
     }
 
     #[tokio::test]
