@@ -875,7 +875,7 @@ fn a_failed_start_over_a_readopted_data_plane_changes_nothing() {
         );
         assert_eq!(files(lab), before, "{when}: the state files changed");
         // Every backend the old state steers to (the removed one too), none to the drained one.
-        let after = sessions(lab, 30);
+        let after = lab.sessions(vip(), 30);
         eprintln!("30 sessions {when}: {after:?}");
         for b in &lab.topo.backends[..3] {
             assert!(
@@ -954,7 +954,7 @@ fn a_reload_of_the_unchanged_file_keeps_runtime_changes_like_a_restart() {
     lab.sighup().unwrap();
     wait_reloaded(&lab, 1);
     check(&lab, "after a reload of the unchanged file");
-    let served = sessions(&lab, 24);
+    let served = lab.sessions(vip(), 24);
     assert!(
         served.contains_key(&lab.topo.backends[2].name),
         "no new session reached the added backend after the reload: {served:?}"
