@@ -1083,9 +1083,9 @@ mod tests {
         );
     }
 
-    /// Issue 8: escape sequences reached root's terminal through `sluice backend list`, and a
-    /// newline forged a table row. Whatever a daemon sends, the listing stays one row per
-    /// backend with no control character in it.
+    /// Whatever a daemon sends, the listing stays one row per backend with no control
+    /// character in it: escape sequences must not reach root's terminal through
+    /// `sluice backend list`, nor a newline forge a table row.
     #[test]
     fn server_strings_are_escaped_in_every_listing() {
         let hostile = "r1\x1b]0;owned\x07\n10.6.6.6  9  100\u{9b}2J\u{202e}";

@@ -376,13 +376,13 @@ fn start_ticker(
         let mut policy = Policy::new(cfg.policy.clone());
         let mut inband = telemetry::inband::Tracker::default();
         let mut rst = cfg.policy.shed == Some(config::ShedMode::Rst);
-        // Steps tick with the scrape rounds ([`telemetry::scrape::rounds`]) and each
-        // waits for its round to report (at most scrape_timeout), so the policy decides on
-        // telemetry milliseconds old. Stepping on the tick raced the round's scrapes and lost:
-        // the steer benchmark's policy decided on telemetry 0.997-1.0 s old in every sample.
-        // The first step is on the first round after the start, not at once: stepping before
-        // any round would see every scraped backend as stale ("never scraped") and move half
-        // of each pool away for a cooldown and a slow start at every daemon start.
+        // Steps tick with the scrape rounds ([`telemetry::scrape::rounds`]) and each waits
+        // for its round to report (at most scrape_timeout), so the policy decides on
+        // telemetry milliseconds old. Stepping on a tick of its own would race the round's
+        // scrapes and lose, deciding every time on telemetry a whole period old. The first
+        // step is on the first round after the start, not at once: stepping before any round
+        // would see every scraped backend as stale ("never scraped") and move half of each
+        // pool away for a cooldown and a slow start at every daemon start.
         let rounds = |period| telemetry::scrape::rounds(epoch, period);
         let mut period = cfg.telemetry.scrape_interval;
         let mut timeout = cfg.telemetry.scrape_timeout;

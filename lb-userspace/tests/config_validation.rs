@@ -605,7 +605,7 @@ port = 80
         ],
     },
     Case {
-        // Issue 8: the same rules as the admin API (config::rules).
+        // The same rules as the admin API (config::rules).
         name: "hostile backends, labels and durations",
         base: true,
         text: r#"[[vip]]

@@ -1,7 +1,7 @@
-//! Property tests of the parsers that take outside input (issue 8): the configuration file
-//! and the Prometheus text format (the admin API's request parsing is fuzzed in
-//! `admin::tests`). Inputs are random bytes and random mutations of real files; case counts
-//! are bounded so the suite stays fast (`PROPTEST_CASES` raises them for a long run).
+//! Property tests of the parsers that take outside input: the configuration file and the
+//! Prometheus text format (the admin API's request parsing is fuzzed in `admin::tests`).
+//! Inputs are random bytes and random mutations of real files; case counts are bounded so the
+//! suite stays fast (`PROPTEST_CASES` raises them for a long run).
 //!
 //! Properties: nothing panics; what is accepted meets the rules (config) or carries no
 //! value that could lie a backend healthy (telemetry); an accepted config round-trips.

@@ -1,5 +1,5 @@
-//! Hostile local users and failed starts against the real daemon (issue 8): `sluice run` in
-//! the namespace lab's LB namespace (see `sluice_tests::daemon_lab`). Needs root, `ip`,
+//! Hostile local users and failed starts against the real daemon: `sluice run` in the
+//! namespace lab's LB namespace (see `sluice_tests::daemon_lab`). Needs root, `ip`,
 //! `ethtool`, `nsenter`, a bpffs and the `sluice` binary; fails, never skips.
 
 use std::{
@@ -111,11 +111,11 @@ struct Attack {
     metrics: usize,
 }
 
-/// Issue 8: an unprivileged user holding a few hundred connections to the metrics port made
-/// the daemon run out of descriptors; its health checks failed with EMFILE, every backend
-/// went down and every stream broke. Now nobody (in the admin socket's group, so it may
-/// connect there too) opens and holds connections to both listeners, and sends headers and
-/// half a body on the admin ones, for the whole life of the streams.
+/// An unprivileged user holding a few hundred connections to the metrics port must not run
+/// the daemon out of descriptors (its health checks would fail with EMFILE, every backend go
+/// down and every stream break). Here `nobody` (in the admin socket's group, so it may connect
+/// there too) opens and holds connections to both listeners, and sends headers and half a
+/// body on the admin ones, for the whole life of the streams.
 #[test]
 fn an_unprivileged_user_holding_connections_to_both_listeners_breaks_no_stream() {
     let mut opts = options();

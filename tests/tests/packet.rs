@@ -1430,7 +1430,8 @@ fn jumbo(sport: u16, len: usize) -> Vec<u8> {
 }
 
 /// A 9000-byte frame is larger than a page: multi-buffer XDP hands it over in fragments, and
-/// it is encapsulated whole (it used to pass untouched as `pass_bad_ip_len`).
+/// it is encapsulated whole, not passed as `pass_bad_ip_len` for an IP length past the first
+/// fragment.
 #[test]
 fn jumbo_frame_larger_than_a_page_is_encapsulated_whole() {
     let (mut lab, vip) = lab_v4();

@@ -242,7 +242,8 @@ fn rejected_requests_change_nothing_and_say_why() {
             400,
             "deadline \"soon\" is not a duration",
         ),
-        // Issue 8: this once wrapped to 403 ms and reset the backend's streams at once.
+        // A deadline this large must not wrap to a short one (which would end the backend's
+        // streams at once).
         (
             "POST",
             "/v1/vips/chat/backends/10.1.0.1/drain",
@@ -399,9 +400,9 @@ fn rejected_requests_change_nothing_and_say_why() {
     }
 }
 
-/// Issue 8: a local user could hold admin connections without end (headers and part of
-/// a body, or idle keep-alive) and take as many as it liked. Each is bounded now; the
-/// deadlines asserted are generous bounds, not timings.
+/// A local user must not hold admin connections without end (headers and part of a body, or
+/// idle keep-alive) nor take as many as it likes: both are bounded. The deadlines asserted
+/// are generous bounds, not timings.
 #[test]
 fn connections_are_capped_and_timed_out() {
     use std::{
@@ -488,11 +489,10 @@ fn connections_are_capped_and_timed_out() {
     assert!(ok, "slots were not freed");
 }
 
-/// Issue 8, part 2: random requests (methods, paths with encodings, bodies of every
-/// shape with arbitrary strings and numbers) against the real server. Properties: each
-/// gets a JSON answer of a status the API uses, never a 500; every error message is free
-/// of control characters; whatever was accepted meets the validator's rules. 256 cases
-/// (PROPTEST_CASES overrides).
+/// Random requests (methods, paths with encodings, bodies of every shape with arbitrary
+/// strings and numbers) against the real server. Properties: each gets a JSON answer of a
+/// status the API uses, never a 500; every error message is free of control characters;
+/// whatever was accepted meets the validator's rules. 256 cases (PROPTEST_CASES overrides).
 #[test]
 fn random_requests_are_answered_and_accept_only_valid_state() {
     use proptest::{
@@ -588,7 +588,8 @@ fn random_requests_are_answered_and_accept_only_valid_state() {
         .unwrap();
 }
 
-/// Issue 8: the API took labels of any size; now the config file's bound holds.
+/// The API holds labels to the config file's bound, so neither path stores what the other
+/// refuses.
 #[test]
 fn oversized_labels_are_refused() {
     let srv = TestServer::start();

@@ -17,7 +17,7 @@ pub const LABEL_VALUE_MAX: usize = 255;
 pub const LABELS_MAX: usize = 32;
 /// Longest duration anywhere (timeouts, windows, intervals, drain deadlines). A year is
 /// beyond any real use and keeps every conversion to milliseconds or nanoseconds in a u64
-/// exact: `18446744073709552s` once wrapped to 403 ms as a drain deadline.
+/// exact, so a huge value such as `18446744073709552s` cannot wrap to a short drain deadline.
 pub const DURATION_MAX: Duration = Duration::from_secs(365 * 24 * 3600);
 /// [`DURATION_MAX`] as operators write it.
 pub const DURATION_MAX_TEXT: &str = "365d";

@@ -196,7 +196,7 @@ impl Checker {
         if s.starts_with("https://") {
             // Refused here rather than scraped with TLS: exporters (dcgm-exporter, vLLM,
             // SGLang, node_exporter) serve plain HTTP on the backend network, and a URL that
-            // passed here but failed in the scraper once stopped `sluice run` after the XDP
+            // passed here but failed in the scraper would stop `sluice run` after the XDP
             // attach.
             self.err(
                 path,

@@ -15,13 +15,13 @@
 //! weight are full, VIPs of classes `admit_max + 1 ..= 7` shed every new session, so the
 //! capacity that frees up goes to the higher classes. The first all-full step sheds the
 //! lowest class (`admit_max` 6); every further `period` it stays all full sheds one more
-//! class, down to admitting the pool's highest class only. That class is never shed whole:
-//! no higher class would take the room, and shedding it idled the accelerators for a period
-//! while per-session refusal had already turned away the excess (the steer benchmark's lone
-//! class-7 VIP at 130% load served 25% less than Maglev, its fleet empty for 10 s at a time).
-//! Once some backend has room for `period`, one class is readmitted per `period` until none
-//! is shed. Changes are at most one class per `period` both ways, so a pool at the edge does
-//! not toggle.
+//! class, down to admitting the pool's highest class only. That class is never shed whole: no
+//! higher class would take the room, and shedding it would idle the accelerators for a period
+//! while per-session refusal has already turned away the excess (a lone class-7 VIP at 130%
+//! load would serve less than plain Maglev, its fleet empty for a period at a time). Once
+//! some backend has room for `period`, one class is readmitted per `period` until none is
+//! shed. Changes are at most one class per `period` both ways, so a pool at the edge does not
+//! toggle.
 
 use std::time::Duration;
 
@@ -56,12 +56,11 @@ pub fn capped(sessions: u64, max_sessions: u32, telemetry: Option<&BackendTeleme
     max_sessions > 0 && self::sessions(sessions, telemetry) >= u64::from(max_sessions)
 }
 
-/// The sessions a backend's cap counts: the connection table's `table` count, or the
-/// engine's running plus waiting requests where fresh telemetry reports them and they are
-/// fewer. The table keeps a finished stream for `flow_idle_timeout` after its last packet
-/// (3 s in the steer lab, a minute by default): at 130% load it counted 20-30 sessions on
-/// engines running 7-16 requests with none waiting, so a cap of 24 refused sessions that
-/// the engines had room for.
+/// The sessions a backend's cap counts: the connection table's `table` count, or the engine's
+/// running plus waiting requests where fresh telemetry reports them and they are fewer. The
+/// table keeps a finished stream for `flow_idle_timeout` after its last packet (a minute by
+/// default): at 130% load it can count 20-30 sessions on engines running 7-16 requests with
+/// none waiting, so a cap of 24 would refuse sessions that the engines have room for.
 pub fn sessions(table: u64, telemetry: Option<&BackendTelemetry>) -> u64 {
     let engine = telemetry.filter(|t| !t.stale).and_then(|t| {
         let s = &t.sample;

@@ -5,26 +5,23 @@
 //! capped at `cooldown_max`. The previous cooldown decays back to `cooldown_base` once the
 //! backend has stayed in rotation for `stable_period`. A backend returns only when its
 //! cooldown is over (a saturation move's ends early once its load has passed:
-//! [`MoveAway::end_saturation`]) and no condition holds, and then ramps up over `slow_start`, unless it
-//! was out for saturation: its hardware is fine and its queue has drained, and in the steer
-//! benchmark 30-second ramps after saturation moves kept a loaded fleet short of capacity
-//! until the others saturated in turn.
+//! [`MoveAway::end_saturation`]) and no condition holds, and then ramps up over `slow_start`,
+//! unless it was out for saturation: its hardware is fine and its queue has drained, and a
+//! 30-second ramp after a saturation move keeps a loaded fleet short of capacity until the
+//! others saturate in turn.
 //!
 //! A backend out for congestion returns on probation instead, for [`PROBATION`]: ECN marks
 //! and CNPs count the traffic a backend carries, so an emptied one reads clear whatever its
-//! fabric does, and its clear reading at the end of the cooldown is no evidence. On
-//! probation it takes a reduced share (the caller's level), which makes its readings mean
-//! something again; congestion seen then sends it out with `cooldown_base` (the cause it
-//! could not show while empty, not a flap: the steer benchmark's congested backend was out
-//! 20 s on a doubled cooldown and returned 15 s after its fabric had cleared), and a
-//! probation without congestion ends at full weight (no ramp: it has been serving). A
-//! second failed probation in a row doubles the cooldown as a flap does: the fabric was
-//! seen congested with traffic on it, so probing it again soon would only churn. A backend
-//! that kept a reduced share while out (its VIP had no headroom: [`super::HEADROOM`]) was
-//! never emptied: its clear reading is evidence, and it returns at full weight without
-//! probation (the steer benchmark's seed-7 congested backend read clear with traffic on it
-//! at 41 s and then served a quarter of its weight on probation until 48 s while the others
-//! queued).
+//! fabric does, and its clear reading at the end of the cooldown is no evidence. On probation
+//! it takes a reduced share (the caller's level), which makes its readings mean something
+//! again; congestion seen then sends it out with `cooldown_base` (the cause it could not show
+//! while empty, not a flap: doubling the cooldown would keep it out long after its fabric has
+//! cleared), and a probation without congestion ends at full weight (no ramp: it has been
+//! serving). A second failed probation in a row doubles the cooldown as a flap does: the
+//! fabric was seen congested with traffic on it, so probing it again soon would only churn. A
+//! backend that kept a reduced share while out (its VIP had no headroom: [`super::HEADROOM`])
+//! was never emptied: its clear reading is evidence, and it returns at full weight without
+//! probation (a probation would hold it at a quarter of its weight while the others queue).
 
 use std::time::Duration;
 
@@ -32,9 +29,8 @@ use crate::config::PolicyConfig;
 
 use super::score::Reason;
 
-/// How long a backend back from a congestion move stays on probation: time for a few
-/// sessions at its reduced share (in the steer benchmark about one every 2 s) to show
-/// whether its fabric marks them.
+/// How long a backend back from a congestion move stays on probation: time for a few sessions
+/// at its reduced share (a session every 2 s or so) to show whether its fabric marks them.
 pub const PROBATION: Duration = Duration::from_secs(5);
 
 #[derive(Clone, Debug, PartialEq)]

@@ -7,9 +7,9 @@
 //! Slowness its load explains is not `slow`: a backend whose fresh load pressure is at a
 //! threshold (a full KV cache preempts streams, a queue delays first bytes) is as slow as its
 //! load makes it, and moving it away for that is saturation's business, with saturation's
-//! rules about headroom (in the steer benchmark's gray run, the backends that took a slow
-//! one's share filled up, streamed slower and were moved away as `slow` one after another).
-//! A gray failure is slowness the exporters do not explain.
+//! rules about headroom (otherwise the backends that take a slow one's share fill up, stream
+//! slower and are moved away as `slow` one after another). A gray failure is slowness the
+//! exporters do not explain.
 //!
 //! Cross-check: a slow backend whose exporters explain nothing (no exporter trigger, and no
 //! load signal at its threshold) is flagged once per episode with a

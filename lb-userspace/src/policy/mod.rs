@@ -216,10 +216,10 @@ fn opt_secs<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error
 /// Consecutive steps a saturation condition must hold to move a backend away.
 pub const SATURATION_STEPS: u32 = 2;
 
-/// The most mean pressure a VIP's backends in rotation may carry and still have headroom
-/// for another's share. Without headroom a move away only saturates the rest in turn (the
-/// steer benchmark's throttled fleet moved three of four away within 15 s and left one
-/// ramping backend with every new session), so then:
+/// The most mean pressure a VIP's backends in rotation may carry and still have headroom for
+/// another's share. Without headroom a move away only saturates the rest in turn (a throttled
+/// fleet would see three of four moved away within seconds, leaving one ramping backend with
+/// every new session), so then:
 /// - saturation moves nobody (the data plane probes past a full backend);
 /// - a throttled or congested backend keeps [`REDUCED_LEVEL_DIV`] of its weight instead of
 ///   none, and counts as full while anything waits in its queue;
@@ -230,19 +230,19 @@ pub const SATURATION_STEPS: u32 = 2;
 /// `HEADROOM - HEADROOM_BAND` ([`Policy::headroom`]).
 pub const HEADROOM: f64 = 0.5;
 
-/// How far under [`HEADROOM`] a VIP's mean pressure must fall to regain headroom. In
-/// `cargo xtask demo` the one backend in rotation read 0.48-0.56 scrape by scrape while the
-/// throttled one was out, and without a band each reading flipped that one between weight 0
-/// and a quarter every 0.5-2 s.
+/// How far under [`HEADROOM`] a VIP's mean pressure must fall to regain headroom. A lone
+/// backend in rotation reads around the threshold (0.48-0.56 scrape by scrape in
+/// `cargo xtask demo` while the throttled one is out), and without a band each reading would
+/// flip that one between weight 0 and a quarter every 0.5-2 s.
 pub const HEADROOM_BAND: f64 = 0.1;
 
 /// A throttled or congested backend of a VIP without headroom keeps
 /// `weight_levels / REDUCED_LEVEL_DIV` levels (at least one): a quarter of its weight, under
 /// the share a 0.4x accelerator can serve, instead of its whole share moved onto backends
 /// that have no room for it. A backend on probation after congestion takes the same level.
-/// Its sessions run slower per token, but switched off (weight 0) the steer benchmark's p99
-/// inter-token latency did not improve (the crowded others' steps were as slow) and its p99
-/// time to first token got worse in three cells of four (docs/benchmarks.md).
+/// Its sessions run slower per token, but switching it off (weight 0) does not improve the
+/// p99 inter-token latency (the crowded others' steps are as slow) and makes the p99 time to
+/// first token worse in most cells (docs/benchmarks.md).
 pub const REDUCED_LEVEL_DIV: u32 = 4;
 
 /// What the policy remembers of a backend between steps.
@@ -436,21 +436,20 @@ impl Policy {
         self.crowded = crowded;
     }
 
-    /// Picks the condition each backend acts on: the most severe. Saturation counts only
-    /// when the backend is more loaded than its VIP's others (pressure over
-    /// `1 + LOAD_BAND` times the mean pressure in rotation) for [`SATURATION_STEPS`] steps
-    /// in a row, the others have room ([`HEADROOM`]) and no other backend of the VIP is
-    /// moved away: when the whole VIP is saturated, moving one away only
-    /// saturates the rest harder (the steer benchmark's healthy fleet cascaded so), and
-    /// admission control is what deals with a full fleet.
+    /// Picks the condition each backend acts on: the most severe. Saturation counts only when
+    /// the backend is more loaded than its VIP's others (pressure over `1 + LOAD_BAND` times
+    /// the mean pressure in rotation) for [`SATURATION_STEPS`] steps in a row, the others
+    /// have room ([`HEADROOM`]) and no other backend of the VIP is moved away: when the whole
+    /// VIP is saturated, moving one away only saturates the rest harder (a healthy fleet
+    /// would cascade so), and admission control is what deals with a full fleet.
     ///
-    /// A saturation move ends before its cooldown once the backend reads under its
-    /// thresholds and no more loaded than the mean of the backends in rotation: the gap
-    /// between that and the trigger (at a threshold and [`score::LOAD_BAND`] over the mean,
-    /// for [`SATURATION_STEPS`] steps) is the hysteresis. In the steer benchmark's healthy
-    /// fleet (seed 7) a backend moved away at KV 0.98 was down to 0.34 within 3 s and kept
-    /// weight 0 for its whole 10 s cooldown, while the backend that took its share filled to
-    /// 0.97 and started the cell's slowest first tokens.
+    /// A saturation move ends before its cooldown once the backend reads under its thresholds
+    /// and no more loaded than the mean of the backends in rotation: the gap between that and
+    /// the trigger (at a threshold and [`score::LOAD_BAND`] over the mean, for
+    /// [`SATURATION_STEPS`] steps) is the hysteresis. Ending early matters because an emptied
+    /// backend drains fast (KV 0.98 to 0.34 within 3 s): kept at weight 0 for its whole
+    /// cooldown, it leaves the backend that took its share full and starting the slowest
+    /// first tokens.
     fn trigger(&mut self, now: Duration, work: &mut [Work]) {
         let sums: BTreeMap<String, (f64, u32)> = self
             .vip_means(work, |_, w| w.pressure.unwrap_or(0.0))
@@ -507,13 +506,12 @@ impl Policy {
     /// the backends in rotation with fresh telemetry (one moved away is empty because it was
     /// emptied, and counting it would make the others look loaded).
     ///
-    /// A backend whose engine shows room (a score at most [`HEADROOM`]: KV use and queue
-    /// at most half their thresholds, smoothed) keeps full weight however little the others
+    /// A backend whose engine shows room (a score at most [`HEADROOM`]: KV use and queue at
+    /// most half their thresholds, smoothed) keeps full weight however little the others
     /// carry: lowering it would only remap clients. At light load the source hash's
-    /// unevenness alone reads as several times the mean (the steer benchmark's idle fleet, at
-    /// 25% load, cut a backend at KV 0.35-0.49 to 7/8 while the others read 0-0.1 and nothing
-    /// queued). A busy GPU known only by its utilisation ([`score::BUSY`]) shows no depth, so
-    /// it is compared as before.
+    /// unevenness alone reads as several times the mean (at 25% load one backend can read KV
+    /// 0.35-0.49 while the others read 0-0.1 and nothing queues). A busy GPU known only by
+    /// its utilisation ([`score::BUSY`]) shows no depth, so it is compared as before.
     fn relevel(&mut self, now: Duration, work: &[Work]) {
         let scored = |w: &&Work| w.eligible && w.input.telemetry.is_some_and(|t| !t.stale);
         let sums = self.vip_means(work, |m, _| m.score.value());
@@ -579,15 +577,14 @@ impl Policy {
         sums
     }
 
-    /// While a VIP has a backend moved away for a fault (throttling, congestion or
-    /// slowness), the level its hot backends may take: their share of the
-    /// whole ring, `weight_levels` times the configured weight still in rotation over all
-    /// of it, so the faulty backend's share goes to the backends with room. Maglev spreads a
-    /// removed backend's slots by weight, a third to each of three equal others, so the
-    /// backend its clients' source hash already loaded most takes as much of it as those
-    /// with room: in the steer benchmark (seed 11) holding it cut adaptive's p99 time to
-    /// first token 0.11x -> 0.07x of Maglev's when throttled and 0.24x -> 0.08x when
-    /// congested.
+    /// While a VIP has a backend moved away for a fault (throttling, congestion or slowness),
+    /// the level its hot backends may take: their share of the whole ring, `weight_levels`
+    /// times the configured weight still in rotation over all of it, so the faulty backend's
+    /// share goes to the backends with room. Maglev spreads a removed backend's slots by
+    /// weight, a third to each of three equal others, so the backend its clients' source hash
+    /// already loaded most takes as much of it as those with room. Holding it keeps the share
+    /// Maglev would otherwise pile onto the hot peer, which raises the p99 time to first
+    /// token under a throttled or congested backend.
     ///
     /// Hot is a score over [`HEADROOM`] (under it a backend has room for more) and past
     /// [`LOAD_BAND`] over the mean of the VIP's backends in rotation ([`score::hotter`]); a
@@ -708,9 +705,9 @@ impl Policy {
                 }
                 Some(Change::Returned { probation }) => {
                     // The speed its streams showed under a throttle or congestion is that
-                    // fault's, and the exporter says it has cleared: measure afresh (the
-                    // steer benchmark's throttled b1 came back at half weight for 3 s while
-                    // the others, full with its share, queued).
+                    // fault's, and the exporter says it has cleared: measure afresh, or it
+                    // returns at a reduced weight while the others, full with its share,
+                    // queue.
                     if matches!(was, Some(Reason::Throttling | Reason::Congestion)) {
                         m.speed = Speed::new(cfg);
                     }

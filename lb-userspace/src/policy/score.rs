@@ -3,23 +3,23 @@
 //! Pressure of a sample = the largest of `signal / threshold` over the signals that grow with
 //! load (KV cache, queue depth), capped at 1. Fabric trouble (ECN rate, CNP rate) is a
 //! congestion trigger only: the marks count the traffic the backend carries, and as a
-//! pressure they lowered a congested backend's level for a whole [`LEVEL_DWELL`] (the steer
-//! benchmark's b1, lowered to 6/8 as it was moved away, served at 6/8 until 43 s after its
-//! fabric cleared). GPU utilisation says only idle vs busy (a continuous-batching engine is busy whenever it
-//! has any work), so it counts only for a backend without engine metrics: [`BUSY`] when at
-//! or over `gpu_util_high`, else 0. Temperature does not load a backend; over `temp_high_c`
-//! it is a throttling trigger. The score is the pressure's EWMA (`ewma_alpha`).
+//! pressure they would lower a congested backend's level for a whole [`LEVEL_DWELL`], so it
+//! would return at a reduced weight long after its fabric clears. GPU utilisation says only
+//! idle vs busy (a continuous-batching engine is busy whenever it has any work), so it counts
+//! only for a backend without engine metrics: [`BUSY`] when at or over `gpu_util_high`, else
+//! 0. Temperature does not load a backend; over `temp_high_c` it is a throttling trigger. The
+//! score is the pressure's EWMA (`ewma_alpha`).
 //!
 //! The weight level compares the score with the VIP's mean ([`relative_level`]): a backend
 //! within [`LEVEL_BAND`] of the mean, or all backends equally loaded, keeps full weight; a
 //! more loaded one gets weight in proportion to how much more, unless its engine shows room
-//! ([`super::HEADROOM`], `Policy::relevel`). The level only moves when the
-//! target is more than `0.5 + hysteresis * weight_levels` levels from the current level, and
-//! at most once per [`LEVEL_DWELL`]: every level change remaps ring slots, and on a healthy
-//! fleet behind a source-hashed VIP the load of each backend wanders with which clients are
-//! talking (the steer benchmark's healthy fleet changed levels 45 times per backend per 10
-//! minutes with no dwell and a 25% band). Moves away (throttling, congestion, saturation)
-//! are triggers, not levels, and keep their one-scrape reaction.
+//! ([`super::HEADROOM`], `Policy::relevel`). The level only moves when the target is more
+//! than `0.5 + hysteresis * weight_levels` levels from the current level, and at most once
+//! per [`LEVEL_DWELL`]: every level change remaps ring slots, and on a healthy fleet behind a
+//! source-hashed VIP the load of each backend wanders with which clients are talking (with no
+//! dwell and a 25% band a healthy fleet changes levels dozens of times per backend in ten
+//! minutes). Moves away (throttling, congestion, saturation) are triggers, not levels, and
+//! keep their one-scrape reaction.
 //!
 //! Speed is a second level ([`Speed`]): KV and queue measure load, and a half-speed
 //! accelerator carrying its share reads like a busy healthy one. Its time per output token

@@ -477,11 +477,10 @@ fn telemetry_saturation_never_sheds_a_vip_without_admission() {
 
 #[test]
 fn a_lone_class_is_refused_session_by_session_never_shed_whole() {
-    // The steer benchmark's overload: one class-7 VIP with admission, every backend full now
-    // and then. Shedding the class refused every new session for `cooldown_base` and more
-    // while the fleet drained (its accelerators idle for half of that, 25% less served than
-    // plain Maglev): with no higher class to take the room, only the sessions that find
-    // every backend full are refused, by the data plane.
+    // An overload: one class-7 VIP with admission, every backend full now and then. Shedding
+    // the class would refuse every new session for `cooldown_base` and more while the fleet
+    // drains (its accelerators idle for half of that): with no higher class to take the room,
+    // only the sessions that find every backend full are refused, by the data plane.
     let cfg = PolicyConfig {
         shed: Some(ShedMode::Rst),
         ..PolicyConfig::default()
@@ -503,10 +502,10 @@ fn a_lone_class_is_refused_session_by_session_never_shed_whole() {
 
 #[test]
 fn a_session_cap_counts_the_engines_requests_not_finished_flows() {
-    // The steer benchmark's overload at 30 s: the connection table counts 26-31 flows per
-    // backend (streams that ended within flow_idle_timeout among them) while the engines run
-    // 9-16 requests with 0-4 waiting. With a cap of 24 every backend read full and new
-    // sessions were refused; the engines had room.
+    // Under overload the connection table counts 26-31 flows per backend (streams that ended
+    // within flow_idle_timeout among them) while the engines run 9-16 requests with 0-4
+    // waiting. Counting flows against a cap of 24 would read every backend full and refuse
+    // new sessions while the engines have room.
     let cfg = PolicyConfig {
         shed: Some(ShedMode::Rst),
         ..PolicyConfig::default()
@@ -596,10 +595,9 @@ fn noise(rng: &mut u64) -> f64 {
     (*rng % 10_000) as f64 / 10_000.0
 }
 
-/// Issue 15, flaw 1: the three healthy backends fill up while carrying a throttled one's
-/// share; the throttled one, emptied, has the lowest score. Saturated together they stay in;
-/// when they all want out too (congested), the guard keeps two of them, not the throttled
-/// one.
+/// The three healthy backends fill up while carrying a throttled one's share; the throttled
+/// one, emptied, has the lowest score. Saturated together they stay in; when they all want
+/// out too (congested), the guard keeps two of them, not the throttled one.
 #[test]
 fn guard_keeps_the_saturated_in_and_the_throttled_out() {
     let mut sim = Sim::new(PolicyConfig::default(), 4);
@@ -642,8 +640,8 @@ fn guard_keeps_the_saturated_in_and_the_throttled_out() {
     }
 }
 
-/// Issue 15, flaw 2: every loaded batching engine reports ~100% utilisation; the weights
-/// must still tell the more loaded backend from the others, by queue and KV use.
+/// Every loaded batching engine reports ~100% utilisation, so the weights must tell the more
+/// loaded backend from the others by queue and KV use.
 #[test]
 fn weights_follow_relative_load_not_utilisation() {
     let mut sim = Sim::new(PolicyConfig::default(), 4);
@@ -661,9 +659,9 @@ fn weights_follow_relative_load_not_utilisation() {
     assert!(d.backends[0].weight < d.backends[1].weight, "{d:?}");
 }
 
-/// Issue 15, flaws 2 and 4 at light load: the source hash's unevenness at 25% load (one
-/// engine at KV 0.38, the others at 0.03, nothing queued) is no reason to remap clients,
-/// however many times the mean it reads; past headroom the same backend gets less weight.
+/// At light load the source hash's unevenness at 25% load (one engine at KV 0.38, the others
+/// at 0.03, nothing queued) is no reason to remap clients, however many times the mean it
+/// reads; past headroom the same backend gets less weight.
 #[test]
 fn a_backend_with_room_keeps_full_weight_however_little_the_others_carry() {
     let mut sim = Sim::new(PolicyConfig::default(), 4);
@@ -684,8 +682,8 @@ fn a_backend_with_room_keeps_full_weight_however_little_the_others_carry() {
     );
 }
 
-/// Issue 15, flaw 3: an idle GPU at room temperature is idle; temperature matters only past
-/// its limit, as throttling.
+/// An idle GPU at room temperature is idle; temperature matters only past its limit, as
+/// throttling.
 #[test]
 fn temperature_sets_no_floor_and_counts_only_over_its_limit() {
     let mut sim = Sim::new(PolicyConfig::default(), 2);
@@ -702,10 +700,10 @@ fn temperature_sets_no_floor_and_counts_only_over_its_limit() {
     assert_eq!(d.backends[1].reason, Some(Reason::Throttling));
 }
 
-/// Issue 15, flaw 4: a healthy fleet at about 65% load for ten minutes (noisy KV, queue,
-/// utilisation and temperature, and now and then one scrape with a burst over the
-/// saturation thresholds) moves nobody away and changes each weight at most 12 times; a
-/// real slowdown still moves its backend away within 2 s.
+/// A healthy fleet at about 65% load for ten minutes (noisy KV, queue, utilisation and
+/// temperature, and now and then one scrape with a burst over the saturation thresholds)
+/// moves nobody away and changes each weight at most 12 times; a real slowdown still moves
+/// its backend away within 2 s.
 #[test]
 fn healthy_fleet_does_not_churn_and_a_slowdown_moves_within_two_seconds() {
     let mut sim = Sim::new(PolicyConfig::default(), 4);
@@ -764,11 +762,11 @@ fn healthy_fleet_does_not_churn_and_a_slowdown_moves_within_two_seconds() {
     assert_eq!(sim.step().backends[1].state, SteerState::MovedAway);
 }
 
-/// The steer benchmark's throttled fleet near saturation: moving the throttled backend's
-/// whole share onto the others, then a saturated one's, then ramping the throttled one back
-/// over 30 s, saturated them all (p99 TTFT 4-5 s against Maglev's 2.4 s). With headroom a
-/// throttled backend goes to weight 0 and a saturated one moves; without it the throttled
-/// one keeps a quarter of its weight, nobody moves for saturation, and returns skip the ramp.
+/// A throttled fleet near saturation: moving the throttled backend's whole share onto the
+/// others, then a saturated one's, then ramping the throttled one back over 30 s, would
+/// saturate them all (a p99 time to first token about twice Maglev's). With headroom a
+/// throttled backend goes to weight 0 and a saturated one moves; without it the throttled one
+/// keeps a quarter of its weight, nobody moves for saturation, and returns skip the ramp.
 #[test]
 fn without_headroom_a_sick_backend_keeps_a_part_and_saturation_moves_nobody() {
     let run = |others_kv: f64| {
@@ -818,14 +816,13 @@ fn without_headroom_a_sick_backend_keeps_a_part_and_saturation_moves_nobody() {
     );
 }
 
-/// `cargo xtask demo`'s throttled gpu1 went between weight 0 and a quarter every 0.5-2 s
-/// while out: gpu2, alone in rotation, read pressure 0.48-0.56 scrape by scrape, and each
-/// reading over or under `HEADROOM` flipped the decision. Here the one in rotation reads as
-/// much (0.52, +-8%) while it carries the throttled one's share, and sheds a fifth of it while
-/// that one has a quarter of its weight: the quarter must hold while the load does, and go
-/// only once the load really falls. Both halves of the fix are needed: without the band the
-/// noise at weight 0 flips it, without counting the quarter as the others' load the noise
-/// under it does.
+/// In `cargo xtask demo` the backend alone in rotation while gpu1 is throttled reads pressure
+/// 0.48-0.56 scrape by scrape, and each reading over or under `HEADROOM` could flip gpu1
+/// between weight 0 and a quarter. Here the one in rotation reads as much (0.52, +-8%) while
+/// it carries the throttled one's share, and sheds a fifth of it while that one has a quarter
+/// of its weight: the quarter must hold while the load does, and go only once the load really
+/// falls. Both halves are needed: without the band the noise at weight 0 flips it, without
+/// counting the quarter as the others' load the noise under it does.
 #[test]
 fn a_throttled_backends_reduced_weight_holds_while_its_share_tips_the_others_over_headroom() {
     let mut sim = Sim::new(PolicyConfig::default(), 2);
@@ -882,12 +879,11 @@ fn a_throttled_backends_reduced_weight_holds_while_its_share_tips_the_others_ove
     );
 }
 
-/// The steer benchmark's `congested` cell: ECN marks count the traffic a backend carries, so
-/// the congested backend, once emptied, read clear; it returned after its cooldown into the
-/// congestion, was moved away again on a doubled cooldown (a flap) and came back 15 s after
-/// the fabric had cleared. Back from congestion it now takes a reduced share on probation:
-/// congestion seen then sends it out for `cooldown_base` again (no doubling), and a clean
-/// probation restores full weight.
+/// ECN marks count the traffic a backend carries, so a congested backend, once emptied, reads
+/// clear; returned into the congestion after its cooldown and moved away again on a doubled
+/// cooldown (a flap), it would come back long after the fabric has cleared. Back from
+/// congestion it takes a reduced share on probation instead: congestion seen then sends it
+/// out for `cooldown_base` again (no doubling), and a clean probation restores full weight.
 #[test]
 fn a_congested_backend_returns_on_probation_and_is_not_flapped_for_marks_it_cannot_show_empty() {
     let cfg = PolicyConfig::default(); // cooldown 10s, 8 levels
@@ -940,9 +936,7 @@ fn a_congested_backend_returns_on_probation_and_is_not_flapped_for_marks_it_cann
 /// Without headroom a congested backend keeps a quarter of its weight while out, so it
 /// carries traffic and its fabric's marks show: its clear reading at the end of its cooldown
 /// is evidence, and it returns at full weight at once, without probation. On probation it
-/// would serve a quarter for 5 s more while the others, with no headroom, queue (the steer
-/// benchmark's seed-7 congested cell: clear with traffic on it at 41 s, a quarter until
-/// 48 s).
+/// would serve a quarter for 5 s more while the others, with no headroom, queue.
 #[test]
 fn a_congested_backend_that_carried_traffic_while_out_returns_at_full_weight() {
     let cfg = PolicyConfig::default(); // cooldown 10s, 8 levels
@@ -979,11 +973,11 @@ fn a_congested_backend_that_carried_traffic_while_out_returns_at_full_weight() {
     assert_eq!(recovered, ["cooldown over and signals fine: full weight"]);
 }
 
-/// Issue 7's `heterogeneous` fleet: a half-speed accelerator reports the same KV and queue as
-/// a busy healthy one, and only its time per output token tells them apart. It gets about
-/// half weight at the first scrape that shows it (not a move away), keeps it while it
-/// generates nothing (no evidence is not evidence), and returns to full weight once it is
-/// as fast as the others; per-token noise on a healthy fleet changes nothing.
+/// A `heterogeneous` fleet: a half-speed accelerator reports the same KV and queue as a busy
+/// healthy one, and only its time per output token tells them apart. It gets about half
+/// weight at the first scrape that shows it (not a move away), keeps it while it generates
+/// nothing (no evidence is not evidence), and returns to full weight once it is as fast as
+/// the others; per-token noise on a healthy fleet changes nothing.
 #[test]
 fn a_half_speed_backend_gets_half_weight_from_its_time_per_output_token() {
     let mut sim = Sim::new(PolicyConfig::default(), 4);
@@ -1068,11 +1062,10 @@ fn a_backend_back_from_a_throttle_forgets_the_speed_it_showed_under_it() {
     assert_eq!(sim.step().backends[0].weight, 100);
 }
 
-/// Issue 7's affinity: a conversation's next turn carries its whole prefix, cached on the
-/// backend of its earlier turns. The steer benchmark lost 13-21% of later turns to busy but
-/// healthy backends (full by saturation, or moved away for it). The operator's cap, a fault,
-/// a down backend or a queue breaks affinity; a full KV cache alone only steers new clients
-/// away.
+/// Affinity: a conversation's next turn carries its whole prefix, cached on the backend of
+/// its earlier turns, so a backend busy but healthy (full by saturation, or moved away for
+/// it) keeps its conversations' later turns. The operator's cap, a fault, a down backend or a
+/// queue breaks affinity; a full KV cache alone only steers new clients away.
 #[test]
 fn saturation_keeps_a_conversations_affinity_and_the_cap_faults_down_and_a_queue_break_it() {
     let mut sim = Sim::new(PolicyConfig::default(), 5);
@@ -1119,10 +1112,9 @@ fn saturation_keeps_a_conversations_affinity_and_the_cap_faults_down_and_a_queue
     assert!(!b[4].full && !b[4].capped && !b[4].breaks_affinity);
 }
 
-/// Seed 7's healthy steer cell: b2 was moved away at KV 0.98 and kept weight 0 for its
-/// whole 10 s cooldown though its KV use was 0.34 after 3 s, while b1 took its share and
-/// filled. A saturation move lasts while the backend is over a threshold or more loaded
-/// than the others in rotation, and no longer.
+/// A backend moved away at KV 0.98 is down to 0.34 within 3 s; kept at weight 0 for its whole
+/// cooldown, it leaves the backend that took its share to fill. A saturation move lasts while
+/// the backend is over a threshold or more loaded than the others in rotation, and no longer.
 #[test]
 fn a_saturation_move_ends_when_its_backend_is_no_more_loaded_than_the_others() {
     let cfg = PolicyConfig::default();
@@ -1170,10 +1162,10 @@ fn a_saturation_move_ends_when_its_backend_is_no_more_loaded_than_the_others() {
 }
 
 /// Maglev spreads a removed backend's slots by weight, so the backend its clients' source
-/// hash already loaded most takes as much of a faulty one's share as those with room (in
-/// the steer benchmark's seed 11 cells, holding it cut the p99 time to first token two- to
-/// threefold). While a backend is moved away for a fault, a markedly more loaded one keeps
-/// the share it had, and takes its full weight back with the faulty one's return.
+/// hash already loaded most takes as much of a faulty one's share as those with room, which
+/// raises the p99 time to first token. While a backend is moved away for a fault, a markedly
+/// more loaded one keeps the share it had, and takes its full weight back with the faulty
+/// one's return.
 #[test]
 fn a_faulty_backends_share_goes_to_the_backends_with_room() {
     let fleet = |kvs: [f64; 4]| {

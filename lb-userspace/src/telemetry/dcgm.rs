@@ -235,7 +235,7 @@ mod tests {
         assert!(e.starts_with("no GPU metrics on the page (looked for DCGM_FI_DEV_GPU_UTIL"));
     }
 
-    /// Issue 8: an all-NaN page counted as a fresh, empty sample and -1000 °C was taken.
+    /// An all-NaN page is not a fresh, empty sample, and -1000 °C is not a reading.
     #[test]
     fn nan_negative_and_infinite_values_are_not_readings() {
         let page = parse(

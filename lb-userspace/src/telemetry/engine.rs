@@ -132,8 +132,8 @@ pub fn tpot_totals(page: &Page<'_>, kind: EngineKind, model: Option<&str>) -> Op
 /// Tokens an interval must hold before its mean counts. A lightly used backend's interval can
 /// hold a handful of gaps, one of them a step that also prefilled another request's prompt
 /// (up to 2048 tokens, 146 ms in the lab): over 3 tokens that reads as 3-8x the others' time
-/// per output token (the steer benchmark's healthy fleet, draining after its arrivals, cut a
-/// backend to 3/8 so). Over 32 such a step adds at most a quarter to an 18 ms mean, while one
+/// per output token, enough to cut a healthy backend's weight while its fleet drains after
+/// its arrivals. Over 32 such a step adds at most a quarter to an 18 ms mean, while one
 /// stream generates ~55 tokens a second, so a backend serving anything still reads every
 /// scrape.
 pub const MIN_TOKENS: f64 = 32.0;
@@ -371,8 +371,8 @@ mod tests {
         );
     }
 
-    /// Issue 8: 100 and -1000 summed to -900, clamped to 0, and a saturated backend looked
-    /// idle. Each series is judged before the sum.
+    /// Each series is judged before the sum: 100 and -1000 would sum to -900, clamp to 0, and
+    /// make a saturated backend look idle.
     #[test]
     fn vllm_negative_nan_and_infinite_series_are_dropped_before_the_sum() {
         let page = parse(

@@ -4,14 +4,14 @@
 //! Pure: [`Tracker::observe`] takes cumulative counters and the time, keeps the deltas of the
 //! last [`WINDOW`], and returns a sample part with what the deltas are enough to judge: the
 //! time to first byte when the window holds [`MIN_ANSWERS`] answers, the delivery rate when
-//! the last [`DELIVERY_WINDOW`] holds [`MIN_STREAM_S`] of streaming. The delivery rate has the
-//! shorter window because it is what shows a slowdown first: every stream in flight slows at
-//! once, while new answers arrive a few a second (an 8 s window took 7 s to show a 2.5x
-//! slowdown in the steer benchmark), and it needs no new answer, so a backend moved away keeps
-//! showing what its last streams see. Its staleness is its own: a backend that streamed and
-//! answered nothing in the windows yields no part, and the hub leaves its last part out once
-//! older than `stale_after`. In-band is never a *configured* source, so an idle backend does
-//! not go stale for lack of traffic.
+//! the last [`DELIVERY_WINDOW`] holds [`MIN_STREAM_S`] of streaming. The delivery rate has
+//! the shorter window because it is what shows a slowdown first: every stream in flight slows
+//! at once, while new answers arrive a few a second (an 8 s window of answers takes most of
+//! its length to show a 2.5x slowdown), and it needs no new answer, so a backend moved away
+//! keeps showing what its last streams see. Its staleness is its own: a backend that streamed
+//! and answered nothing in the windows yields no part, and the hub leaves its last part out
+//! once older than `stale_after`. In-band is never a *configured* source, so an idle backend
+//! does not go stale for lack of traffic.
 
 use std::{
     collections::{BTreeMap, VecDeque},

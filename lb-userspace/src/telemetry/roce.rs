@@ -385,8 +385,8 @@ mod tests {
         );
     }
 
-    /// Issue 8: negative, NaN and infinite counters are not readings; a page of nothing else
-    /// fails the source (the backend goes stale) instead of giving a fresh empty reading.
+    /// Negative, NaN and infinite counters are not readings; a page of nothing else fails the
+    /// source (the backend goes stale) instead of giving a fresh empty reading.
     #[test]
     fn negative_nan_and_infinite_exporter_counters_are_dropped() {
         let line = |metric: &str, v: &str| {

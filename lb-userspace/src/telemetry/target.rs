@@ -314,8 +314,8 @@ port = 443
         assert_eq!(s[&k3], BTreeSet::new());
     }
 
-    /// Issue 8: an https URL passed validation and then stopped `sluice run` after the XDP
-    /// attach. The validator refuses it now, naming each key.
+    /// The validator refuses an https URL, naming each key: the scraper cannot speak it, and
+    /// failing there would stop `sluice run` after the XDP attach.
     #[test]
     fn https_endpoints_are_refused_by_the_validator_with_their_keys() {
         let text = format!(
