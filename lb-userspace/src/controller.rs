@@ -187,7 +187,8 @@ pub struct Persisted {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum HashKind {
-    /// Rust's `DefaultHasher`, which earlier releases used; not stable across Rust releases.
+    /// Rust's `DefaultHasher`, in state files written before the hash was FNV-1a; not stable
+    /// across Rust releases.
     #[default]
     Legacy,
     /// 64-bit FNV-1a over the file's bytes: the same value from every build.

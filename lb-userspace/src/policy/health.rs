@@ -293,8 +293,8 @@ mod tests {
         assert_eq!(h.since, 9 * S);
     }
 
-    /// Issue 8: out of descriptors, every check failed with EMFILE, every backend was marked
-    /// down and every stream broke. A local shortage now leaves each backend as it was.
+    /// A local shortage (out of descriptors: every check fails with EMFILE) is not a backend
+    /// failure: marking every backend down would break every stream, so each stays as it is.
     #[test]
     fn local_shortages_are_not_backend_failures() {
         let cfg = cfg(1, 1);
