@@ -12,7 +12,7 @@ use std::{
     fs,
     io::ErrorKind,
     net::{IpAddr, SocketAddr},
-    path::Path,
+    path::{Path, PathBuf},
     thread,
     time::{Duration, Instant},
 };
@@ -901,7 +901,7 @@ fn a_failed_start_over_a_readopted_data_plane_changes_nothing() {
 
     // The same file; the state file cannot be written (a directory where its temporary file
     // goes): the start fails after it wrote the maps and replaced the link's program.
-    let tmp = lab.state_file.with_extension("tmp");
+    let tmp = PathBuf::from(format!("{}.tmp", lab.state_file.display()));
     fs::create_dir(&tmp).unwrap();
     let e = format!("{:#}", lab.start_daemon().unwrap_err());
     assert!(e.contains("exit status: 1"), "{e}");

@@ -7,6 +7,7 @@ use std::{
     io::Write,
     net::{SocketAddr, TcpStream},
     os::unix::{fs::MetadataExt, net::UnixStream},
+    path::PathBuf,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
@@ -356,7 +357,7 @@ fn files_are_private_reload_says_what_needs_a_restart_and_a_failed_start_rolls_b
 
     // A start that fails after the attach: the state file cannot be written (a directory
     // where its temporary file goes).
-    let tmp = lab.state_file.with_extension("tmp");
+    let tmp = PathBuf::from(format!("{}.tmp", lab.state_file.display()));
     fs::create_dir(&tmp).unwrap();
     let e = format!("{:#}", lab.start_daemon().unwrap_err());
     assert!(e.contains(&tmp.display().to_string()), "{e}");
