@@ -120,110 +120,111 @@ struct Opts {
     conn_table: u32,
 }
 
-const HELP: &str = "\
-sluice-bench xdp [options]: per-packet cost of sluice_xdp (BPF_PROG_TEST_RUN, repeat 1 per
-call on a fresh frame) against the XDP_PASS baseline sluice_pass, in fresh network namespaces.
-
-  --rounds N        rounds; each runs one batch of every case, shuffled (default 11)
-  --calls N         calls per batch (default 200000)
-  --flows N         distinct established flows of the many-flows case (default 200000)
-  --batch-secs S    time bound of one batch (default 1.0)
-  --max-secs S      time bound of the measuring phase; later rounds are skipped (default 90)
-  --cpu N           CPU to pin to (default: the last online CPU)
-  --variants LIST   next-hop variants, comma separated: fallback,fib (default both)
-  --cases LIST      only these cases (comma separated keys; baselines always run)
-  --object PATH     load this BPF object instead of the embedded target/bpf/sluice.bpf.o
-                    (to compare a data-plane change; its maps must keep the layout)
-  --conn-table N    conn-table capacity of the established/new-flow data planes
-                    (default lb_common::CONN_TABLE_SIZE, the production default)
-  --quick           --rounds 3 --calls 20000 --flows 20000
-  --out PATH        JSON results (default target/bench/xdp.json)
-  --svg PATH        SVG chart (default: the JSON path with .svg)
-  --record          write the defaults under bench/results/ (the committed results) instead
-";
+/// `sluice-bench xdp --help`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "sluice-bench xdp",
+    about = "Per-packet cost of sluice_xdp (BPF_PROG_TEST_RUN, repeat 1 per call on a fresh \
+             frame) against the XDP_PASS baseline sluice_pass, in fresh network namespaces"
+)]
+struct Args {
+    /// Rounds; each runs one batch of every case, shuffled (default 11; 3 with --quick).
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Calls per batch (default 200000; 20000 with --quick).
+    #[arg(long)]
+    calls: Option<usize>,
+    /// Distinct established flows of the many-flows case (default 200000; 20000 with --quick).
+    #[arg(long)]
+    flows: Option<usize>,
+    /// Time bound of one batch, in seconds.
+    #[arg(long = "batch-secs", default_value_t = 1.0)]
+    batch_secs: f64,
+    /// Time bound of the measuring phase in seconds; later rounds are skipped.
+    #[arg(long = "max-secs", default_value_t = 90.0)]
+    max_secs: f64,
+    /// CPU to pin to (default: the last online CPU).
+    #[arg(long)]
+    cpu: Option<usize>,
+    /// Next-hop variants, comma separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Variant::Fallback, Variant::Fib])]
+    variants: Vec<Variant>,
+    /// Only these cases (comma separated keys; baselines always run).
+    #[arg(long, value_delimiter = ',')]
+    cases: Option<Vec<String>>,
+    /// Load this BPF object instead of the embedded target/bpf/sluice.bpf.o (to compare a
+    /// data-plane change; its maps must keep the layout).
+    #[arg(long)]
+    object: Option<PathBuf>,
+    /// Conn-table capacity of the established/new-flow data planes (default
+    /// lb_common::CONN_TABLE_SIZE, the production default).
+    #[arg(long = "conn-table", default_value_t = CONN_TABLE_SIZE)]
+    conn_table: u32,
+    /// --rounds 3 --calls 20000 --flows 20000 (each unless given).
+    #[arg(long)]
+    quick: bool,
+    /// JSON results (default target/bench/xdp.json).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// SVG chart (default: the JSON path with .svg).
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    #[arg(long, help = out::RECORD_HELP)]
+    record: bool,
+}
 
 fn parse_opts(args: &[String]) -> Result<Option<Opts>> {
-    let (record, args) = out::take_record(args);
-    let mut o = Opts {
-        rounds: 11,
-        calls: 200_000,
-        flows: 200_000,
-        batch_secs: 1.0,
-        max_secs: 90.0,
-        cpu: sys::online_cpus().saturating_sub(1),
-        out: out::default_path(record, "xdp.json"),
-        svg: PathBuf::new(),
-        variants: vec![Variant::Fallback, Variant::Fib],
-        cases: None,
-        object: None,
-        conn_table: CONN_TABLE_SIZE,
+    let Some(a) = crate::cli_args::<Args>("sluice-bench xdp", args)? else {
+        return Ok(None);
     };
-    let mut svg = None;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut val = |name: &str| {
-            it.next()
-                .cloned()
-                .ok_or_else(|| anyhow!("{name} needs a value"))
-        };
-        match a.as_str() {
-            "-h" | "--help" => {
-                print!("{HELP}");
-                return Ok(None);
-            }
-            "--rounds" => o.rounds = val(a)?.parse()?,
-            "--calls" => o.calls = val(a)?.parse()?,
-            "--flows" => o.flows = val(a)?.parse()?,
-            "--batch-secs" => o.batch_secs = val(a)?.parse()?,
-            "--max-secs" => o.max_secs = val(a)?.parse()?,
-            "--cpu" => o.cpu = val(a)?.parse()?,
-            "--out" => o.out = val(a)?.into(),
-            "--svg" => svg = Some(PathBuf::from(val(a)?)),
-            "--variants" => {
-                o.variants = val(a)?
-                    .split(',')
-                    .map(|v| match v {
-                        "fallback" => Ok(Variant::Fallback),
-                        "fib" => Ok(Variant::Fib),
-                        _ => Err(anyhow!("unknown variant {v} (fallback, fib)")),
-                    })
-                    .collect::<Result<_>>()?;
-            }
-            "--cases" => {
-                let list = val(a)?;
-                let mut ids = Vec::new();
-                for k in list.split(',') {
-                    let c = CASES.iter().find(|c| c.key == k).ok_or_else(|| {
-                        anyhow!(
-                            "unknown case {k}; cases: {}",
-                            CASES.iter().map(|c| c.key).collect::<Vec<_>>().join(", ")
-                        )
-                    })?;
-                    ids.push(c.id);
-                }
-                o.cases = Some(ids);
-            }
-            "--object" => o.object = Some(val(a)?.into()),
-            "--conn-table" => o.conn_table = val(a)?.parse()?,
-            "--quick" => {
-                o.rounds = 3;
-                o.calls = 20_000;
-                o.flows = 20_000;
-            }
-            _ => bail!("unknown option {a}\n{HELP}"),
-        }
-    }
+    let cases = match &a.cases {
+        None => None,
+        Some(keys) => Some(
+            keys.iter()
+                .map(|k| {
+                    CASES
+                        .iter()
+                        .find(|c| c.key == k)
+                        .map(|c| c.id)
+                        .ok_or_else(|| {
+                            anyhow!(
+                                "unknown case {k}; cases: {}",
+                                CASES.iter().map(|c| c.key).collect::<Vec<_>>().join(", ")
+                            )
+                        })
+                })
+                .collect::<Result<Vec<_>>>()?,
+        ),
+    };
+    let out_path = a
+        .out
+        .unwrap_or_else(|| out::default_path(a.record, "xdp.json"));
+    let o = Opts {
+        rounds: a.rounds.unwrap_or(if a.quick { 3 } else { 11 }),
+        calls: a.calls.unwrap_or(if a.quick { 20_000 } else { 200_000 }),
+        flows: a.flows.unwrap_or(if a.quick { 20_000 } else { 200_000 }),
+        batch_secs: a.batch_secs,
+        max_secs: a.max_secs,
+        cpu: a
+            .cpu
+            .unwrap_or_else(|| sys::online_cpus().saturating_sub(1)),
+        svg: a.svg.unwrap_or_else(|| out_path.with_extension("svg")),
+        out: out_path,
+        variants: a.variants,
+        cases,
+        object: a.object,
+        conn_table: a.conn_table,
+    };
     if o.rounds == 0 || o.calls == 0 || o.variants.is_empty() {
         bail!("--rounds, --calls and --variants must be non-empty");
     }
     if o.flows == 0 || o.flows > 1 << BLOCK_BITS {
         bail!("--flows must be between 1 and {}", 1u32 << BLOCK_BITS);
     }
-    o.svg = svg.unwrap_or_else(|| o.out.with_extension("svg"));
     Ok(Some(o))
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
 pub enum Variant {
     Fallback,
     Fib,

@@ -26,7 +26,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use sluice::clock::now_ms;
 use sluice_tests::{
@@ -76,35 +76,72 @@ fn words(s: &str) -> Vec<String> {
     s.split_whitespace().map(str::to_owned).collect()
 }
 
-const USAGE: &str = "usage: sluice-bench steer [--scenarios a,b] [--policies a,b] [--duration SECS] \
-[--backends N] [--seed N] [--capacity-rps X] [--load X] [--max-sessions N] [--sources N] [--accel-args ARGS] [--tokens-args ARGS] [--out FILE] [--plots DIR] [--records DIR] [--record]
-       sluice-bench steer --matrix [ci] ... (the robustness matrix: --matrix --help)
-  scenarios: healthy, heterogeneous, throttled, congested, dying, overload, gray (the default);
-             near-saturation, idle, steady, lying, flapping (on request: a fleet without
-             headroom, a light load, 10 minutes at 65% whatever --duration says, an
-             exporter that reports idle while its accelerator slows, a throttle that comes
-             and goes every 10 s)
-  policies:  maglev, adaptive, adaptive+admission, adaptive+inband (default: all)
-  --duration      seconds of load per cell (default 50)
-  --backends      simulated accelerators, 4..=8 (default 4)
-  --capacity-rps  requests per second one healthy accelerator sustains with the default
-                  workload (default 3.0, measured: see docs/benchmarks.md); scenarios offer
-                  a fraction of backends x this
-  --load          offered load of the scenarios at the usual load, as a fraction of
-                  backends x --capacity-rps (default 0.7; idle, near-saturation, overload
-                  and steady keep their own)
-  --max-sessions  adaptive+admission's per-backend session cap (default 24: a batch of 16,
-                  a short queue, and flows of ended streams until they idle out)
-  --sources       client source addresses, 1..=1000 (default 180)
-  --accel-args    more sluice-accel arguments for every accelerator, space-separated
-                  (default \"--max-num-seqs 16 --kv-capacity-tokens 8192\": lab scale, see
-                  docs/benchmarks.md)
-  --tokens-args   more load generator (sluice-bench tokens) arguments, space-separated, e.g.
-                  \"--output-median 40 --output-sigma 0.5\" (default: none, its workload)
-  --out           default target/bench/steer.json; --plots default target/bench/steer
-  --record        write the defaults under bench/results/ (the committed results) instead
-  --records       keep each cell's per-request records (the generator's --records lines)
-                  as DIR/SCENARIO-POLICY.jsonl";
+/// `sluice-bench steer --help`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "sluice-bench steer",
+    about = "Adaptive steering against plain Maglev on simulated accelerators: every \
+             (scenario, policy) cell",
+    after_help = "sluice-bench steer --matrix [ci] ...: the robustness matrix \
+                  (sluice-bench steer --matrix --help)"
+)]
+struct Cli {
+    /// Scenarios, comma separated: healthy, heterogeneous, throttled, congested, dying,
+    /// overload, gray (the default); near-saturation, idle, steady, lying, flapping (on
+    /// request: a fleet without headroom, a light load, 10 minutes at 65% whatever
+    /// --duration says, an exporter that reports idle while its accelerator slows, a
+    /// throttle that comes and goes every 10 s).
+    #[arg(long)]
+    scenarios: Option<String>,
+    /// Policies, comma separated: maglev, adaptive, adaptive+admission, adaptive+inband
+    /// (default: all).
+    #[arg(long)]
+    policies: Option<String>,
+    /// Seconds of load per cell.
+    #[arg(long, default_value_t = 50)]
+    duration: u64,
+    /// Simulated accelerators, 4..=8.
+    #[arg(long, default_value_t = 4)]
+    backends: usize,
+    /// The workload's seed.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Requests per second one healthy accelerator sustains with the default workload
+    /// (measured: see docs/benchmarks.md); scenarios offer a fraction of backends x this.
+    #[arg(long = "capacity-rps", default_value_t = 3.0)]
+    capacity_rps: f64,
+    /// Offered load of the scenarios at the usual load, as a fraction of backends x
+    /// --capacity-rps (idle, near-saturation, overload and steady keep their own).
+    #[arg(long, default_value_t = scenario::USUAL_LOAD)]
+    load: f64,
+    /// adaptive+admission's per-backend session cap (24: a batch of 16, a short queue, and
+    /// flows of ended streams until they idle out).
+    #[arg(long = "max-sessions", default_value_t = 24)]
+    max_sessions: u32,
+    /// Client source addresses, 1..=1000.
+    #[arg(long, default_value_t = 180)]
+    sources: u16,
+    /// More sluice-accel arguments for every accelerator, space-separated (the default is
+    /// lab scale, see docs/benchmarks.md).
+    #[arg(long = "accel-args", allow_hyphen_values = true, default_value = DEFAULT_ACCEL_ARGS)]
+    accel_args: String,
+    /// More load generator (sluice-bench tokens) arguments, space-separated, e.g.
+    /// "--output-median 40 --output-sigma 0.5" (default: none, its workload).
+    #[arg(long = "tokens-args", allow_hyphen_values = true)]
+    tokens_args: Option<String>,
+    /// JSON results (default target/bench/steer.json).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Directory of the plots (default target/bench/steer).
+    #[arg(long)]
+    plots: Option<PathBuf>,
+    /// Keep each cell's per-request records (the generator's --records lines) as
+    /// DIR/SCENARIO-POLICY.jsonl.
+    #[arg(long, value_name = "DIR")]
+    records: Option<PathBuf>,
+    #[arg(long, help = out::RECORD_HELP)]
+    record: bool,
+}
 
 /// The benchmark's options.
 #[derive(Clone, Debug)]
@@ -127,53 +164,46 @@ pub struct Args {
 }
 
 impl Args {
-    pub fn parse(args: &[String]) -> Result<Args> {
-        let (record, args) = out::take_record(args);
-        let mut a = Args {
-            scenarios: DEFAULT_SCENARIOS.to_vec(),
-            policies: POLICIES.to_vec(),
-            duration: Duration::from_secs(50),
-            backends: 4,
-            seed: 7,
-            capacity_rps: 3.0,
-            load: scenario::USUAL_LOAD,
-            max_sessions: 24,
-            sources: 180,
-            accel_args: words(DEFAULT_ACCEL_ARGS),
-            tokens_args: Vec::new(),
-            out: out::default_path(record, "steer.json"),
-            plots: out::default_path(record, "steer"),
-            records: None,
-        };
-        let mut it = args.iter();
-        while let Some(flag) = it.next() {
-            if flag == "--help" || flag == "-h" {
-                bail!("{USAGE}");
-            }
-            let v = it
-                .next()
-                .ok_or_else(|| anyhow!("{flag} needs a value\n{USAGE}"))?;
-            let bad = |e: &dyn std::fmt::Display| anyhow!("{flag} {v}: {e}\n{USAGE}");
-            match flag.as_str() {
-                "--scenarios" => a.scenarios = list(v, Scenario::parse)?,
-                "--policies" => a.policies = list(v, Policy::parse)?,
-                "--duration" => {
-                    a.duration = Duration::from_secs(v.parse().map_err(|e| bad(&e))?);
-                }
-                "--backends" => a.backends = v.parse().map_err(|e| bad(&e))?,
-                "--seed" => a.seed = v.parse().map_err(|e| bad(&e))?,
-                "--capacity-rps" => a.capacity_rps = v.parse().map_err(|e| bad(&e))?,
-                "--load" => a.load = v.parse().map_err(|e| bad(&e))?,
-                "--max-sessions" => a.max_sessions = v.parse().map_err(|e| bad(&e))?,
-                "--sources" => a.sources = v.parse().map_err(|e| bad(&e))?,
-                "--accel-args" => a.accel_args = words(v),
-                "--tokens-args" => a.tokens_args = words(v),
-                "--out" => a.out = v.into(),
-                "--plots" => a.plots = v.into(),
-                "--records" => a.records = Some(v.into()),
-                _ => bail!("unknown option {flag}\n{USAGE}"),
-            }
+    /// The options from the command line; None when it asked for `--help`.
+    pub fn parse(args: &[String]) -> Result<Option<Args>> {
+        match crate::cli_args::<Cli>("sluice-bench steer", args)? {
+            Some(c) => Args::from_cli(c).map(Some),
+            None => Ok(None),
         }
+    }
+
+    /// The options of a run given no arguments.
+    pub fn defaults() -> Result<Args> {
+        Args::from_cli(<Cli as clap::Parser>::parse_from(["sluice-bench steer"]))
+    }
+
+    fn from_cli(c: Cli) -> Result<Args> {
+        let a = Args {
+            scenarios: match &c.scenarios {
+                Some(v) => list(v, Scenario::parse)?,
+                None => DEFAULT_SCENARIOS.to_vec(),
+            },
+            policies: match &c.policies {
+                Some(v) => list(v, Policy::parse)?,
+                None => POLICIES.to_vec(),
+            },
+            duration: Duration::from_secs(c.duration),
+            backends: c.backends,
+            seed: c.seed,
+            capacity_rps: c.capacity_rps,
+            load: c.load,
+            max_sessions: c.max_sessions,
+            sources: c.sources,
+            accel_args: words(&c.accel_args),
+            tokens_args: c.tokens_args.as_deref().map(words).unwrap_or_default(),
+            out: c
+                .out
+                .unwrap_or_else(|| out::default_path(c.record, "steer.json")),
+            plots: c
+                .plots
+                .unwrap_or_else(|| out::default_path(c.record, "steer")),
+            records: c.records,
+        };
         if !(4..=8).contains(&a.backends) {
             bail!("--backends {}: 4 to 8 accelerators", a.backends);
         }
@@ -193,7 +223,7 @@ impl Args {
             bail!("--sources {}: 1 to {MAX_CLIENT_SOURCES}", a.sources);
         }
         if a.scenarios.is_empty() || a.policies.is_empty() {
-            bail!("nothing to run\n{USAGE}");
+            bail!("nothing to run: --scenarios and --policies name none");
         }
         Ok(a)
     }
@@ -203,7 +233,9 @@ pub fn main(args: &[String]) -> Result<()> {
     if args.iter().any(|a| a == matrix::FLAG) {
         return matrix::main(args);
     }
-    let args = Args::parse(args)?;
+    let Some(args) = Args::parse(args)? else {
+        return Ok(());
+    };
     sys::require_root()?;
     sys::catch_interrupts();
     let doc = run(&args)?;
@@ -886,7 +918,7 @@ mod tests {
 
     #[test]
     fn args_default_and_check() {
-        let a = Args::parse(&[]).unwrap();
+        let a = Args::parse(&[]).unwrap().unwrap();
         assert_eq!((a.scenarios.len(), a.policies.len(), a.backends), (7, 4, 4));
         let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
         let a = Args::parse(&s(&[
@@ -897,6 +929,7 @@ mod tests {
             "--duration",
             "15",
         ]))
+        .unwrap()
         .unwrap();
         assert_eq!(a.scenarios, [Scenario::Throttled]);
         assert_eq!(a.duration, Duration::from_secs(15));
@@ -906,16 +939,41 @@ mod tests {
     }
 
     #[test]
+    fn tool_arguments_that_start_with_dashes_are_values() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let a = Args::parse(&s(&[
+            "--tokens-args",
+            "--output-median 40 --output-sigma 0.5",
+            "--accel-args",
+            "--max-num-seqs 64",
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            a.tokens_args,
+            s(&["--output-median", "40", "--output-sigma", "0.5"])
+        );
+        assert_eq!(a.accel_args, s(&["--max-num-seqs", "64"]));
+        let d = Args::defaults().unwrap();
+        assert_eq!(d.accel_args, words(DEFAULT_ACCEL_ARGS));
+        assert!(d.tokens_args.is_empty());
+    }
+
+    #[test]
     fn results_go_under_target_unless_recorded() {
         let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        let a = Args::parse(&s(&["--seed", "11"])).unwrap();
+        let a = Args::parse(&s(&["--seed", "11"])).unwrap().unwrap();
         assert_eq!(a.out, PathBuf::from("target/bench/steer.json"));
         assert_eq!(a.plots, PathBuf::from("target/bench/steer"));
-        let a = Args::parse(&s(&["--seed", "11", "--record", "--duration", "15"])).unwrap();
+        let a = Args::parse(&s(&["--seed", "11", "--record", "--duration", "15"]))
+            .unwrap()
+            .unwrap();
         assert_eq!(a.out, PathBuf::from("bench/results/steer.json"));
         assert_eq!(a.plots, PathBuf::from("bench/results/steer"));
         assert_eq!((a.seed, a.duration), (11, Duration::from_secs(15)));
-        let a = Args::parse(&s(&["--record", "--out", "/tmp/x.json"])).unwrap();
+        let a = Args::parse(&s(&["--record", "--out", "/tmp/x.json"]))
+            .unwrap()
+            .unwrap();
         assert_eq!(a.out, PathBuf::from("/tmp/x.json"));
     }
 
