@@ -22,7 +22,7 @@ use std::{
     collections::BTreeMap,
     fs,
     net::SocketAddr,
-    path::PathBuf,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
@@ -31,7 +31,7 @@ use serde_json::{json, Value};
 use sluice::clock::now_ms;
 use sluice_tests::{
     daemon_lab::{wait_for, Accel, DaemonLab, DaemonLabOptions, VipDef, MAX_CLIENT_SOURCES},
-    netns::{TCP_PORT, VIP4},
+    netns::{ProcId, TCP_PORT, VIP4},
 };
 
 use self::{
@@ -381,6 +381,76 @@ impl Drop for Scratch {
 fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> Result<CellOut> {
     let n = args.backends;
     let vip_addr = SocketAddr::new(VIP4.into(), TCP_PORT);
+    let mut cell = start_cell_lab(args, tools, scenario, policy, vip_addr)?;
+
+    let scratch = Scratch(std::env::temp_dir().join(format!("{}-steer", cell.lab.id)));
+    fs::create_dir_all(&scratch.0)?;
+    let sources = cell.lab.add_client_sources(args.sources)?;
+    let files = GenFiles::in_dir(&scratch.0);
+    fs::write(
+        &files.sources,
+        sources.iter().map(|a| format!("{a}\n")).collect::<String>(),
+    )?;
+    let duration = scenario.duration(args.duration);
+    let secs = duration.as_secs_f64();
+    let rate = scenario.load(args.load) * n as f64 * args.capacity_rps;
+    let faults = scenario.faults();
+    let gen_args = generator_args(args, &faults, vip_addr, rate, duration, &files);
+    let client = cell.lab.topo.client.ns.clone();
+    let since_ms = now_ms();
+    let t0 = Instant::now();
+    let gen = cell
+        .lab
+        .topo
+        .spawn(&client, "sluice-bench tokens", &tools.bench, &gen_args)?;
+    let seen = drive(&mut cell, gen, &faults, duration, t0)?;
+    let got = gather(&cell.lab, args, scenario, policy, &files)?;
+    let CellLab {
+        lab, names, ips, ..
+    } = cell;
+    drop(lab);
+
+    let facts = CellFacts {
+        scenario,
+        policy,
+        rate,
+        secs,
+        since_ms,
+        names: &names,
+        ips: &ips,
+    };
+    let ttfts = stats::ttfts(&got.records);
+    let json = cell_json(&facts, &seen, &got, &ttfts);
+    let title = format!("{} / {}", scenario.name(), policy.name());
+    let timeline_svg = plot::timeline(&title, secs, &names, &seen.timeline, &seen.fired, 100.0);
+    Ok(CellOut {
+        json,
+        ttfts,
+        timeline_svg,
+    })
+}
+
+/// One cell's daemon lab, and how its backends are named.
+struct CellLab {
+    lab: DaemonLab,
+    names: Vec<String>,
+    /// The backends' addresses on the VIP's port (how the admin API names them).
+    addrs: Vec<String>,
+    /// How the daemon's events name the backends.
+    ips: Vec<String>,
+}
+
+/// Starts the lab of a cell: the VIP set for `policy`, one simulated accelerator per
+/// backend (the scenario's slow one slowed), and waits until every backend is healthy and,
+/// for a policy that reads telemetry, scraped.
+fn start_cell_lab(
+    args: &Args,
+    tools: &Tools,
+    scenario: Scenario,
+    policy: Policy,
+    vip_addr: SocketAddr,
+) -> Result<CellLab> {
+    let n = args.backends;
     let mut vip = VipDef::tcp(VIP, vip_addr, n);
     vip.telemetry = policy.telemetry();
     vip.inband = policy == Policy::Inband;
@@ -410,12 +480,11 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         binary: tools.accel.clone(),
         args: per_backend,
     });
-    let mut lab = DaemonLab::start(opts).context("starting the lab")?;
+    let lab = DaemonLab::start(opts).context("starting the lab")?;
     let names: Vec<String> = lab.topo.backends.iter().map(|b| b.name.clone()).collect();
     let addrs: Vec<String> = (0..n)
         .map(|i| lab.backend_addr(i, vip_addr).to_string())
         .collect();
-    // How the daemon's events name the backends.
     let ips: Vec<String> = lab.topo.backends.iter().map(|b| b.v4.to_string()).collect();
     wait_for(
         "every backend healthy and scraped",
@@ -430,22 +499,41 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             Ok(ready.then_some(()))
         },
     )?;
+    Ok(CellLab {
+        lab,
+        names,
+        addrs,
+        ips,
+    })
+}
 
-    let scratch = Scratch(std::env::temp_dir().join(format!("{}-steer", lab.id)));
-    fs::create_dir_all(&scratch.0)?;
-    let sources = lab.add_client_sources(args.sources)?;
-    let sources_file = scratch.0.join("sources.txt");
-    fs::write(
-        &sources_file,
-        sources.iter().map(|a| format!("{a}\n")).collect::<String>(),
-    )?;
-    let (summary_file, records_file) = (
-        scratch.0.join("summary.json"),
-        scratch.0.join("records.jsonl"),
-    );
-    let duration = scenario.duration(args.duration);
+/// The load generator's files in a cell's scratch directory.
+struct GenFiles {
+    sources: PathBuf,
+    summary: PathBuf,
+    records: PathBuf,
+}
+
+impl GenFiles {
+    fn in_dir(dir: &Path) -> GenFiles {
+        GenFiles {
+            sources: dir.join("sources.txt"),
+            summary: dir.join("summary.json"),
+            records: dir.join("records.jsonl"),
+        }
+    }
+}
+
+/// The load generator's (`sluice-bench tokens`) arguments for a cell.
+fn generator_args(
+    args: &Args,
+    faults: &[scenario::Fault],
+    vip_addr: SocketAddr,
+    rate: f64,
+    duration: Duration,
+    files: &GenFiles,
+) -> Vec<String> {
     let secs = duration.as_secs_f64();
-    let rate = scenario.load(args.load) * n as f64 * args.capacity_rps;
     let mut gen_args: Vec<String> = [
         "tokens",
         "--target",
@@ -466,16 +554,15 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         "--stall-s",
         &STALL.as_secs().to_string(),
         "--sources-file",
-        &sources_file.display().to_string(),
+        &files.sources.display().to_string(),
         "--json",
-        &summary_file.display().to_string(),
+        &files.summary.display().to_string(),
         "--records",
-        &records_file.display().to_string(),
+        &files.records.display().to_string(),
     ]
     .map(str::to_owned)
     .to_vec();
     gen_args.extend(args.tokens_args.iter().cloned());
-    let faults = scenario.faults();
     // The streams in flight at the first fault: what no later placement can move.
     if let Some(f) = faults.first() {
         gen_args.extend([
@@ -483,23 +570,45 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             format!("{:.0}", f.at * secs * 1000.0),
         ]);
     }
-    let client = lab.topo.client.ns.clone();
-    let since_ms = now_ms();
-    let t0 = Instant::now();
-    let gen = lab
-        .topo
-        .spawn(&client, "sluice-bench tokens", &tools.bench, &gen_args)?;
+    gen_args
+}
 
-    let mut fired: Vec<(f64, String)> = Vec::new();
-    let mut timeline: Vec<Sample> = Vec::new();
-    let mut flags: Vec<Sample> = Vec::new();
-    let mut kv_samples: Vec<Vec<f64>> = Vec::new();
+/// What was seen while the load ran.
+struct Observed {
+    /// The faults fired: seconds into the cell, and the label.
+    fired: Vec<(f64, String)>,
+    /// One sample a second.
+    timeline: Vec<Sample>,
+    /// The steering flags at every tick (the samples among them).
+    flags: Vec<Sample>,
+    /// The accelerators' KV use at each sample.
+    kv_samples: Vec<Vec<f64>>,
+}
+
+/// Runs the cell until the load generator `gen` ends: fires the scenario's faults on time,
+/// samples the backends every tick and once a second; stops the generator when
+/// interrupted or late.
+fn drive(
+    cell: &mut CellLab,
+    gen: ProcId,
+    faults: &[scenario::Fault],
+    duration: Duration,
+    t0: Instant,
+) -> Result<Observed> {
+    let secs = duration.as_secs_f64();
+    let lab = &mut cell.lab;
+    let mut seen = Observed {
+        fired: Vec::new(),
+        timeline: Vec::new(),
+        flags: Vec::new(),
+        kv_samples: Vec::new(),
+    };
     let limit = duration + REQUEST_LIMIT + Duration::from_secs(30);
     let mut next_sample = Duration::ZERO;
     let status = loop {
         let t = t0.elapsed();
         if let Some(f) = faults
-            .get(fired.len())
+            .get(seen.fired.len())
             .filter(|f| t.as_secs_f64() >= f.at * secs)
         {
             // A killed accelerator answers nothing: the request's error is expected.
@@ -510,19 +619,20 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
                     bail!("fault {}: {code} {body}", f.label);
                 }
             }
-            fired.push((t.as_secs_f64(), f.label.clone()));
+            seen.fired.push((t.as_secs_f64(), f.label.clone()));
             continue;
         }
         if t >= next_sample {
-            let s = sample(&lab, &addrs, t.as_secs_f64());
-            kv_samples.push(s.points.iter().filter_map(|p| p.kv).collect());
-            flags.push(s.clone());
-            timeline.push(s);
+            let s = sample(lab, &cell.addrs, t.as_secs_f64());
+            seen.kv_samples
+                .push(s.points.iter().filter_map(|p| p.kv).collect());
+            seen.flags.push(s.clone());
+            seen.timeline.push(s);
             next_sample += Duration::from_secs(1);
         } else {
             // Full flags change with each policy step: the affinity breakdown needs them at
             // each turn's start, not the nearest second.
-            flags.push(steering(&lab, &addrs, t.as_secs_f64()));
+            seen.flags.push(steering(lab, &cell.addrs, t.as_secs_f64()));
         }
         if let Some(st) = lab.topo.try_wait(gen)? {
             break st;
@@ -540,6 +650,27 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
     if !status.success() {
         bail!("the load generator failed ({status})");
     }
+    Ok(seen)
+}
+
+/// What the daemon, the load generator and the accelerators report after the load.
+struct Gathered {
+    events: Vec<Value>,
+    summary: Value,
+    records: Vec<Record>,
+    shed_counters: BTreeMap<String, u64>,
+    cache_queries: u64,
+    cache_hits: u64,
+}
+
+/// Reads the cell's reports; keeps the per-request records under `--records` when given.
+fn gather(
+    lab: &DaemonLab,
+    args: &Args,
+    scenario: Scenario,
+    policy: Policy,
+    files: &GenFiles,
+) -> Result<Gathered> {
     let events = lab
         .api("GET", "/v1/events", None)?
         .1
@@ -548,11 +679,11 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         .cloned()
         .unwrap_or_default();
     let summary: Value = serde_json::from_str(
-        &fs::read_to_string(&summary_file)
-            .with_context(|| format!("reading {}", summary_file.display()))?,
+        &fs::read_to_string(&files.summary)
+            .with_context(|| format!("reading {}", files.summary.display()))?,
     )?;
-    let records_text = fs::read_to_string(&records_file)
-        .with_context(|| format!("reading {}", records_file.display()))?;
+    let records_text = fs::read_to_string(&files.records)
+        .with_context(|| format!("reading {}", files.records.display()))?;
     if let Some(dir) = &args.records {
         let kept = dir.join(format!("{}-{}.jsonl", scenario.name(), policy.name()));
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -571,21 +702,46 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         .collect();
     // The prefix cache counters, summed over the accelerators (a killed one reads nothing).
     let (mut cache_queries, mut cache_hits) = (0, 0);
-    for i in 0..n {
+    for i in 0..args.backends {
         if let Ok((200, v)) = lab.accel_request(i, "GET", "/state", None) {
             cache_queries += v["prefix_cache_queries"].as_u64().unwrap_or(0);
             cache_hits += v["prefix_cache_hits"].as_u64().unwrap_or(0);
         }
     }
-    drop(lab);
+    Ok(Gathered {
+        events,
+        summary,
+        records,
+        shed_counters,
+        cache_queries,
+        cache_hits,
+    })
+}
 
+/// What a cell's result needs besides what it saw and gathered.
+struct CellFacts<'a> {
+    scenario: Scenario,
+    policy: Policy,
+    /// Offered requests per second.
+    rate: f64,
+    /// Seconds of load.
+    secs: f64,
+    /// When the load started (the daemon's events are counted from here).
+    since_ms: u64,
+    names: &'a [String],
+    ips: &'a [String],
+}
+
+/// A cell's result (`ttfts`: every request's time to first token, ms).
+fn cell_json(c: &CellFacts, seen: &Observed, got: &Gathered, ttfts: &[f64]) -> Value {
+    let (scenario, secs, names) = (c.scenario, c.secs, c.names);
+    let (records, summary, fired) = (&got.records, &got.summary, &seen.fired);
     let killed = scenario.killed().map(|i| names[i].clone());
     let faulty: Vec<&str> = if scenario.faults().is_empty() && scenario.slow().is_none() {
         Vec::new()
     } else {
         vec![names[scenario::FAULTY].as_str()]
     };
-    let ttfts = stats::ttfts(&records);
     let kill = killed
         .as_deref()
         .zip(fired.first())
@@ -594,8 +750,8 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             at_ms: at * 1000.0,
             bound_ms: AVOID_BOUND_MS,
         });
-    let (completed, broken, on_killed) = stats::sessions(&records, kill);
-    let changes = stats::weight_changes(&events, since_ms, &ips);
+    let (completed, broken, on_killed) = stats::sessions(records, kill);
+    let changes = stats::weight_changes(&got.events, c.since_ms, c.ips);
     let total_changes: u64 = changes.values().sum();
     let max_changes = changes.values().copied().max().unwrap_or(0);
     let mut after = Vec::new();
@@ -605,24 +761,24 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         after.push(json!({
             "fault": label,
             "at_s": (at * 10.0).round() / 10.0,
-            "new_sessions": stats::landed(&records, at * 1000.0 + 2000.0, to),
-            "ttft_ms": stats::quantiles(&window_ttfts(&records, at * 1000.0, to)),
+            "new_sessions": stats::landed(records, at * 1000.0 + 2000.0, to),
+            "ttft_ms": stats::quantiles(&window_ttfts(records, at * 1000.0, to)),
         }));
     }
-    let json = json!({
+    json!({
         "scenario": scenario.name(),
-        "policy": policy.name(),
-        "offered_rps": (rate * 1000.0).round() / 1000.0,
+        "policy": c.policy.name(),
+        "offered_rps": (c.rate * 1000.0).round() / 1000.0,
         "duration_s": secs,
-        "ttft_ms": stats::quantiles(&ttfts),
-        "itl_ms": itl(&summary),
+        "ttft_ms": stats::quantiles(ttfts),
+        "itl_ms": itl(summary),
         // Over the generator's whole run (requests start for `duration`, then finish).
         "goodput_tokens_per_s": summary["summary"]["goodput_tokens_per_s"],
         // A second figure beside goodput: only streams that met a TTFT SLO count.
         "slo_goodput": {
             "ttft_slo_ms": stats::TTFT_SLO_MS,
             "tokens_per_s": stats::slo_goodput(
-                &records,
+                records,
                 stats::TTFT_SLO_MS,
                 summary["elapsed_s"].as_f64().unwrap_or(0.0),
             ),
@@ -631,8 +787,8 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             "completed": completed,
             "broken": broken,
             "broken_on_killed_backend": on_killed,
-            "broken_by_reason": stats::broken_by_reason(&records),
-            "per_backend": stats::landed(&records, 0.0, f64::MAX),
+            "broken_by_reason": stats::broken_by_reason(records),
+            "per_backend": stats::landed(records, 0.0, f64::MAX),
         },
         // Requests refused (or reset before any byte) and tried again, and their retries.
         "retries": {
@@ -645,11 +801,11 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             .first()
             .map(|b| &summary["in_flight_at_mark"]["per_backend"][*b])
             .filter(|f| !f.is_null()),
-        "imbalance": (stats::imbalance(&kv_samples) * 1000.0).round() / 1000.0,
-        "affinity_kept": stats::affinity_kept(&records, &faulty),
+        "imbalance": (stats::imbalance(&seen.kv_samples) * 1000.0).round() / 1000.0,
+        "affinity_kept": stats::affinity_kept(records, &faulty),
         // What affinity saves: prompt tokens served from the accelerators' prefix caches.
-        "prefix_cache": stats::prefix_cache(cache_queries, cache_hits, &records),
-        "affinity_lost": stats::affinity_lost(&records, &faulty, &names, &flags, AFFINITY_SECS),
+        "prefix_cache": stats::prefix_cache(got.cache_queries, got.cache_hits, records),
+        "affinity_lost": stats::affinity_lost(records, &faulty, names, &seen.flags, AFFINITY_SECS),
         "weight_changes": total_changes,
         "weight_changes_per_backend": changes,
         "weight_changes_per_backend_per_10min": (max_changes as f64 * 600.0 / secs).round(),
@@ -657,9 +813,9 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         "new_sessions_failed_for_ms_after_kill": fired
             .first()
             .filter(|_| killed.is_some())
-            .map(|(at, _)| stats::avoided_after_ms(&records, at * 1000.0).round()),
+            .map(|(at, _)| stats::avoided_after_ms(records, at * 1000.0).round()),
         "backends": names,
-        "timeline": timeline.iter().map(|s| json!({
+        "timeline": seen.timeline.iter().map(|s| json!({
             "t_s": (s.t * 10.0).round() / 10.0,
             "weight": s.points.iter().map(|p| p.weight).collect::<Vec<_>>(),
             "state": s.points.iter().map(|p| p.state.clone()).collect::<Vec<_>>(),
@@ -670,16 +826,9 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         })).collect::<Vec<_>>(),
         // Admission: the shed level's changes (s into the cell) and the data plane's
         // refusals, by priority class (the whole VIP) or for want of a backend with room.
-        "shed_changes": stats::shed_changes(&events, since_ms),
-        "shed_counters": shed_counters,
+        "shed_changes": stats::shed_changes(&got.events, c.since_ms),
+        "shed_counters": got.shed_counters,
         "generator_summary": summary,
-    });
-    let title = format!("{} / {}", scenario.name(), policy.name());
-    let timeline_svg = plot::timeline(&title, secs, &names, &timeline, &fired, 100.0);
-    Ok(CellOut {
-        json,
-        ttfts,
-        timeline_svg,
     })
 }
 
