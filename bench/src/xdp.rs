@@ -1406,30 +1406,15 @@ fn warm_up(
     let limit = Duration::from_secs_f64(opts.batch_secs);
     let warm = (opts.calls / 10).clamp(1, 10_000);
     for r in results {
-        lab.enter(r.variant)?;
-        let def = case(r.id);
         let (_, frames) = sources.iter_mut().find(|(id, _)| *id == r.id).unwrap();
-        let start = fresh_start(frames);
-        let dp = lab.dp(def.dp);
-        let b = measure(
-            dp.program(def.prog)?,
-            frames,
-            warm,
-            limit,
-            expected_action(r.id, r.variant),
-            out,
-            kern,
-        )?;
+        let (b, _, _) = run_batch(lab, r, frames, warm, limit, out, kern)?;
         if !b.wrong_actions.is_empty() {
             bail!(
                 "warm-up of {} [{}]: unexpected actions {:?}",
-                def.key,
+                case(r.id).key,
                 r.variant.name(),
                 b.wrong_actions
             );
-        }
-        if def.dp == Dp::New {
-            delete_fresh(&mut lab.new_conns, frames, start)?;
         }
     }
     Ok(())
@@ -1480,16 +1465,17 @@ fn measure_rounds(
     Ok(rounds_done)
 }
 
-/// One recorded batch of a case, with its counter deltas; a path that changed is an error.
-fn measure_batch(
+/// One batch of a case's frames in its variant's namespace, with the data plane's counters
+/// before and after it; the flows a new-flow batch inserted are deleted after it.
+fn run_batch(
     lab: &mut Lab,
-    r: &mut CaseResult,
+    r: &CaseResult,
     frames: &mut Frames,
     calls: usize,
     limit: Duration,
     out: &mut [u8],
     kern: &mut Vec<u32>,
-) -> Result<()> {
+) -> Result<(Batch, Vec<u64>, Vec<u64>)> {
     lab.enter(r.variant)?;
     let def = case(r.id);
     let start = fresh_start(frames);
@@ -1505,12 +1491,29 @@ fn measure_batch(
         kern,
     )?;
     let after = counters(dp)?;
+    if def.dp == Dp::New {
+        delete_fresh(&mut lab.new_conns, frames, start)?;
+    }
+    Ok((b, before, after))
+}
+
+/// One recorded batch of a case, with its counter deltas; a path that changed is an error.
+fn measure_batch(
+    lab: &mut Lab,
+    r: &mut CaseResult,
+    frames: &mut Frames,
+    calls: usize,
+    limit: Duration,
+    out: &mut [u8],
+    kern: &mut Vec<u32>,
+) -> Result<()> {
+    let (b, before, after) = run_batch(lab, r, frames, calls, limit, out, kern)?;
     stats_delta(&before, &after, &mut r.counters);
     let wrong: usize = b.wrong_actions.values().sum();
     if wrong != 0 {
+        let key = case(r.id).key;
         eprintln!(
-            "\nwarning: {} [{}]: {wrong} of {} calls returned another action (action: calls) {:?}; counters of this batch {:?}",
-            def.key,
+            "\nwarning: {key} [{}]: {wrong} of {} calls returned another action (action: calls) {:?}; counters of this batch {:?}",
             r.variant.name(),
             b.calls,
             b.wrong_actions,
@@ -1523,14 +1526,10 @@ fn measure_batch(
         // A few odd calls are reported; a path that changed is an error.
         if wrong * 1000 > b.calls {
             bail!(
-                "{} [{}]: more than 0.1% of calls took another path",
-                def.key,
+                "{key} [{}]: more than 0.1% of calls took another path",
                 r.variant.name()
             );
         }
-    }
-    if def.dp == Dp::New {
-        delete_fresh(&mut lab.new_conns, frames, start)?;
     }
     r.batches.push(b);
     Ok(())
