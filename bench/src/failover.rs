@@ -22,15 +22,24 @@ use crate::{out, summary::Summary, sys};
 const VIP: &str = "chat";
 const MARK: &str = "data plane updated ";
 
+/// `sluice-bench failover --help`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "sluice-bench failover",
+    about = "Time from a backend's death to the data plane steering around it (daemon lab)"
+)]
+struct Args {
+    /// Rounds, each killing one backend of a fresh lab.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    #[arg(long, help = out::RECORD_HELP)]
+    record: bool,
+}
+
 pub fn main(args: &[String]) -> Result<()> {
-    let (record, args) = out::take_record(args);
-    let rounds: usize = match args.as_slice() {
-        [] => 5,
-        [flag, n] if flag == "--rounds" => n.parse()?,
-        _ => bail!(
-            "usage: sluice-bench failover [--rounds N] (default 5) [--record]\n  {}",
-            out::RECORD_HELP
-        ),
+    let Some(Args { rounds, record }) = crate::cli_args::<Args>("sluice-bench failover", args)?
+    else {
+        return Ok(());
     };
     sys::require_root()?;
     sys::catch_interrupts();

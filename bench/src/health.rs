@@ -61,8 +61,7 @@ struct Args {
     /// bench/results/ with --record).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Write the result under bench/results/ (the committed results) instead of target/bench/.
-    #[arg(long)]
+    #[arg(long, help = out::RECORD_HELP)]
     record: bool,
 }
 

@@ -11,7 +11,9 @@
 //! samples are a second apart, so changes within one second count as one (a lower bound on
 //! the daemon's tables).
 
-use anyhow::{anyhow, bail, Context, Result};
+use std::path::PathBuf;
+
+use anyhow::{anyhow, Context, Result};
 use lb_common::RING_HISTORY;
 use serde_json::{json, Value};
 use sluice::{
@@ -22,39 +24,41 @@ use sluice_tests::{RING, SEED};
 
 use crate::out;
 
-const HELP: &str = "\
-sluice-bench history [--steer PATH] [--out PATH] [--record]: owner changes per ring slot when
-the steer benchmark's weight sequences are published, and the share of streams of 10/20/30 s
-that a history of 1, 2 or 3 previous owners per slot would lose, and what the shipped ring (3)
-loses.
-  --steer PATH   steer results to replay (default target/bench/steer.json, where
-                 `sluice-bench steer` writes without --record)
-  --out PATH     JSON results (default target/bench/ring-history.json;
-                 bench/results/ring-history.json with --record)
-  --record       write under bench/results/ (the committed results)
-";
+/// `sluice-bench history --help`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "sluice-bench history",
+    about = "Owner changes per ring slot when the steer benchmark's weight sequences are \
+             published, and the share of streams of 10/20/30 s that a history of 1, 2 or 3 \
+             previous owners per slot would lose, and what the shipped ring (3) loses"
+)]
+struct Args {
+    /// Steer results to replay (default target/bench/steer.json, where `sluice-bench steer`
+    /// writes without --record).
+    #[arg(long)]
+    steer: Option<PathBuf>,
+    /// JSON results (default target/bench/ring-history.json; bench/results/ring-history.json
+    /// with --record).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[arg(long, help = out::RECORD_HELP)]
+    record: bool,
+}
 
 /// Stream lengths (seconds) and history depths reported.
 const LENGTHS: [usize; 3] = [10, 20, 30];
 const DEPTHS: [u32; 3] = [1, 2, 3];
 
 pub fn main(args: &[String]) -> Result<()> {
-    let (record, args) = out::take_record(args);
-    let mut steer = out::default_path(false, "steer.json");
-    let mut out_path = out::default_path(record, "ring-history.json");
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut val = || it.next().ok_or_else(|| anyhow!("{a} needs a value"));
-        match a.as_str() {
-            "-h" | "--help" => {
-                print!("{HELP}");
-                return Ok(());
-            }
-            "--steer" => steer = val()?.into(),
-            "--out" => out_path = val()?.into(),
-            _ => bail!("unknown option {a}\n{HELP}"),
-        }
-    }
+    let Some(a) = crate::cli_args::<Args>("sluice-bench history", args)? else {
+        return Ok(());
+    };
+    let steer = a
+        .steer
+        .unwrap_or_else(|| out::default_path(false, "steer.json"));
+    let out_path = a
+        .out
+        .unwrap_or_else(|| out::default_path(a.record, "ring-history.json"));
     let doc: Value = serde_json::from_str(
         &std::fs::read_to_string(&steer).with_context(|| format!("reading {}", steer.display()))?,
     )?;

@@ -59,15 +59,23 @@ fn summary(s: Summary) -> Value {
     json!({"median": s.median, "min": s.min, "p90": s.p90})
 }
 
+/// `sluice-bench maglev --help`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "sluice-bench maglev",
+    about = "Maglev table build time for 10 to 1000 backends and the cost of publishing a change"
+)]
+struct Args {
+    /// Runs of each measurement.
+    #[arg(long, default_value_t = 21)]
+    runs: usize,
+    #[arg(long, help = out::RECORD_HELP)]
+    record: bool,
+}
+
 pub fn main(args: &[String]) -> Result<()> {
-    let (record, args) = out::take_record(args);
-    let runs: usize = match args.as_slice() {
-        [] => 21,
-        [flag, n] if flag == "--runs" => n.parse()?,
-        _ => anyhow::bail!(
-            "usage: sluice-bench maglev [--runs N] (default 21) [--record]\n  {}",
-            out::RECORD_HELP
-        ),
+    let Some(Args { runs, record }) = crate::cli_args::<Args>("sluice-bench maglev", args)? else {
+        return Ok(());
     };
     sys::require_root()?;
     let mut builds = vec![];

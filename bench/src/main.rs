@@ -36,12 +36,32 @@ use std::process::ExitCode;
 /// A benchmark's arguments parsed by clap as `name args...`; None when they asked for
 /// `--help` (printed here).
 pub fn cli_args<T: clap::Parser>(name: &str, args: &[String]) -> anyhow::Result<Option<T>> {
-    match T::try_parse_from(std::iter::once(name.to_string()).chain(args.iter().cloned())) {
+    cli_args_in(T::command(), name, args)
+}
+
+/// As [`cli_args`], with `cmd`: `T`'s command with help added at run time.
+pub fn cli_args_in<T: clap::FromArgMatches>(
+    cmd: clap::Command,
+    name: &str,
+    args: &[String],
+) -> anyhow::Result<Option<T>> {
+    let argv = std::iter::once(name.to_string()).chain(args.iter().cloned());
+    match cmd
+        .try_get_matches_from(argv)
+        .and_then(|m| T::from_arg_matches(&m))
+    {
         Ok(c) => Ok(Some(c)),
         Err(e) if !e.use_stderr() => {
             // --help, --version
             print!("{e}");
             Ok(None)
+        }
+        Err(e) if e.kind() == clap::error::ErrorKind::UnknownArgument => {
+            let arg = e
+                .get(clap::error::ContextKind::InvalidArg)
+                .map(|v| v.to_string())
+                .unwrap_or_default();
+            anyhow::bail!("unknown option {arg} (see {name} --help)")
         }
         // The caller adds its own `error: `.
         Err(e) => anyhow::bail!("{}", e.to_string().trim_start_matches("error: ").trim_end()),
@@ -52,7 +72,7 @@ fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let Some(name) = args.next() else {
         eprintln!(
-            "usage: sluice-bench <name> [args...] [--record]\nbenchmarks: xdp, maglev, failover, health, reads, tokens, steer, steer-pool, history\n{}",
+            "usage: sluice-bench <name> [args...] [--record]\nbenchmarks: xdp, maglev, failover, health, reads, tokens, steer, steer-pool, history\n--record  {}",
             out::RECORD_HELP
         );
         return ExitCode::from(2);

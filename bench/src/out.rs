@@ -7,23 +7,15 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use serde_json::Value;
 
-/// The flag every benchmark takes to write its results under [`RECORDED`].
-pub const RECORD: &str = "--record";
 /// The committed results (paths are relative to the workspace root, where
 /// `cargo xtask bench` runs the benchmarks).
 pub const RECORDED: &str = "bench/results";
 /// Where a run that is not recorded writes (ignored by git with the rest of `target/`).
 pub const SCRATCH: &str = "target/bench";
 
-/// Help text for `--record`, the same in every benchmark's usage.
+/// Help text of `--record` (a `record: bool` clap flag), the same in every benchmark.
 pub const RECORD_HELP: &str =
-    "--record  write the results under bench/results/ (default: under target/bench/)";
-
-/// Takes `--record` out of `args`: whether it was given, and the other arguments in order.
-pub fn take_record(args: &[String]) -> (bool, Vec<String>) {
-    let rest: Vec<String> = args.iter().filter(|a| *a != RECORD).cloned().collect();
-    (rest.len() != args.len(), rest)
-}
+    "Write the results under bench/results/ (the committed results) instead of target/bench/";
 
 /// The default path of the result file or directory `name`: under [`RECORDED`] when
 /// recording, under [`SCRATCH`] otherwise.
@@ -46,10 +38,6 @@ pub fn write_json(path: &Path, doc: &Value) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn strings(v: &[&str]) -> Vec<String> {
-        v.iter().map(|s| s.to_string()).collect()
-    }
-
     #[test]
     fn a_run_writes_under_target_and_a_recorded_run_under_bench_results() {
         assert_eq!(
@@ -63,23 +51,43 @@ mod tests {
         assert!(default_path(false, "steer").starts_with("target/"));
     }
 
+    /// A benchmark's arguments with the shared flag, as each CLI declares it.
+    #[derive(clap::Parser, Debug)]
+    struct Args {
+        #[arg(long)]
+        rounds: Option<usize>,
+        #[arg(long)]
+        quick: bool,
+        #[arg(long)]
+        out: Option<String>,
+        #[arg(long, help = RECORD_HELP)]
+        record: bool,
+    }
+
+    fn parse(args: &[&str]) -> Args {
+        crate::cli_args::<Args>("t", &args.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+            .unwrap()
+            .unwrap()
+    }
+
     #[test]
-    fn record_is_taken_out_wherever_it_stands_and_the_rest_keeps_its_order() {
-        let (record, rest) = take_record(&strings(&["--rounds", "3", "--record", "--quick"]));
-        assert!(record);
-        assert_eq!(rest, strings(&["--rounds", "3", "--quick"]));
-        let (record, rest) = take_record(&strings(&["--record"]));
-        assert!(record);
-        assert!(rest.is_empty());
-        let (record, rest) = take_record(&strings(&["--runs", "5"]));
-        assert!(!record);
-        assert_eq!(rest, strings(&["--runs", "5"]));
+    fn record_is_taken_wherever_it_stands_and_the_rest_keeps_its_meaning() {
+        let a = parse(&["--rounds", "3", "--record", "--quick"]);
+        assert!(a.record);
+        assert_eq!(a.rounds, Some(3));
+        assert!(a.quick);
+        let a = parse(&["--record"]);
+        assert!(a.record);
+        assert_eq!(a.rounds, None);
+        let a = parse(&["--rounds", "5"]);
+        assert!(!a.record);
+        assert_eq!(a.rounds, Some(5));
     }
 
     #[test]
     fn a_value_that_merely_contains_record_is_not_the_flag() {
-        let (record, rest) = take_record(&strings(&["--out", "my--record.json"]));
-        assert!(!record);
-        assert_eq!(rest, strings(&["--out", "my--record.json"]));
+        let a = parse(&["--out", "my--record.json"]);
+        assert!(!a.record);
+        assert_eq!(a.out.as_deref(), Some("my--record.json"));
     }
 }

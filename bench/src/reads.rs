@@ -29,42 +29,35 @@ const VIP: &str = "chat";
 const BACKENDS: usize = 3;
 const ROUNDS: usize = 10;
 
+/// `sluice-bench reads --help`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "sluice-bench reads",
+    about = "`sluice backend list`, a /metrics scrape and a policy step with a full connection \
+             table, and the daemon's CPU use at one scrape per second"
+)]
 struct Args {
+    /// Connection-table entries to fill.
+    #[arg(long, default_value_t = 1_000_000)]
     entries: u32,
+    /// Seconds of the CPU measurement at one scrape per second.
+    #[arg(long = "cpu-secs", default_value_t = 30)]
     cpu_secs: u64,
-    out: PathBuf,
-}
-
-fn parse(args: &[String]) -> Result<Args> {
-    let (record, args) = out::take_record(args);
-    let mut a = Args {
-        entries: 1_000_000,
-        cpu_secs: 30,
-        out: out::default_path(record, "reads.json"),
-    };
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let mut val = || {
-            it.next()
-                .ok_or_else(|| anyhow!("{flag} needs a value"))
-                .cloned()
-        };
-        match flag.as_str() {
-            "--entries" => a.entries = val()?.parse()?,
-            "--cpu-secs" => a.cpu_secs = val()?.parse()?,
-            "--out" => a.out = val()?.into(),
-            _ => bail!(
-                "usage: sluice-bench reads [--entries N (1000000)] [--cpu-secs S (30)] \
-                 [--out FILE (target/bench/reads.json)] [--record]\n  {}",
-                out::RECORD_HELP
-            ),
-        }
-    }
-    Ok(a)
+    /// JSON results (default target/bench/reads.json).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[arg(long, help = out::RECORD_HELP)]
+    record: bool,
 }
 
 pub fn main(args: &[String]) -> Result<()> {
-    let a = parse(args)?;
+    let Some(a) = crate::cli_args::<Args>("sluice-bench reads", args)? else {
+        return Ok(());
+    };
+    let out_path = a
+        .out
+        .clone()
+        .unwrap_or_else(|| out::default_path(a.record, "reads.json"));
     sys::require_root()?;
     sys::catch_interrupts();
     // The revision measured: taken now, before any edit made while the bench runs.
@@ -187,7 +180,7 @@ pub fn main(args: &[String]) -> Result<()> {
         "note": "backend list is the CLI process end to end (start, socket, table); the \
                  policy step is the daemon's own measure of its drain check and policy step",
     });
-    out::write_json(&a.out, &doc)
+    out::write_json(&out_path, &doc)
 }
 
 /// Inserts `n` distinct TCP flows to the VIP, round-robin over `ids`, one thread per CPU (an

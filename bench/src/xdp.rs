@@ -120,110 +120,111 @@ struct Opts {
     conn_table: u32,
 }
 
-const HELP: &str = "\
-sluice-bench xdp [options]: per-packet cost of sluice_xdp (BPF_PROG_TEST_RUN, repeat 1 per
-call on a fresh frame) against the XDP_PASS baseline sluice_pass, in fresh network namespaces.
-
-  --rounds N        rounds; each runs one batch of every case, shuffled (default 11)
-  --calls N         calls per batch (default 200000)
-  --flows N         distinct established flows of the many-flows case (default 200000)
-  --batch-secs S    time bound of one batch (default 1.0)
-  --max-secs S      time bound of the measuring phase; later rounds are skipped (default 90)
-  --cpu N           CPU to pin to (default: the last online CPU)
-  --variants LIST   next-hop variants, comma separated: fallback,fib (default both)
-  --cases LIST      only these cases (comma separated keys; baselines always run)
-  --object PATH     load this BPF object instead of the embedded target/bpf/sluice.bpf.o
-                    (to compare a data-plane change; its maps must keep the layout)
-  --conn-table N    conn-table capacity of the established/new-flow data planes
-                    (default lb_common::CONN_TABLE_SIZE, the production default)
-  --quick           --rounds 3 --calls 20000 --flows 20000
-  --out PATH        JSON results (default target/bench/xdp.json)
-  --svg PATH        SVG chart (default: the JSON path with .svg)
-  --record          write the defaults under bench/results/ (the committed results) instead
-";
+/// `sluice-bench xdp --help`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "sluice-bench xdp",
+    about = "Per-packet cost of sluice_xdp (BPF_PROG_TEST_RUN, repeat 1 per call on a fresh \
+             frame) against the XDP_PASS baseline sluice_pass, in fresh network namespaces"
+)]
+struct Args {
+    /// Rounds; each runs one batch of every case, shuffled (default 11; 3 with --quick).
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Calls per batch (default 200000; 20000 with --quick).
+    #[arg(long)]
+    calls: Option<usize>,
+    /// Distinct established flows of the many-flows case (default 200000; 20000 with --quick).
+    #[arg(long)]
+    flows: Option<usize>,
+    /// Time bound of one batch, in seconds.
+    #[arg(long = "batch-secs", default_value_t = 1.0)]
+    batch_secs: f64,
+    /// Time bound of the measuring phase in seconds; later rounds are skipped.
+    #[arg(long = "max-secs", default_value_t = 90.0)]
+    max_secs: f64,
+    /// CPU to pin to (default: the last online CPU).
+    #[arg(long)]
+    cpu: Option<usize>,
+    /// Next-hop variants, comma separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Variant::Fallback, Variant::Fib])]
+    variants: Vec<Variant>,
+    /// Only these cases (comma separated keys; baselines always run).
+    #[arg(long, value_delimiter = ',')]
+    cases: Option<Vec<String>>,
+    /// Load this BPF object instead of the embedded target/bpf/sluice.bpf.o (to compare a
+    /// data-plane change; its maps must keep the layout).
+    #[arg(long)]
+    object: Option<PathBuf>,
+    /// Conn-table capacity of the established/new-flow data planes (default
+    /// lb_common::CONN_TABLE_SIZE, the production default).
+    #[arg(long = "conn-table", default_value_t = CONN_TABLE_SIZE)]
+    conn_table: u32,
+    /// --rounds 3 --calls 20000 --flows 20000 (each unless given).
+    #[arg(long)]
+    quick: bool,
+    /// JSON results (default target/bench/xdp.json).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// SVG chart (default: the JSON path with .svg).
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    #[arg(long, help = out::RECORD_HELP)]
+    record: bool,
+}
 
 fn parse_opts(args: &[String]) -> Result<Option<Opts>> {
-    let (record, args) = out::take_record(args);
-    let mut o = Opts {
-        rounds: 11,
-        calls: 200_000,
-        flows: 200_000,
-        batch_secs: 1.0,
-        max_secs: 90.0,
-        cpu: sys::online_cpus().saturating_sub(1),
-        out: out::default_path(record, "xdp.json"),
-        svg: PathBuf::new(),
-        variants: vec![Variant::Fallback, Variant::Fib],
-        cases: None,
-        object: None,
-        conn_table: CONN_TABLE_SIZE,
+    let Some(a) = crate::cli_args::<Args>("sluice-bench xdp", args)? else {
+        return Ok(None);
     };
-    let mut svg = None;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut val = |name: &str| {
-            it.next()
-                .cloned()
-                .ok_or_else(|| anyhow!("{name} needs a value"))
-        };
-        match a.as_str() {
-            "-h" | "--help" => {
-                print!("{HELP}");
-                return Ok(None);
-            }
-            "--rounds" => o.rounds = val(a)?.parse()?,
-            "--calls" => o.calls = val(a)?.parse()?,
-            "--flows" => o.flows = val(a)?.parse()?,
-            "--batch-secs" => o.batch_secs = val(a)?.parse()?,
-            "--max-secs" => o.max_secs = val(a)?.parse()?,
-            "--cpu" => o.cpu = val(a)?.parse()?,
-            "--out" => o.out = val(a)?.into(),
-            "--svg" => svg = Some(PathBuf::from(val(a)?)),
-            "--variants" => {
-                o.variants = val(a)?
-                    .split(',')
-                    .map(|v| match v {
-                        "fallback" => Ok(Variant::Fallback),
-                        "fib" => Ok(Variant::Fib),
-                        _ => Err(anyhow!("unknown variant {v} (fallback, fib)")),
-                    })
-                    .collect::<Result<_>>()?;
-            }
-            "--cases" => {
-                let list = val(a)?;
-                let mut ids = Vec::new();
-                for k in list.split(',') {
-                    let c = CASES.iter().find(|c| c.key == k).ok_or_else(|| {
-                        anyhow!(
-                            "unknown case {k}; cases: {}",
-                            CASES.iter().map(|c| c.key).collect::<Vec<_>>().join(", ")
-                        )
-                    })?;
-                    ids.push(c.id);
-                }
-                o.cases = Some(ids);
-            }
-            "--object" => o.object = Some(val(a)?.into()),
-            "--conn-table" => o.conn_table = val(a)?.parse()?,
-            "--quick" => {
-                o.rounds = 3;
-                o.calls = 20_000;
-                o.flows = 20_000;
-            }
-            _ => bail!("unknown option {a}\n{HELP}"),
-        }
-    }
+    let cases = match &a.cases {
+        None => None,
+        Some(keys) => Some(
+            keys.iter()
+                .map(|k| {
+                    CASES
+                        .iter()
+                        .find(|c| c.key == k)
+                        .map(|c| c.id)
+                        .ok_or_else(|| {
+                            anyhow!(
+                                "unknown case {k}; cases: {}",
+                                CASES.iter().map(|c| c.key).collect::<Vec<_>>().join(", ")
+                            )
+                        })
+                })
+                .collect::<Result<Vec<_>>>()?,
+        ),
+    };
+    let out_path = a
+        .out
+        .unwrap_or_else(|| out::default_path(a.record, "xdp.json"));
+    let o = Opts {
+        rounds: a.rounds.unwrap_or(if a.quick { 3 } else { 11 }),
+        calls: a.calls.unwrap_or(if a.quick { 20_000 } else { 200_000 }),
+        flows: a.flows.unwrap_or(if a.quick { 20_000 } else { 200_000 }),
+        batch_secs: a.batch_secs,
+        max_secs: a.max_secs,
+        cpu: a
+            .cpu
+            .unwrap_or_else(|| sys::online_cpus().saturating_sub(1)),
+        svg: a.svg.unwrap_or_else(|| out_path.with_extension("svg")),
+        out: out_path,
+        variants: a.variants,
+        cases,
+        object: a.object,
+        conn_table: a.conn_table,
+    };
     if o.rounds == 0 || o.calls == 0 || o.variants.is_empty() {
         bail!("--rounds, --calls and --variants must be non-empty");
     }
     if o.flows == 0 || o.flows > 1 << BLOCK_BITS {
         bail!("--flows must be between 1 and {}", 1u32 << BLOCK_BITS);
     }
-    o.svg = svg.unwrap_or_else(|| o.out.with_extension("svg"));
     Ok(Some(o))
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
 pub enum Variant {
     Fallback,
     Fib,
@@ -923,10 +924,77 @@ pub fn main(args: &[String]) -> Result<()> {
     let command_line = std::env::args().collect::<Vec<_>>().join(" ");
     sys::pin_cpu(opts.cpu)?;
     let possible = sys::possible_cpus();
+    check_fit(&opts, possible)?;
+    println!(
+        "sluice-bench xdp: pinned to CPU {}, {} possible CPUs",
+        opts.cpu, possible
+    );
 
-    // A per-CPU LRU gives each possible CPU max_entries / possible entries, all used by the
-    // pinned CPU here: the populated flows and one batch of new flows must fit, or the LRU
-    // evicts and the cases measure something else.
+    let external = match &opts.object {
+        Some(p) => Some(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?),
+        None => None,
+    };
+    let object: &[u8] = external.as_deref().unwrap_or(BPF_OBJECT);
+    let mut lab = Lab::new(&opts, object, possible)?;
+    let frames = TestFrames::build();
+    let mut out = vec![0u8; 2048];
+    let full_next = populate(&mut lab, &frames, opts.flows, &mut out)?;
+    check_paths(&mut lab, &opts.variants, &frames.ack4, &mut out)?;
+    let mtu_check = if opts.variants.contains(&Variant::Fib) {
+        mtu_check(&mut lab, &frames.data1500, &mut out)?
+    } else {
+        Value::Null
+    };
+    // The sockets of the backend cases live until the end of the run.
+    let backend = if opts.variants.contains(&Variant::Fib) {
+        Some(backend_frames(&mut lab, &frames.ack4, &mut out)?)
+    } else {
+        None
+    };
+
+    let mut sources = case_sources(&frames, full_next, opts.flows, backend.as_ref());
+    if let Some(only) = &opts.cases {
+        sources.retain(|(id, _)| case(*id).baseline.is_none() || only.contains(id));
+    }
+    let mut results = case_results(&opts.variants, &sources);
+    let mut kern: Vec<u32> = Vec::with_capacity(opts.calls);
+    warm_up(&mut lab, &results, &mut sources, &opts, &mut out, &mut kern)?;
+    let rounds_done = measure_rounds(
+        &mut lab,
+        &mut results,
+        &mut sources,
+        &opts,
+        &mut out,
+        &mut kern,
+    )?;
+
+    let run = RunFacts {
+        command_line,
+        possible,
+        object,
+        rounds_done,
+        mtu_check,
+        started,
+    };
+    let meta = run_meta(&mut lab, &opts, run)?;
+    let rep = report::Report::new(meta, &opts.variants, &results);
+    rep.print_table();
+    println!();
+    out::write_json(&opts.out, &rep.json())?;
+    if let Some(dir) = opts.svg.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(&opts.svg, rep.svg())
+        .with_context(|| format!("writing {}", opts.svg.display()))?;
+    println!("wrote {}", opts.svg.display());
+    drop(backend);
+    Ok(())
+}
+
+/// A per-CPU LRU gives each possible CPU max_entries / possible entries, all used by the
+/// pinned CPU here: the populated flows and one batch of new flows must fit, or the LRU
+/// evicts and the cases measure something else.
+fn check_fit(opts: &Opts, possible: usize) -> Result<()> {
     let per_cpu = opts.conn_table as usize / possible;
     if opts.flows + 4 > per_cpu || opts.calls > per_cpu {
         bail!(
@@ -936,117 +1004,171 @@ pub fn main(args: &[String]) -> Result<()> {
             opts.conn_table
         );
     }
-    println!(
-        "sluice-bench xdp: pinned to CPU {}, {} possible CPUs",
-        opts.cpu, possible
-    );
+    Ok(())
+}
 
-    // Namespaces: `fallback` is empty, `fib` has routes and neighbours for the backends.
-    let mut netns: Vec<(Variant, OwnedFd)> = Vec::new();
-    let ns_fallback = sys::new_netns()?;
-    let ns_fib = sys::new_netns()?;
-    let fib_ifindex = setup_fib_netns().context("setting up the fib namespace")?;
-    for v in &opts.variants {
-        let fd = match v {
-            Variant::Fallback => ns_fallback.try_clone()?,
-            Variant::Fib => ns_fib.try_clone()?,
-        };
-        netns.push((*v, fd));
+/// The namespaces of the measured variants and the four data planes.
+struct Lab {
+    netns: Vec<(Variant, OwnedFd)>,
+    /// Held for the whole run: the namespace the thread returns to after writing the devmap.
+    _ns_fallback: OwnedFd,
+    ns_fib: OwnedFd,
+    dps: [Dataplane; 4],
+    new_conns: BpfHashMap<MapData, FlowKey, ConnEntry>,
+}
+
+impl Lab {
+    fn new(opts: &Opts, object: &[u8], possible: usize) -> Result<Lab> {
+        // Namespaces: `fallback` is empty, `fib` has routes and neighbours for the backends.
+        let mut netns: Vec<(Variant, OwnedFd)> = Vec::new();
+        let ns_fallback = sys::new_netns()?;
+        let ns_fib = sys::new_netns()?;
+        let fib_ifindex = setup_fib_netns().context("setting up the fib namespace")?;
+        for v in &opts.variants {
+            let fd = match v {
+                Variant::Fallback => ns_fallback.try_clone()?,
+                Variant::Fib => ns_fib.try_clone()?,
+            };
+            netns.push((*v, fd));
+        }
+
+        // Data planes. The main one uses the production conn-table size; a per-CPU LRU gives
+        // each possible CPU max_entries / possible_cpus entries, all on the pinned CPU here.
+        let t = Instant::now();
+        let full_size = FULL_TABLE_PER_CPU * possible as u32;
+        let mut dps = [
+            load_dp(object, opts.conn_table, false)?,
+            load_dp(object, opts.conn_table, false)?,
+            load_dp(object, full_size, false)?,
+            // Second chance keeps no TCP flows: the smallest table.
+            load_dp(object, full_size, true)?,
+        ];
+        // The devmap resolves ifindexes in the writer's namespace: write it from `fib`.
+        sys::enter_netns(&ns_fib)?;
+        for dp in dps.iter_mut() {
+            dp.add_tx_port(fib_ifindex)?;
+        }
+        sys::enter_netns(&ns_fallback)?;
+        println!(
+            "loaded 4 data planes (conn tables {}, {}, {full_size}, second chance) in {:.2} s",
+            opts.conn_table,
+            opts.conn_table,
+            t.elapsed().as_secs_f64()
+        );
+        let new_conns = conn_map(&mut dps[Dp::New as usize])?;
+        Ok(Lab {
+            netns,
+            _ns_fallback: ns_fallback,
+            ns_fib,
+            dps,
+            new_conns,
+        })
     }
-    let ns_of = |v: Variant| -> &OwnedFd {
-        &netns
+
+    fn enter(&mut self, v: Variant) -> Result<()> {
+        let ns = &self
+            .netns
             .iter()
             .find(|(x, _)| *x == v)
             .expect("variant has a namespace")
-            .1
-    };
-
-    // Data planes. The main one uses the production conn-table size; a per-CPU LRU gives
-    // each possible CPU max_entries / possible_cpus entries, all on the pinned CPU here.
-    let t = Instant::now();
-    let full_size = FULL_TABLE_PER_CPU * possible as u32;
-    let external = match &opts.object {
-        Some(p) => Some(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?),
-        None => None,
-    };
-    let object: &[u8] = external.as_deref().unwrap_or(BPF_OBJECT);
-    let mut dps = [
-        load_dp(object, opts.conn_table, false)?,
-        load_dp(object, opts.conn_table, false)?,
-        load_dp(object, full_size, false)?,
-        // Second chance keeps no TCP flows: the smallest table.
-        load_dp(object, full_size, true)?,
-    ];
-    // The devmap resolves ifindexes in the writer's namespace: write it from `fib`.
-    sys::enter_netns(&ns_fib)?;
-    for dp in dps.iter_mut() {
-        dp.add_tx_port(fib_ifindex)?;
+            .1;
+        enter_variant(ns, &mut self.dps)
     }
-    sys::enter_netns(&ns_fallback)?;
-    println!(
-        "loaded 4 data planes (conn tables {}, {}, {full_size}, second chance) in {:.2} s",
-        opts.conn_table,
-        opts.conn_table,
-        t.elapsed().as_secs_f64()
-    );
-    let mut new_conns = conn_map(&mut dps[Dp::New as usize])?;
 
-    // Frames.
-    let syn4 = v4_tcp_frame(CLIENT4, 40000, VIP4, VIP_PORT, SYN, b"");
-    let ack4 = v4_tcp_frame(CLIENT4, 40000, VIP4, VIP_PORT, ACK, b"");
-    let syn1500 = v4_tcp_frame(CLIENT4, 40001, VIP4, VIP_PORT, SYN, b"");
-    let data1500 = v4_tcp_frame(CLIENT4, 40001, VIP4, VIP_PORT, ACK | PSH, &[0xab; 1460]);
-    assert_eq!(data1500.len(), 1514);
-    let syn6 = v6_tcp_frame(CLIENT6, 40000, VIP6, VIP_PORT, SYN);
-    let ack6 = v6_tcp_frame(CLIENT6, 40000, VIP6, VIP_PORT, ACK);
-    let non_vip = v4_tcp_frame(CLIENT4, 40000, NON_VIP4, 80, ACK, b"");
-    // The in-band flow: handshake ACK (client seq 1000, server bytes from 1), a request,
-    // then ACKs of the answer (the measured frames).
-    let syn_ib = v4_tcp_frame(CLIENT4, 40002, VIP4, INBAND_PORT, SYN, b"");
-    let mut ack_ib = v4_tcp_frame(CLIENT4, 40002, VIP4, INBAND_PORT, ACK, b"");
-    ack_ib[42..46].copy_from_slice(&1u32.to_be_bytes());
-    let mut req_ib = v4_tcp_frame(CLIENT4, 40002, VIP4, INBAND_PORT, ACK | PSH, &[b'q'; 100]);
-    req_ib[42..46].copy_from_slice(&1u32.to_be_bytes());
-    let many_tpl = v4_tcp_frame("100.64.0.0", 1024, VIP4, VIP_PORT, ACK, b"");
-    let syn_tpl = v4_tcp_frame("100.80.0.0", 1024, VIP4, VIP_PORT, SYN, b"");
-    {
-        // The generated keys must be the data plane's keys (deletion relies on it).
-        let mut f = syn_tpl.clone();
-        patch_v4(&mut f, BLOCK_SYN, 5 + (3 << BLOCK_BITS));
-        assert_eq!(
-            gen_key(BLOCK_SYN, 5 + (3 << BLOCK_BITS)),
-            flow("100.80.0.5", 1027, VIP4, VIP_PORT, PROTO_TCP)
-        );
-        let want = V4::new("100.80.0.5", VIP4, PROTO_TCP).build(&tcp(1027, VIP_PORT, SYN, b""));
-        assert_eq!(
-            &f[14..],
-            &want[..],
-            "patched frame differs from a built one"
-        );
+    fn dp(&mut self, which: Dp) -> &mut Dataplane {
+        &mut self.dps[which as usize]
     }
-    let mut out = vec![0u8; 2048];
+}
 
-    // Pre-populate the established flows (each sent once as a SYN) and fill the small table.
+/// The frames the cases send and the flows they are built from.
+struct TestFrames {
+    syn4: Vec<u8>,
+    ack4: Vec<u8>,
+    syn1500: Vec<u8>,
+    data1500: Vec<u8>,
+    syn6: Vec<u8>,
+    ack6: Vec<u8>,
+    non_vip: Vec<u8>,
+    syn_ib: Vec<u8>,
+    ack_ib: Vec<u8>,
+    req_ib: Vec<u8>,
+    many_tpl: Vec<u8>,
+    syn_tpl: Vec<u8>,
+}
+
+impl TestFrames {
+    fn build() -> TestFrames {
+        let data1500 = v4_tcp_frame(CLIENT4, 40001, VIP4, VIP_PORT, ACK | PSH, &[0xab; 1460]);
+        assert_eq!(data1500.len(), 1514);
+        // The in-band flow: handshake ACK (client seq 1000, server bytes from 1), a request,
+        // then ACKs of the answer (the measured frames).
+        let mut ack_ib = v4_tcp_frame(CLIENT4, 40002, VIP4, INBAND_PORT, ACK, b"");
+        ack_ib[42..46].copy_from_slice(&1u32.to_be_bytes());
+        let mut req_ib = v4_tcp_frame(CLIENT4, 40002, VIP4, INBAND_PORT, ACK | PSH, &[b'q'; 100]);
+        req_ib[42..46].copy_from_slice(&1u32.to_be_bytes());
+        let syn_tpl = v4_tcp_frame("100.80.0.0", 1024, VIP4, VIP_PORT, SYN, b"");
+        {
+            // The generated keys must be the data plane's keys (deletion relies on it).
+            let mut f = syn_tpl.clone();
+            patch_v4(&mut f, BLOCK_SYN, 5 + (3 << BLOCK_BITS));
+            assert_eq!(
+                gen_key(BLOCK_SYN, 5 + (3 << BLOCK_BITS)),
+                flow("100.80.0.5", 1027, VIP4, VIP_PORT, PROTO_TCP)
+            );
+            let want = V4::new("100.80.0.5", VIP4, PROTO_TCP).build(&tcp(1027, VIP_PORT, SYN, b""));
+            assert_eq!(
+                &f[14..],
+                &want[..],
+                "patched frame differs from a built one"
+            );
+        }
+        TestFrames {
+            syn4: v4_tcp_frame(CLIENT4, 40000, VIP4, VIP_PORT, SYN, b""),
+            ack4: v4_tcp_frame(CLIENT4, 40000, VIP4, VIP_PORT, ACK, b""),
+            syn1500: v4_tcp_frame(CLIENT4, 40001, VIP4, VIP_PORT, SYN, b""),
+            data1500,
+            syn6: v6_tcp_frame(CLIENT6, 40000, VIP6, VIP_PORT, SYN),
+            ack6: v6_tcp_frame(CLIENT6, 40000, VIP6, VIP_PORT, ACK),
+            non_vip: v4_tcp_frame(CLIENT4, 40000, NON_VIP4, 80, ACK, b""),
+            syn_ib: v4_tcp_frame(CLIENT4, 40002, VIP4, INBAND_PORT, SYN, b""),
+            ack_ib,
+            req_ib,
+            many_tpl: v4_tcp_frame("100.64.0.0", 1024, VIP4, VIP_PORT, ACK, b""),
+            syn_tpl,
+        }
+    }
+}
+
+/// Pre-populates the established flows (each sent once as a SYN) and fills the small table;
+/// returns the next fresh flow of the full-table case.
+fn populate(lab: &mut Lab, fr: &TestFrames, flows: usize, out: &mut [u8]) -> Result<u64> {
     let t = Instant::now();
     {
-        let dp = &mut dps[Dp::Main as usize];
-        for f in [&syn4, &syn1500, &syn6, &syn_ib, &ack_ib, &req_ib] {
-            let (a, _) = run_once(dp, PROG_XDP, f, &mut out)?;
+        let dp = lab.dp(Dp::Main);
+        for f in [
+            &fr.syn4,
+            &fr.syn1500,
+            &fr.syn6,
+            &fr.syn_ib,
+            &fr.ack_ib,
+            &fr.req_ib,
+        ] {
+            let (a, _) = run_once(dp, PROG_XDP, f, out)?;
             if a != XDP_TX {
                 bail!("populating an established flow: action {a}, expected XDP_TX");
             }
         }
-        let mut f = many_tpl.clone();
+        let mut f = fr.many_tpl.clone();
         f[47] = SYN;
-        for n in 0..opts.flows as u64 {
+        for n in 0..flows as u64 {
             patch_v4(&mut f, BLOCK_MANY, n);
-            let (a, _) = run_once(dp, PROG_XDP, &f, &mut out)?;
+            let (a, _) = run_once(dp, PROG_XDP, &f, out)?;
             if a != XDP_TX {
                 bail!("populating flow {n}: action {a}");
             }
         }
         let s = counters(dp)?;
-        let want = opts.flows as u64 + 4;
+        let want = flows as u64 + 4;
         // (An object built without the miss counter shows 0 misses: not an error.)
         let misses = s[stat::CONN_MISS.index()];
         if misses != want && misses != 0 {
@@ -1055,27 +1177,30 @@ pub fn main(args: &[String]) -> Result<()> {
     }
     let mut full_next: u64 = 0;
     {
-        let dp = &mut dps[Dp::Full as usize];
-        let mut f = syn_tpl.clone();
+        let dp = lab.dp(Dp::Full);
+        let mut f = fr.syn_tpl.clone();
         for _ in 0..2 * FULL_TABLE_PER_CPU as u64 {
             patch_v4(&mut f, BLOCK_SYN_FULL, full_next);
             full_next += 1;
-            run_once(dp, PROG_XDP, &f, &mut out)?;
+            run_once(dp, PROG_XDP, &f, out)?;
         }
     }
     println!(
         "populated {} established flows (+4) and filled the {}-entry-per-CPU table in {:.2} s",
-        opts.flows,
+        flows,
         FULL_TABLE_PER_CPU,
         t.elapsed().as_secs_f64()
     );
+    Ok(full_next)
+}
 
-    // Check the path of each variant once before measuring.
-    for &v in &opts.variants {
-        enter_variant(ns_of(v), &mut dps)?;
-        let dp = &mut dps[Dp::Main as usize];
+/// Checks the path of each variant once before measuring.
+fn check_paths(lab: &mut Lab, variants: &[Variant], ack4: &[u8], out: &mut [u8]) -> Result<()> {
+    for &v in variants {
+        lab.enter(v)?;
+        let dp = lab.dp(Dp::Main);
         let before = counters(dp)?;
-        let (a, len) = run_once(dp, PROG_XDP, &ack4, &mut out)?;
+        let (a, len) = run_once(dp, PROG_XDP, ack4, out)?;
         let after = counters(dp)?;
         let mut d = BTreeMap::new();
         stats_delta(&before, &after, &mut d);
@@ -1100,158 +1225,155 @@ pub fn main(args: &[String]) -> Result<()> {
             bail!("variant {} did not take its next-hop path", v.name());
         }
     }
+    Ok(())
+}
 
-    // The FIB path of a full-size packet: with a 1500-byte egress MTU the encapsulated
-    // packet (1520 bytes of L3) does not fit, and bpf_fib_lookup says FRAG_NEEDED. Record
-    // what the data plane does then, and measure with a 9000-byte underlay MTU (what IPIP
-    // with full-size client packets needs anyway).
-    let mut mtu_check = Value::Null;
-    if opts.variants.contains(&Variant::Fib) {
-        sys::enter_netns(&ns_fib)?;
-        let dp = &mut dps[Dp::Main as usize];
-        let mut row = |mtu: u32, dp: &mut Dataplane| -> Result<Value> {
-            sys::sh(&format!(
-                "ip link set fibA mtu {mtu} && ip link set fibB mtu {mtu}"
-            ))?;
-            // The cached next hop remembers the old MTU for up to a second.
-            dp.flush_next_hops(BACKENDS4.iter().map(|(id, _)| *id))?;
-            let before = counters(dp)?;
-            let (a, len) = run_once(dp, PROG_XDP, &data1500, &mut out)?;
-            let after = counters(dp)?;
-            let mut d = BTreeMap::new();
-            stats_delta(&before, &after, &mut d);
-            let dmac: Mac = out[0..6].try_into().unwrap();
-            println!(
-                "1514 B frame, fib netns, egress MTU {mtu}: action {a}, {len} B out, dst MAC {}, counters {:?}",
-                mac_str(&dmac),
-                d
-            );
-            Ok(
-                json!({ "egress_mtu": mtu, "action": a, "bytes_out": len, "dst_mac": mac_str(&dmac), "counters": d }),
-            )
-        };
-        let at1500 = row(1500, dp)?;
-        let at9000 = row(FIB_MTU, dp)?;
-        mtu_check = json!([at1500, at9000]);
-    }
+/// The FIB path of a full-size packet: with a 1500-byte egress MTU the encapsulated packet
+/// (1520 bytes of L3) does not fit, and bpf_fib_lookup says FRAG_NEEDED. Records what the
+/// data plane does then, and leaves a 9000-byte underlay MTU to measure with (what IPIP with
+/// full-size client packets needs anyway).
+fn mtu_check(lab: &mut Lab, data1500: &[u8], out: &mut [u8]) -> Result<Value> {
+    sys::enter_netns(&lab.ns_fib)?;
+    let dp = lab.dp(Dp::Main);
+    let at1500 = mtu_row(1500, dp, data1500, out)?;
+    let at9000 = mtu_row(FIB_MTU, dp, data1500, out)?;
+    Ok(json!([at1500, at9000]))
+}
 
-    // The backend program's frames: the LB's own GUE output (second-chance data plane, `fib`
-    // namespace) for a flow whose connection is on this host, and for one whose is not (only
-    // the VIP's listener is here and the ACK carries no cookie of its, so it is passed on to
-    // the previous owner the LB named). The sockets live until the end of the run.
-    let mut backend = None;
-    if opts.variants.contains(&Variant::Fib) {
-        enter_variant(&ns_fib, &mut dps)?;
-        sys::sh(&format!("ip addr add {VIP4}/32 dev lo"))?;
-        let listener = std::net::TcpListener::bind((VIP4, VIP_PORT))?;
-        let client = std::net::TcpStream::connect((VIP4, VIP_PORT))?;
-        let (server, _) = listener.accept()?;
-        let c = client.local_addr()?;
-        let dp = &mut dps[Dp::Sc as usize];
-        let mut gue = |inner: &[u8]| -> Result<Vec<u8>> {
-            let (a, len) = run_once(dp, PROG_XDP, inner, &mut out)?;
-            let f = out[..len].to_vec();
-            // UDP to the GUE port, and a previous backend named.
-            if a != XDP_REDIRECT || f[23] != 17 || f[36..38] != lb_common::GUE_PORT.to_be_bytes() {
-                bail!("the second-chance LB did not send GUE: action {a}, {len} B");
-            }
-            if f[50..54] == [0; 4] {
-                bail!("the LB's GUE names no previous backend");
-            }
-            Ok(f)
-        };
-        let here = gue(&v4_tcp_frame(
-            &c.ip().to_string(),
-            c.port(),
-            VIP4,
-            VIP_PORT,
-            ACK,
-            b"",
-        ))?;
-        let elsewhere = gue(&ack4)?;
-        for (f, want, what) in [
-            (&here, XDP_PASS, "a packet of a connection here"),
-            (&elsewhere, XDP_REDIRECT, "a packet without a socket here"),
-        ] {
-            let (a, _) = run_once(dp, PROG_DECAP, f, &mut out)?;
-            if a != want {
-                bail!("backend program on {what}: action {a}, expected {want}");
-            }
+fn mtu_row(mtu: u32, dp: &mut Dataplane, data1500: &[u8], out: &mut [u8]) -> Result<Value> {
+    sys::sh(&format!(
+        "ip link set fibA mtu {mtu} && ip link set fibB mtu {mtu}"
+    ))?;
+    // The cached next hop remembers the old MTU for up to a second.
+    dp.flush_next_hops(BACKENDS4.iter().map(|(id, _)| *id))?;
+    let before = counters(dp)?;
+    let (a, len) = run_once(dp, PROG_XDP, data1500, out)?;
+    let after = counters(dp)?;
+    let mut d = BTreeMap::new();
+    stats_delta(&before, &after, &mut d);
+    let dmac: Mac = out[0..6].try_into().unwrap();
+    println!(
+        "1514 B frame, fib netns, egress MTU {mtu}: action {a}, {len} B out, dst MAC {}, counters {:?}",
+        mac_str(&dmac),
+        d
+    );
+    Ok(
+        json!({ "egress_mtu": mtu, "action": a, "bytes_out": len, "dst_mac": mac_str(&dmac), "counters": d }),
+    )
+}
+
+/// The backend program's frames, and the sockets that make `here` a connection on this host.
+struct BackendFrames {
+    here: Vec<u8>,
+    elsewhere: Vec<u8>,
+    _sockets: (
+        std::net::TcpListener,
+        std::net::TcpStream,
+        std::net::TcpStream,
+    ),
+}
+
+/// The backend program's frames: the LB's own GUE output (second-chance data plane, `fib`
+/// namespace) for a flow whose connection is on this host, and for one whose is not (only
+/// the VIP's listener is here and the ACK carries no cookie of its, so it is passed on to
+/// the previous owner the LB named).
+fn backend_frames(lab: &mut Lab, ack4: &[u8], out: &mut [u8]) -> Result<BackendFrames> {
+    enter_variant(&lab.ns_fib, &mut lab.dps)?;
+    sys::sh(&format!("ip addr add {VIP4}/32 dev lo"))?;
+    let listener = std::net::TcpListener::bind((VIP4, VIP_PORT))?;
+    let client = std::net::TcpStream::connect((VIP4, VIP_PORT))?;
+    let (server, _) = listener.accept()?;
+    let c = client.local_addr()?;
+    let dp = lab.dp(Dp::Sc);
+    let here = lb_gue(
+        dp,
+        &v4_tcp_frame(&c.ip().to_string(), c.port(), VIP4, VIP_PORT, ACK, b""),
+        out,
+    )?;
+    let elsewhere = lb_gue(dp, ack4, out)?;
+    for (f, want, what) in [
+        (&here, XDP_PASS, "a packet of a connection here"),
+        (&elsewhere, XDP_REDIRECT, "a packet without a socket here"),
+    ] {
+        let (a, _) = run_once(dp, PROG_DECAP, f, out)?;
+        if a != want {
+            bail!("backend program on {what}: action {a}, expected {want}");
         }
-        backend = Some((here, elsewhere, (listener, client, server)));
     }
+    Ok(BackendFrames {
+        here,
+        elsewhere,
+        _sockets: (listener, client, server),
+    })
+}
 
-    // The measured cases.
+/// The second-chance LB's GUE output for `inner`.
+fn lb_gue(dp: &mut Dataplane, inner: &[u8], out: &mut [u8]) -> Result<Vec<u8>> {
+    let (a, len) = run_once(dp, PROG_XDP, inner, out)?;
+    let f = out[..len].to_vec();
+    // UDP to the GUE port, and a previous backend named.
+    if a != XDP_REDIRECT || f[23] != 17 || f[36..38] != lb_common::GUE_PORT.to_be_bytes() {
+        bail!("the second-chance LB did not send GUE: action {a}, {len} B");
+    }
+    if f[50..54] == [0; 4] {
+        bail!("the LB's GUE names no previous backend");
+    }
+    Ok(f)
+}
+
+/// The frames of every measured case.
+fn case_sources(
+    fr: &TestFrames,
+    full_next: u64,
+    flows: usize,
+    backend: Option<&BackendFrames>,
+) -> Vec<(CaseId, Frames)> {
+    let fresh = |block, next| Frames::Fresh {
+        frame: fr.syn_tpl.clone(),
+        block,
+        next,
+    };
+    let many = || Frames::Cycle {
+        frame: fr.many_tpl.clone(),
+        block: BLOCK_MANY,
+        next: 0,
+        count: flows as u64,
+    };
     let mut sources: Vec<(CaseId, Frames)> = vec![
-        (CaseId::Pass, Frames::Fixed(ack4.clone())),
-        (CaseId::Pass1500, Frames::Fixed(data1500.clone())),
-        (
-            CaseId::SynNew,
-            Frames::Fresh {
-                frame: syn_tpl.clone(),
-                block: BLOCK_SYN,
-                next: 0,
-            },
-        ),
-        (
-            CaseId::SynFull,
-            Frames::Fresh {
-                frame: syn_tpl.clone(),
-                block: BLOCK_SYN_FULL,
-                next: full_next,
-            },
-        ),
-        (CaseId::Established, Frames::Fixed(ack4.clone())),
-        (
-            CaseId::Established200k,
-            Frames::Cycle {
-                frame: many_tpl.clone(),
-                block: BLOCK_MANY,
-                next: 0,
-                count: opts.flows as u64,
-            },
-        ),
-        (CaseId::NonVip, Frames::Fixed(non_vip.clone())),
-        (CaseId::Established1500, Frames::Fixed(data1500.clone())),
-        (CaseId::EstablishedV6, Frames::Fixed(ack6.clone())),
-        (
-            CaseId::ScSynNew,
-            Frames::Fresh {
-                frame: syn_tpl.clone(),
-                block: BLOCK_SYN,
-                next: 0,
-            },
-        ),
-        (CaseId::ScEstablished, Frames::Fixed(ack4.clone())),
-        (
-            CaseId::ScEstablished200k,
-            Frames::Cycle {
-                frame: many_tpl.clone(),
-                block: BLOCK_MANY,
-                next: 0,
-                count: opts.flows as u64,
-            },
-        ),
-        (CaseId::ScEstablishedV6, Frames::Fixed(ack6.clone())),
+        (CaseId::Pass, Frames::Fixed(fr.ack4.clone())),
+        (CaseId::Pass1500, Frames::Fixed(fr.data1500.clone())),
+        (CaseId::SynNew, fresh(BLOCK_SYN, 0)),
+        (CaseId::SynFull, fresh(BLOCK_SYN_FULL, full_next)),
+        (CaseId::Established, Frames::Fixed(fr.ack4.clone())),
+        (CaseId::Established200k, many()),
+        (CaseId::NonVip, Frames::Fixed(fr.non_vip.clone())),
+        (CaseId::Established1500, Frames::Fixed(fr.data1500.clone())),
+        (CaseId::EstablishedV6, Frames::Fixed(fr.ack6.clone())),
+        (CaseId::ScSynNew, fresh(BLOCK_SYN, 0)),
+        (CaseId::ScEstablished, Frames::Fixed(fr.ack4.clone())),
+        (CaseId::ScEstablished200k, many()),
+        (CaseId::ScEstablishedV6, Frames::Fixed(fr.ack6.clone())),
         (
             CaseId::EstablishedInband,
             Frames::Acking {
-                frame: ack_ib.clone(),
+                frame: fr.ack_ib.clone(),
                 ack: 1,
             },
         ),
     ];
-    if let Some((here, elsewhere, _)) = &backend {
-        sources.push((CaseId::PassGue, Frames::Fixed(elsewhere.clone())));
-        sources.push((CaseId::BackendSocket, Frames::Fixed(here.clone())));
-        sources.push((CaseId::BackendForward, Frames::Fixed(elsewhere.clone())));
+    if let Some(b) = backend {
+        sources.push((CaseId::PassGue, Frames::Fixed(b.elsewhere.clone())));
+        sources.push((CaseId::BackendSocket, Frames::Fixed(b.here.clone())));
+        sources.push((CaseId::BackendForward, Frames::Fixed(b.elsewhere.clone())));
     }
-    if let Some(only) = &opts.cases {
-        sources.retain(|(id, _)| case(*id).baseline.is_none() || only.contains(id));
-    }
+    sources
+}
+
+/// An empty result for every (variant, case) pair that is measured.
+fn case_results(variants: &[Variant], sources: &[(CaseId, Frames)]) -> Vec<CaseResult> {
     let mut results: Vec<CaseResult> = Vec::new();
-    for &v in &opts.variants {
-        for (id, f) in &sources {
+    for &v in variants {
+        for (id, f) in sources {
             if v == Variant::Fallback && fib_only(*id) {
                 continue;
             }
@@ -1269,39 +1391,45 @@ pub fn main(args: &[String]) -> Result<()> {
             });
         }
     }
+    results
+}
 
-    // Warm-up: one short batch of every case (not recorded).
+/// One short batch of every case, not recorded.
+fn warm_up(
+    lab: &mut Lab,
+    results: &[CaseResult],
+    sources: &mut [(CaseId, Frames)],
+    opts: &Opts,
+    out: &mut [u8],
+    kern: &mut Vec<u32>,
+) -> Result<()> {
     let limit = Duration::from_secs_f64(opts.batch_secs);
-    let mut kern: Vec<u32> = Vec::with_capacity(opts.calls);
     let warm = (opts.calls / 10).clamp(1, 10_000);
-    for r in &results {
-        enter_variant(ns_of(r.variant), &mut dps)?;
-        let def = case(r.id);
+    for r in results {
         let (_, frames) = sources.iter_mut().find(|(id, _)| *id == r.id).unwrap();
-        let start = fresh_start(frames);
-        let dp = &mut dps[def.dp as usize];
-        let b = measure(
-            dp.program(def.prog)?,
-            frames,
-            warm,
-            limit,
-            expected_action(r.id, r.variant),
-            &mut out,
-            &mut kern,
-        )?;
+        let (b, _, _) = run_batch(lab, r, frames, warm, limit, out, kern)?;
         if !b.wrong_actions.is_empty() {
             bail!(
                 "warm-up of {} [{}]: unexpected actions {:?}",
-                def.key,
+                case(r.id).key,
                 r.variant.name(),
                 b.wrong_actions
             );
         }
-        if def.dp == Dp::New {
-            delete_fresh(&mut new_conns, frames, start)?;
-        }
     }
+    Ok(())
+}
 
+/// The measurement rounds, each one batch of every case in a shuffled order, until
+/// `--rounds` or `--max-secs`; returns the rounds completed.
+fn measure_rounds(
+    lab: &mut Lab,
+    results: &mut [CaseResult],
+    sources: &mut [(CaseId, Frames)],
+    opts: &Opts,
+    out: &mut [u8],
+    kern: &mut Vec<u32>,
+) -> Result<usize> {
     println!(
         "measuring: {} rounds x {} (variant, case) batches of up to {} calls ({} s per batch at most, {} s in all)",
         opts.rounds,
@@ -1310,6 +1438,7 @@ pub fn main(args: &[String]) -> Result<()> {
         opts.batch_secs,
         opts.max_secs
     );
+    let limit = Duration::from_secs_f64(opts.batch_secs);
     let measure_start = Instant::now();
     let mut rounds_done = 0;
     let mut order: Vec<usize> = (0..results.len()).collect();
@@ -1321,50 +1450,8 @@ pub fn main(args: &[String]) -> Result<()> {
         shuffle(&mut order, round as u64 + 1);
         for &i in &order {
             let r = &mut results[i];
-            enter_variant(ns_of(r.variant), &mut dps)?;
-            let def = case(r.id);
             let (_, frames) = sources.iter_mut().find(|(id, _)| *id == r.id).unwrap();
-            let start = fresh_start(frames);
-            let dp = &mut dps[def.dp as usize];
-            let before = counters(dp)?;
-            let b = measure(
-                dp.program(def.prog)?,
-                frames,
-                opts.calls,
-                limit,
-                expected_action(r.id, r.variant),
-                &mut out,
-                &mut kern,
-            )?;
-            let after = counters(dp)?;
-            stats_delta(&before, &after, &mut r.counters);
-            let wrong: usize = b.wrong_actions.values().sum();
-            if wrong != 0 {
-                eprintln!(
-                    "\nwarning: {} [{}]: {wrong} of {} calls returned another action (action: calls) {:?}; counters of this batch {:?}",
-                    def.key,
-                    r.variant.name(),
-                    b.calls,
-                    b.wrong_actions,
-                    {
-                        let mut d = BTreeMap::new();
-                        stats_delta(&before, &after, &mut d);
-                        d
-                    }
-                );
-                // A few odd calls are reported; a path that changed is an error.
-                if wrong * 1000 > b.calls {
-                    bail!(
-                        "{} [{}]: more than 0.1% of calls took another path",
-                        def.key,
-                        r.variant.name()
-                    );
-                }
-            }
-            if def.dp == Dp::New {
-                delete_fresh(&mut new_conns, frames, start)?;
-            }
-            r.batches.push(b);
+            measure_batch(lab, r, frames, opts.calls, limit, out, kern)?;
         }
         rounds_done += 1;
         eprint!(
@@ -1375,38 +1462,127 @@ pub fn main(args: &[String]) -> Result<()> {
         );
     }
     eprintln!();
+    Ok(rounds_done)
+}
 
-    let prog_info = {
-        let mut m = serde_json::Map::new();
-        for name in [PROG_XDP, PROG_PASS] {
-            let info = dps[0].program(name)?.info()?;
-            m.insert(
-                name.to_string(),
-                json!({
-                    "xlated_insns": info.size_translated().map(|b| b / 8),
-                    "jited_bytes": info.size_jitted(),
-                    "verified_insns": info.verified_instruction_count(),
-                    "tag": format!("{:016x}", info.tag()),
-                }),
+/// One batch of a case's frames in its variant's namespace, with the data plane's counters
+/// before and after it; the flows a new-flow batch inserted are deleted after it.
+fn run_batch(
+    lab: &mut Lab,
+    r: &CaseResult,
+    frames: &mut Frames,
+    calls: usize,
+    limit: Duration,
+    out: &mut [u8],
+    kern: &mut Vec<u32>,
+) -> Result<(Batch, Vec<u64>, Vec<u64>)> {
+    lab.enter(r.variant)?;
+    let def = case(r.id);
+    let start = fresh_start(frames);
+    let dp = lab.dp(def.dp);
+    let before = counters(dp)?;
+    let b = measure(
+        dp.program(def.prog)?,
+        frames,
+        calls,
+        limit,
+        expected_action(r.id, r.variant),
+        out,
+        kern,
+    )?;
+    let after = counters(dp)?;
+    if def.dp == Dp::New {
+        delete_fresh(&mut lab.new_conns, frames, start)?;
+    }
+    Ok((b, before, after))
+}
+
+/// One recorded batch of a case, with its counter deltas; a path that changed is an error.
+fn measure_batch(
+    lab: &mut Lab,
+    r: &mut CaseResult,
+    frames: &mut Frames,
+    calls: usize,
+    limit: Duration,
+    out: &mut [u8],
+    kern: &mut Vec<u32>,
+) -> Result<()> {
+    let (b, before, after) = run_batch(lab, r, frames, calls, limit, out, kern)?;
+    stats_delta(&before, &after, &mut r.counters);
+    let wrong: usize = b.wrong_actions.values().sum();
+    if wrong != 0 {
+        let key = case(r.id).key;
+        eprintln!(
+            "\nwarning: {key} [{}]: {wrong} of {} calls returned another action (action: calls) {:?}; counters of this batch {:?}",
+            r.variant.name(),
+            b.calls,
+            b.wrong_actions,
+            {
+                let mut d = BTreeMap::new();
+                stats_delta(&before, &after, &mut d);
+                d
+            }
+        );
+        // A few odd calls are reported; a path that changed is an error.
+        if wrong * 1000 > b.calls {
+            bail!(
+                "{key} [{}]: more than 0.1% of calls took another path",
+                r.variant.name()
             );
         }
-        Value::Object(m)
-    };
-    let conns_main = dps[Dp::Main as usize].conns().map(|c| c.len()).ok();
+    }
+    r.batches.push(b);
+    Ok(())
+}
+
+/// What the report's metadata needs from the run besides the options.
+struct RunFacts<'a> {
+    command_line: String,
+    possible: usize,
+    object: &'a [u8],
+    rounds_done: usize,
+    mtu_check: Value,
+    started: Instant,
+}
+
+/// The programs' sizes as the kernel reports them.
+fn prog_info(dp: &mut Dataplane) -> Result<Value> {
+    let mut m = serde_json::Map::new();
+    for name in [PROG_XDP, PROG_PASS] {
+        let info = dp.program(name)?.info()?;
+        m.insert(
+            name.to_string(),
+            json!({
+                "xlated_insns": info.size_translated().map(|b| b / 8),
+                "jited_bytes": info.size_jitted(),
+                "verified_insns": info.verified_instruction_count(),
+                "tag": format!("{:016x}", info.tag()),
+            }),
+        );
+    }
+    Ok(Value::Object(m))
+}
+
+/// The result file's metadata: provenance, the programs, and the method in words.
+fn run_meta(lab: &mut Lab, opts: &Opts, run: RunFacts) -> Result<Value> {
+    let prog_info = prog_info(&mut lab.dps[0])?;
+    let conns_main = lab.dp(Dp::Main).conns().map(|c| c.len()).ok();
 
     // The in-band case must have taken the progress path on every call: its backends'
     // acknowledged bytes are 1448 per call (warm-up included).
     let inband_acked: u64 = BACKENDS_INBAND
         .iter()
-        .map(|(id, _)| Ok(dps[Dp::Main as usize].inband_stats(*id)?.acked_bytes))
+        .map(|(id, _)| Ok(lab.dp(Dp::Main).inband_stats(*id)?.acked_bytes))
         .sum::<Result<u64>>()?;
     println!("in-band case: {inband_acked} bytes acknowledged in the data plane's aggregates");
 
+    let possible = run.possible;
+    let object = run.object;
     let (git_head, dirty) = sys::git_state();
-    let meta = json!({
+    Ok(json!({
         "inband_acked_bytes": inband_acked,
         "benchmark": "xdp",
-        "command_line": command_line,
+        "command_line": run.command_line,
         "invoked_by": sys::parent_cmdline(),
         "date_utc": sys::utc_now(),
         "kernel": sys::kernel_release(),
@@ -1428,7 +1604,7 @@ pub fn main(args: &[String]) -> Result<()> {
             "syscall_ns": "wall clock of a batch of calls / calls, including the syscall, the frame copies and, for generated flows, rewriting the source address/port and IP checksum in userspace (a few ns)",
             "ratio": "median(case) / median(its baseline) in the same variant; the baseline is sluice_pass measured the same way on a frame of the same size",
             "rounds_requested": opts.rounds,
-            "rounds_completed": rounds_done,
+            "rounds_completed": run.rounds_done,
             "calls_per_batch": opts.calls,
             "batch_time_limit_s": opts.batch_secs,
             "order": "each round runs every (variant, case) batch once, in an order shuffled per round; one unrecorded warm-up batch per case first",
@@ -1436,26 +1612,14 @@ pub fn main(args: &[String]) -> Result<()> {
             "many_flows": opts.flows,
             "conn_entries_main_after_run": conns_main,
             "fib_egress_mtu": FIB_MTU,
-            "mtu_check_1514B_frame_fib_netns": mtu_check,
+            "mtu_check_1514B_frame_fib_netns": run.mtu_check,
             "vips": "IPv4 10.200.0.1:443/tcp and IPv6 fd00:200::1:443/tcp, 4 backends each, 65537-slot Maglev rings, no affinity, flood guard off",
             "second_chance": "sc_* cases: the same VIPs with flow_state second-chance on a fourth data plane, backends marked as running the backend program (GUE); the ring was published twice, the second table moving every slot, so every packet's GUE names a previous backend (the most work). No conn-table lookup or insert for TCP",
             "backend": "backend_* cases (fib variant only): sluice_decap on the second-chance LB's GUE output, in the fib namespace with the VIP on lo: backend_socket_found carries an ACK of a TCP connection open on that host (bpf_skc_lookup_tcp finds it: decap, XDP_PASS); backend_forwarded an ACK for which only the VIP's listener is there (SYN-cookie check fails) and is readdressed to the previous backend (FIB lookup, XDP_REDIRECT). Baseline pass_gue: sluice_pass on the same GUE frame",
             "frames": "untagged Ethernet; TCP without options; 54 B (IPv4), 74 B (IPv6), 1514 B (IPv4, 1460 B payload)",
         },
-        "elapsed_s": started.elapsed().as_secs_f64(),
-    });
-
-    let rep = report::Report::new(meta, &opts.variants, &results);
-    rep.print_table();
-    println!();
-    out::write_json(&opts.out, &rep.json())?;
-    if let Some(dir) = opts.svg.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    std::fs::write(&opts.svg, rep.svg())
-        .with_context(|| format!("writing {}", opts.svg.display()))?;
-    println!("wrote {}", opts.svg.display());
-    Ok(())
+        "elapsed_s": run.started.elapsed().as_secs_f64(),
+    }))
 }
 
 fn fresh_start(f: &Frames) -> u64 {

@@ -11,7 +11,7 @@
 
 use std::{path::PathBuf, time::Duration};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use sluice_accel::model::Params;
 
@@ -25,23 +25,43 @@ use crate::{out, sys};
 /// The flag that turns `sluice-bench steer` into the matrix.
 pub const FLAG: &str = "--matrix";
 
-const USAGE: &str = "usage: sluice-bench steer --matrix [ci] [--fleets a,b|all] [--seeds 7,11] \
-[--scenarios a,b] [--policies a,b] [--duration SECS] [--out FILE] [--record]
-  runs every (fleet, scenario, policy, seed) cell and reports, per scenario, the worst cell's
-  p99 TTFT / Maglev's (same fleet and seed) against the aims
-  ci          a small matrix that runs in a few minutes: fleets few-clients-short and
-              many-clients-short-busy, scenarios healthy and throttled, policies maglev and
-              adaptive, seed 7, 15 s (flags after it override)
-  --fleets    fleets by name, every scenario on each (all: every fleet); default: each
-              scenario on two fleets, a batch-16 and a batch-64 one, in turn (about two hours)
-  --seeds     workload seeds (default 7,11)
-  --scenarios default: healthy, heterogeneous, throttled, congested, gray, lying, flapping,
-              dying, near-saturation, idle
-  --policies  maglev, adaptive, adaptive+inband (default: all three)
-  --duration  seconds of load per cell (default 25)
-  --out       default target/bench/steer-matrix.json
-  --record    write under bench/results/ (the committed results) instead
-  fleets:";
+/// `sluice-bench steer --matrix --help` (the fleets are listed after it at run time).
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "sluice-bench steer",
+    about = "The robustness matrix: runs every (fleet, scenario, policy, seed) cell and \
+             reports, per scenario, the worst cell's p99 TTFT / Maglev's (same fleet and seed) \
+             against the aims; the matrix sets the rest of the options per fleet"
+)]
+struct MatrixCli {
+    /// The matrix; with ci, a small one that runs in a few minutes: fleets
+    /// few-clients-short and many-clients-short-busy, scenarios healthy and throttled,
+    /// policies maglev and adaptive, seed 7, 15 s (the other flags override).
+    #[arg(long, value_name = "ci", num_args = 0..=1, value_parser = ["ci"])]
+    matrix: Option<Option<String>>,
+    /// Fleets by name, comma separated, every scenario on each (all: every fleet); default:
+    /// each scenario on two fleets, a batch-16 and a batch-64 one, in turn (about two hours).
+    #[arg(long)]
+    fleets: Option<String>,
+    /// Workload seeds, comma separated (default 7,11).
+    #[arg(long, value_delimiter = ',')]
+    seeds: Option<Vec<u64>>,
+    /// Scenarios, comma separated (default: healthy, heterogeneous, throttled, congested,
+    /// gray, lying, flapping, dying, near-saturation, idle).
+    #[arg(long)]
+    scenarios: Option<String>,
+    /// Policies, comma separated: maglev, adaptive, adaptive+inband (default: all three).
+    #[arg(long)]
+    policies: Option<String>,
+    /// Seconds of load per cell (default 25).
+    #[arg(long)]
+    duration: Option<u64>,
+    /// JSON results (default target/bench/steer-matrix.json).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[arg(long, help = out::RECORD_HELP)]
+    record: bool,
+}
 
 /// The matrix's scenarios when `--scenarios` is not given.
 pub const MATRIX_SCENARIOS: [Scenario; 10] = [
@@ -606,11 +626,12 @@ pub struct MatrixArgs {
     pub out: PathBuf,
 }
 
-fn usage() -> String {
-    let mut u = USAGE.to_owned();
+/// The fleets, listed after the matrix's help.
+fn fleet_table() -> String {
+    let mut u = "Fleets:".to_owned();
     for f in FLEETS {
         u += &format!(
-            "\n    {:<24} batch {:>2}, {} ms/seq, KV {:>5}, {:>4} sources, {} answers, load {}",
+            "\n  {:<24} batch {:>2}, {} ms/seq, KV {:>5}, {:>4} sources, {} answers, load {}",
             f.name,
             f.max_num_seqs,
             f.step_per_seq_ms,
@@ -624,8 +645,17 @@ fn usage() -> String {
 }
 
 impl MatrixArgs {
-    pub fn parse(args: &[String]) -> Result<MatrixArgs> {
-        let (record, args) = out::take_record(args);
+    /// The matrix's options from the command line; None when it asked for `--help`.
+    pub fn parse(args: &[String]) -> Result<Option<MatrixArgs>> {
+        let cmd = <MatrixCli as clap::CommandFactory>::command().after_help(fleet_table());
+        match crate::cli_args_in::<MatrixCli>(cmd, "sluice-bench steer", args)? {
+            Some(c) => MatrixArgs::from_cli(c).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn from_cli(c: MatrixCli) -> Result<MatrixArgs> {
+        let ci = matches!(c.matrix, Some(Some(_)));
         let mut a = MatrixArgs {
             fleets: FLEETS.to_vec(),
             pair: true,
@@ -633,53 +663,37 @@ impl MatrixArgs {
             scenarios: MATRIX_SCENARIOS.to_vec(),
             policies: MATRIX_POLICIES.to_vec(),
             duration: Duration::from_secs(25),
-            out: out::default_path(record, "steer-matrix.json"),
+            out: c
+                .out
+                .unwrap_or_else(|| out::default_path(c.record, "steer-matrix.json")),
         };
-        let mut it = args.iter().peekable();
-        while let Some(flag) = it.next() {
-            if flag == FLAG {
-                if it.peek().is_some_and(|v| *v == "ci") {
-                    it.next();
-                    a.fleets = vec![FLEETS[1], FLEETS[3]];
-                    a.pair = false;
-                    a.seeds = vec![7];
-                    a.scenarios = vec![Scenario::Healthy, Scenario::Throttled];
-                    a.policies = vec![Policy::Maglev, Policy::Adaptive];
-                    a.duration = Duration::from_secs(15);
-                }
-                continue;
-            }
-            if flag == "--help" || flag == "-h" {
-                bail!("{}", usage());
-            }
-            let v = it
-                .next()
-                .ok_or_else(|| anyhow!("{flag} needs a value\n{}", usage()))?;
-            let bad = |e: &dyn std::fmt::Display| anyhow!("{flag} {v}: {e}\n{}", usage());
-            match flag.as_str() {
-                "--fleets" => {
-                    a.fleets = if v == "all" {
-                        FLEETS.to_vec()
-                    } else {
-                        list(v, Fleet::parse)?
-                    };
-                    a.pair = false;
-                }
-                "--seeds" => {
-                    a.seeds = list(v, |s| s.parse::<u64>().map_err(anyhow::Error::from))
-                        .map_err(|e| bad(&e))?
-                }
-                "--scenarios" => a.scenarios = list(v, Scenario::parse)?,
-                "--policies" => a.policies = list(v, Policy::parse)?,
-                "--duration" => {
-                    a.duration = Duration::from_secs(v.parse().map_err(|e| bad(&e))?);
-                }
-                "--out" => a.out = v.into(),
-                _ => bail!(
-                    "unknown option {flag} (the matrix sets the rest per fleet)\n{}",
-                    usage()
-                ),
-            }
+        if ci {
+            a.fleets = vec![FLEETS[1], FLEETS[3]];
+            a.pair = false;
+            a.seeds = vec![7];
+            a.scenarios = vec![Scenario::Healthy, Scenario::Throttled];
+            a.policies = vec![Policy::Maglev, Policy::Adaptive];
+            a.duration = Duration::from_secs(15);
+        }
+        if let Some(v) = &c.fleets {
+            a.fleets = if v == "all" {
+                FLEETS.to_vec()
+            } else {
+                list(v, Fleet::parse)?
+            };
+            a.pair = false;
+        }
+        if let Some(seeds) = c.seeds {
+            a.seeds = seeds;
+        }
+        if let Some(v) = &c.scenarios {
+            a.scenarios = list(v, Scenario::parse)?;
+        }
+        if let Some(v) = &c.policies {
+            a.policies = list(v, Policy::parse)?;
+        }
+        if let Some(secs) = c.duration {
+            a.duration = Duration::from_secs(secs);
         }
         if let Some(p) = a.policies.iter().find(|p| !MATRIX_POLICIES.contains(p)) {
             bail!(
@@ -694,7 +708,7 @@ impl MatrixArgs {
             bail!("--duration {:?}: 9 s to 1 h", a.duration);
         }
         if a.fleets.is_empty() || a.seeds.is_empty() || a.scenarios.is_empty() {
-            bail!("nothing to run\n{}", usage());
+            bail!("nothing to run: --fleets, --seeds and --scenarios must each name one");
         }
         Ok(a)
     }
@@ -702,7 +716,7 @@ impl MatrixArgs {
 
 /// The steer benchmark's options for one cell.
 fn cell_args(c: &Cell, duration: Duration) -> Result<Args> {
-    let mut a = Args::parse(&[])?;
+    let mut a = Args::defaults()?;
     a.seed = c.seed;
     a.duration = duration;
     a.capacity_rps = c.fleet.capacity_rps();
@@ -719,7 +733,9 @@ fn hms(s: f64) -> String {
 }
 
 pub fn main(args: &[String]) -> Result<()> {
-    let m = MatrixArgs::parse(args)?;
+    let Some(m) = MatrixArgs::parse(args)? else {
+        return Ok(());
+    };
     let cells = plan(&m.fleets, &m.scenarios, &m.policies, &m.seeds, m.pair);
     let fleets: Vec<&str> = {
         let mut v: Vec<&str> = cells.iter().map(|c| c.fleet.name).collect();
@@ -946,7 +962,7 @@ mod tests {
 
     #[test]
     fn the_default_plan_pairs_fleets_and_fits_about_two_hours() {
-        let m = MatrixArgs::parse(&s(&["--matrix"])).unwrap();
+        let m = MatrixArgs::parse(&s(&["--matrix"])).unwrap().unwrap();
         let cells = plan(&m.fleets, &m.scenarios, &m.policies, &m.seeds, m.pair);
         // 10 scenarios x 2 fleets x 2 seeds x 3 policies.
         assert_eq!(cells.len(), 120);
@@ -972,7 +988,7 @@ mod tests {
         let hours = estimate_s(&cells, m.duration) / 3600.0;
         assert!((1.5..=2.2).contains(&hours), "{hours:.2} h");
 
-        let ci = MatrixArgs::parse(&s(&["--matrix", "ci"])).unwrap();
+        let ci = MatrixArgs::parse(&s(&["--matrix", "ci"])).unwrap().unwrap();
         let cells = plan(&ci.fleets, &ci.scenarios, &ci.policies, &ci.seeds, ci.pair);
         assert_eq!(cells.len(), 8);
         assert!(estimate_s(&cells, ci.duration) < 6.0 * 60.0);
@@ -986,6 +1002,7 @@ mod tests {
             "--scenarios",
             "healthy,lying,flapping",
         ]))
+        .unwrap()
         .unwrap();
         let cells = plan(&m.fleets, &m.scenarios, &m.policies, &m.seeds, m.pair);
         assert_eq!(cells.len(), 2 * 3 * 3);
@@ -1009,7 +1026,9 @@ mod tests {
             .contains("unknown option --sources"));
         assert!(MatrixArgs::parse(&s(&["--matrix", "--seeds", "x"])).is_err());
         assert!(MatrixArgs::parse(&s(&["--matrix", "--fleets", "nope"])).is_err());
-        let m = MatrixArgs::parse(&s(&["--matrix", "ci", "--duration", "20", "--record"])).unwrap();
+        let m = MatrixArgs::parse(&s(&["--matrix", "ci", "--duration", "20", "--record"]))
+            .unwrap()
+            .unwrap();
         assert_eq!(m.duration, Duration::from_secs(20));
         assert_eq!(m.out, PathBuf::from("bench/results/steer-matrix.json"));
     }

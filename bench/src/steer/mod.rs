@@ -22,16 +22,16 @@ use std::{
     collections::BTreeMap,
     fs,
     net::SocketAddr,
-    path::PathBuf,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use sluice::clock::now_ms;
 use sluice_tests::{
     daemon_lab::{wait_for, Accel, DaemonLab, DaemonLabOptions, VipDef, MAX_CLIENT_SOURCES},
-    netns::{TCP_PORT, VIP4},
+    netns::{ProcId, TCP_PORT, VIP4},
 };
 
 use self::{
@@ -76,35 +76,72 @@ fn words(s: &str) -> Vec<String> {
     s.split_whitespace().map(str::to_owned).collect()
 }
 
-const USAGE: &str = "usage: sluice-bench steer [--scenarios a,b] [--policies a,b] [--duration SECS] \
-[--backends N] [--seed N] [--capacity-rps X] [--load X] [--max-sessions N] [--sources N] [--accel-args ARGS] [--tokens-args ARGS] [--out FILE] [--plots DIR] [--records DIR] [--record]
-       sluice-bench steer --matrix [ci] ... (the robustness matrix: --matrix --help)
-  scenarios: healthy, heterogeneous, throttled, congested, dying, overload, gray (the default);
-             near-saturation, idle, steady, lying, flapping (on request: a fleet without
-             headroom, a light load, 10 minutes at 65% whatever --duration says, an
-             exporter that reports idle while its accelerator slows, a throttle that comes
-             and goes every 10 s)
-  policies:  maglev, adaptive, adaptive+admission, adaptive+inband (default: all)
-  --duration      seconds of load per cell (default 50)
-  --backends      simulated accelerators, 4..=8 (default 4)
-  --capacity-rps  requests per second one healthy accelerator sustains with the default
-                  workload (default 3.0, measured: see docs/benchmarks.md); scenarios offer
-                  a fraction of backends x this
-  --load          offered load of the scenarios at the usual load, as a fraction of
-                  backends x --capacity-rps (default 0.7; idle, near-saturation, overload
-                  and steady keep their own)
-  --max-sessions  adaptive+admission's per-backend session cap (default 24: a batch of 16,
-                  a short queue, and flows of ended streams until they idle out)
-  --sources       client source addresses, 1..=1000 (default 180)
-  --accel-args    more sluice-accel arguments for every accelerator, space-separated
-                  (default \"--max-num-seqs 16 --kv-capacity-tokens 8192\": lab scale, see
-                  docs/benchmarks.md)
-  --tokens-args   more load generator (sluice-bench tokens) arguments, space-separated, e.g.
-                  \"--output-median 40 --output-sigma 0.5\" (default: none, its workload)
-  --out           default target/bench/steer.json; --plots default target/bench/steer
-  --record        write the defaults under bench/results/ (the committed results) instead
-  --records       keep each cell's per-request records (the generator's --records lines)
-                  as DIR/SCENARIO-POLICY.jsonl";
+/// `sluice-bench steer --help`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "sluice-bench steer",
+    about = "Adaptive steering against plain Maglev on simulated accelerators: every \
+             (scenario, policy) cell",
+    after_help = "sluice-bench steer --matrix [ci] ...: the robustness matrix \
+                  (sluice-bench steer --matrix --help)"
+)]
+struct Cli {
+    /// Scenarios, comma separated: healthy, heterogeneous, throttled, congested, dying,
+    /// overload, gray (the default); near-saturation, idle, steady, lying, flapping (on
+    /// request: a fleet without headroom, a light load, 10 minutes at 65% whatever
+    /// --duration says, an exporter that reports idle while its accelerator slows, a
+    /// throttle that comes and goes every 10 s).
+    #[arg(long)]
+    scenarios: Option<String>,
+    /// Policies, comma separated: maglev, adaptive, adaptive+admission, adaptive+inband
+    /// (default: all).
+    #[arg(long)]
+    policies: Option<String>,
+    /// Seconds of load per cell.
+    #[arg(long, default_value_t = 50)]
+    duration: u64,
+    /// Simulated accelerators, 4..=8.
+    #[arg(long, default_value_t = 4)]
+    backends: usize,
+    /// The workload's seed.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Requests per second one healthy accelerator sustains with the default workload
+    /// (measured: see docs/benchmarks.md); scenarios offer a fraction of backends x this.
+    #[arg(long = "capacity-rps", default_value_t = 3.0)]
+    capacity_rps: f64,
+    /// Offered load of the scenarios at the usual load, as a fraction of backends x
+    /// --capacity-rps (idle, near-saturation, overload and steady keep their own).
+    #[arg(long, default_value_t = scenario::USUAL_LOAD)]
+    load: f64,
+    /// adaptive+admission's per-backend session cap (24: a batch of 16, a short queue, and
+    /// flows of ended streams until they idle out).
+    #[arg(long = "max-sessions", default_value_t = 24)]
+    max_sessions: u32,
+    /// Client source addresses, 1..=1000.
+    #[arg(long, default_value_t = 180)]
+    sources: u16,
+    /// More sluice-accel arguments for every accelerator, space-separated (the default is
+    /// lab scale, see docs/benchmarks.md).
+    #[arg(long = "accel-args", allow_hyphen_values = true, default_value = DEFAULT_ACCEL_ARGS)]
+    accel_args: String,
+    /// More load generator (sluice-bench tokens) arguments, space-separated, e.g.
+    /// "--output-median 40 --output-sigma 0.5" (default: none, its workload).
+    #[arg(long = "tokens-args", allow_hyphen_values = true)]
+    tokens_args: Option<String>,
+    /// JSON results (default target/bench/steer.json).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Directory of the plots (default target/bench/steer).
+    #[arg(long)]
+    plots: Option<PathBuf>,
+    /// Keep each cell's per-request records (the generator's --records lines) as
+    /// DIR/SCENARIO-POLICY.jsonl.
+    #[arg(long, value_name = "DIR")]
+    records: Option<PathBuf>,
+    #[arg(long, help = out::RECORD_HELP)]
+    record: bool,
+}
 
 /// The benchmark's options.
 #[derive(Clone, Debug)]
@@ -127,53 +164,46 @@ pub struct Args {
 }
 
 impl Args {
-    pub fn parse(args: &[String]) -> Result<Args> {
-        let (record, args) = out::take_record(args);
-        let mut a = Args {
-            scenarios: DEFAULT_SCENARIOS.to_vec(),
-            policies: POLICIES.to_vec(),
-            duration: Duration::from_secs(50),
-            backends: 4,
-            seed: 7,
-            capacity_rps: 3.0,
-            load: scenario::USUAL_LOAD,
-            max_sessions: 24,
-            sources: 180,
-            accel_args: words(DEFAULT_ACCEL_ARGS),
-            tokens_args: Vec::new(),
-            out: out::default_path(record, "steer.json"),
-            plots: out::default_path(record, "steer"),
-            records: None,
-        };
-        let mut it = args.iter();
-        while let Some(flag) = it.next() {
-            if flag == "--help" || flag == "-h" {
-                bail!("{USAGE}");
-            }
-            let v = it
-                .next()
-                .ok_or_else(|| anyhow!("{flag} needs a value\n{USAGE}"))?;
-            let bad = |e: &dyn std::fmt::Display| anyhow!("{flag} {v}: {e}\n{USAGE}");
-            match flag.as_str() {
-                "--scenarios" => a.scenarios = list(v, Scenario::parse)?,
-                "--policies" => a.policies = list(v, Policy::parse)?,
-                "--duration" => {
-                    a.duration = Duration::from_secs(v.parse().map_err(|e| bad(&e))?);
-                }
-                "--backends" => a.backends = v.parse().map_err(|e| bad(&e))?,
-                "--seed" => a.seed = v.parse().map_err(|e| bad(&e))?,
-                "--capacity-rps" => a.capacity_rps = v.parse().map_err(|e| bad(&e))?,
-                "--load" => a.load = v.parse().map_err(|e| bad(&e))?,
-                "--max-sessions" => a.max_sessions = v.parse().map_err(|e| bad(&e))?,
-                "--sources" => a.sources = v.parse().map_err(|e| bad(&e))?,
-                "--accel-args" => a.accel_args = words(v),
-                "--tokens-args" => a.tokens_args = words(v),
-                "--out" => a.out = v.into(),
-                "--plots" => a.plots = v.into(),
-                "--records" => a.records = Some(v.into()),
-                _ => bail!("unknown option {flag}\n{USAGE}"),
-            }
+    /// The options from the command line; None when it asked for `--help`.
+    pub fn parse(args: &[String]) -> Result<Option<Args>> {
+        match crate::cli_args::<Cli>("sluice-bench steer", args)? {
+            Some(c) => Args::from_cli(c).map(Some),
+            None => Ok(None),
         }
+    }
+
+    /// The options of a run given no arguments.
+    pub fn defaults() -> Result<Args> {
+        Args::from_cli(<Cli as clap::Parser>::parse_from(["sluice-bench steer"]))
+    }
+
+    fn from_cli(c: Cli) -> Result<Args> {
+        let a = Args {
+            scenarios: match &c.scenarios {
+                Some(v) => list(v, Scenario::parse)?,
+                None => DEFAULT_SCENARIOS.to_vec(),
+            },
+            policies: match &c.policies {
+                Some(v) => list(v, Policy::parse)?,
+                None => POLICIES.to_vec(),
+            },
+            duration: Duration::from_secs(c.duration),
+            backends: c.backends,
+            seed: c.seed,
+            capacity_rps: c.capacity_rps,
+            load: c.load,
+            max_sessions: c.max_sessions,
+            sources: c.sources,
+            accel_args: words(&c.accel_args),
+            tokens_args: c.tokens_args.as_deref().map(words).unwrap_or_default(),
+            out: c
+                .out
+                .unwrap_or_else(|| out::default_path(c.record, "steer.json")),
+            plots: c
+                .plots
+                .unwrap_or_else(|| out::default_path(c.record, "steer")),
+            records: c.records,
+        };
         if !(4..=8).contains(&a.backends) {
             bail!("--backends {}: 4 to 8 accelerators", a.backends);
         }
@@ -193,7 +223,7 @@ impl Args {
             bail!("--sources {}: 1 to {MAX_CLIENT_SOURCES}", a.sources);
         }
         if a.scenarios.is_empty() || a.policies.is_empty() {
-            bail!("nothing to run\n{USAGE}");
+            bail!("nothing to run: --scenarios and --policies name none");
         }
         Ok(a)
     }
@@ -203,7 +233,9 @@ pub fn main(args: &[String]) -> Result<()> {
     if args.iter().any(|a| a == matrix::FLAG) {
         return matrix::main(args);
     }
-    let args = Args::parse(args)?;
+    let Some(args) = Args::parse(args)? else {
+        return Ok(());
+    };
     sys::require_root()?;
     sys::catch_interrupts();
     let doc = run(&args)?;
@@ -349,6 +381,76 @@ impl Drop for Scratch {
 fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> Result<CellOut> {
     let n = args.backends;
     let vip_addr = SocketAddr::new(VIP4.into(), TCP_PORT);
+    let mut cell = start_cell_lab(args, tools, scenario, policy, vip_addr)?;
+
+    let scratch = Scratch(std::env::temp_dir().join(format!("{}-steer", cell.lab.id)));
+    fs::create_dir_all(&scratch.0)?;
+    let sources = cell.lab.add_client_sources(args.sources)?;
+    let files = GenFiles::in_dir(&scratch.0);
+    fs::write(
+        &files.sources,
+        sources.iter().map(|a| format!("{a}\n")).collect::<String>(),
+    )?;
+    let duration = scenario.duration(args.duration);
+    let secs = duration.as_secs_f64();
+    let rate = scenario.load(args.load) * n as f64 * args.capacity_rps;
+    let faults = scenario.faults();
+    let gen_args = generator_args(args, &faults, vip_addr, rate, duration, &files);
+    let client = cell.lab.topo.client.ns.clone();
+    let since_ms = now_ms();
+    let t0 = Instant::now();
+    let gen = cell
+        .lab
+        .topo
+        .spawn(&client, "sluice-bench tokens", &tools.bench, &gen_args)?;
+    let seen = drive(&mut cell, gen, &faults, duration, t0)?;
+    let got = gather(&cell.lab, args, scenario, policy, &files)?;
+    let CellLab {
+        lab, names, ips, ..
+    } = cell;
+    drop(lab);
+
+    let facts = CellFacts {
+        scenario,
+        policy,
+        rate,
+        secs,
+        since_ms,
+        names: &names,
+        ips: &ips,
+    };
+    let ttfts = stats::ttfts(&got.records);
+    let json = cell_json(&facts, &seen, &got, &ttfts);
+    let title = format!("{} / {}", scenario.name(), policy.name());
+    let timeline_svg = plot::timeline(&title, secs, &names, &seen.timeline, &seen.fired, 100.0);
+    Ok(CellOut {
+        json,
+        ttfts,
+        timeline_svg,
+    })
+}
+
+/// One cell's daemon lab, and how its backends are named.
+struct CellLab {
+    lab: DaemonLab,
+    names: Vec<String>,
+    /// The backends' addresses on the VIP's port (how the admin API names them).
+    addrs: Vec<String>,
+    /// How the daemon's events name the backends.
+    ips: Vec<String>,
+}
+
+/// Starts the lab of a cell: the VIP set for `policy`, one simulated accelerator per
+/// backend (the scenario's slow one slowed), and waits until every backend is healthy and,
+/// for a policy that reads telemetry, scraped.
+fn start_cell_lab(
+    args: &Args,
+    tools: &Tools,
+    scenario: Scenario,
+    policy: Policy,
+    vip_addr: SocketAddr,
+) -> Result<CellLab> {
+    let n = args.backends;
     let mut vip = VipDef::tcp(VIP, vip_addr, n);
     vip.telemetry = policy.telemetry();
     vip.inband = policy == Policy::Inband;
@@ -378,12 +480,11 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         binary: tools.accel.clone(),
         args: per_backend,
     });
-    let mut lab = DaemonLab::start(opts).context("starting the lab")?;
+    let lab = DaemonLab::start(opts).context("starting the lab")?;
     let names: Vec<String> = lab.topo.backends.iter().map(|b| b.name.clone()).collect();
     let addrs: Vec<String> = (0..n)
         .map(|i| lab.backend_addr(i, vip_addr).to_string())
         .collect();
-    // How the daemon's events name the backends.
     let ips: Vec<String> = lab.topo.backends.iter().map(|b| b.v4.to_string()).collect();
     wait_for(
         "every backend healthy and scraped",
@@ -398,22 +499,41 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             Ok(ready.then_some(()))
         },
     )?;
+    Ok(CellLab {
+        lab,
+        names,
+        addrs,
+        ips,
+    })
+}
 
-    let scratch = Scratch(std::env::temp_dir().join(format!("{}-steer", lab.id)));
-    fs::create_dir_all(&scratch.0)?;
-    let sources = lab.add_client_sources(args.sources)?;
-    let sources_file = scratch.0.join("sources.txt");
-    fs::write(
-        &sources_file,
-        sources.iter().map(|a| format!("{a}\n")).collect::<String>(),
-    )?;
-    let (summary_file, records_file) = (
-        scratch.0.join("summary.json"),
-        scratch.0.join("records.jsonl"),
-    );
-    let duration = scenario.duration(args.duration);
+/// The load generator's files in a cell's scratch directory.
+struct GenFiles {
+    sources: PathBuf,
+    summary: PathBuf,
+    records: PathBuf,
+}
+
+impl GenFiles {
+    fn in_dir(dir: &Path) -> GenFiles {
+        GenFiles {
+            sources: dir.join("sources.txt"),
+            summary: dir.join("summary.json"),
+            records: dir.join("records.jsonl"),
+        }
+    }
+}
+
+/// The load generator's (`sluice-bench tokens`) arguments for a cell.
+fn generator_args(
+    args: &Args,
+    faults: &[scenario::Fault],
+    vip_addr: SocketAddr,
+    rate: f64,
+    duration: Duration,
+    files: &GenFiles,
+) -> Vec<String> {
     let secs = duration.as_secs_f64();
-    let rate = scenario.load(args.load) * n as f64 * args.capacity_rps;
     let mut gen_args: Vec<String> = [
         "tokens",
         "--target",
@@ -434,16 +554,15 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         "--stall-s",
         &STALL.as_secs().to_string(),
         "--sources-file",
-        &sources_file.display().to_string(),
+        &files.sources.display().to_string(),
         "--json",
-        &summary_file.display().to_string(),
+        &files.summary.display().to_string(),
         "--records",
-        &records_file.display().to_string(),
+        &files.records.display().to_string(),
     ]
     .map(str::to_owned)
     .to_vec();
     gen_args.extend(args.tokens_args.iter().cloned());
-    let faults = scenario.faults();
     // The streams in flight at the first fault: what no later placement can move.
     if let Some(f) = faults.first() {
         gen_args.extend([
@@ -451,23 +570,45 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             format!("{:.0}", f.at * secs * 1000.0),
         ]);
     }
-    let client = lab.topo.client.ns.clone();
-    let since_ms = now_ms();
-    let t0 = Instant::now();
-    let gen = lab
-        .topo
-        .spawn(&client, "sluice-bench tokens", &tools.bench, &gen_args)?;
+    gen_args
+}
 
-    let mut fired: Vec<(f64, String)> = Vec::new();
-    let mut timeline: Vec<Sample> = Vec::new();
-    let mut flags: Vec<Sample> = Vec::new();
-    let mut kv_samples: Vec<Vec<f64>> = Vec::new();
+/// What was seen while the load ran.
+struct Observed {
+    /// The faults fired: seconds into the cell, and the label.
+    fired: Vec<(f64, String)>,
+    /// One sample a second.
+    timeline: Vec<Sample>,
+    /// The steering flags at every tick (the samples among them).
+    flags: Vec<Sample>,
+    /// The accelerators' KV use at each sample.
+    kv_samples: Vec<Vec<f64>>,
+}
+
+/// Runs the cell until the load generator `gen` ends: fires the scenario's faults on time,
+/// samples the backends every tick and once a second; stops the generator when
+/// interrupted or late.
+fn drive(
+    cell: &mut CellLab,
+    gen: ProcId,
+    faults: &[scenario::Fault],
+    duration: Duration,
+    t0: Instant,
+) -> Result<Observed> {
+    let secs = duration.as_secs_f64();
+    let lab = &mut cell.lab;
+    let mut seen = Observed {
+        fired: Vec::new(),
+        timeline: Vec::new(),
+        flags: Vec::new(),
+        kv_samples: Vec::new(),
+    };
     let limit = duration + REQUEST_LIMIT + Duration::from_secs(30);
     let mut next_sample = Duration::ZERO;
     let status = loop {
         let t = t0.elapsed();
         if let Some(f) = faults
-            .get(fired.len())
+            .get(seen.fired.len())
             .filter(|f| t.as_secs_f64() >= f.at * secs)
         {
             // A killed accelerator answers nothing: the request's error is expected.
@@ -478,19 +619,20 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
                     bail!("fault {}: {code} {body}", f.label);
                 }
             }
-            fired.push((t.as_secs_f64(), f.label.clone()));
+            seen.fired.push((t.as_secs_f64(), f.label.clone()));
             continue;
         }
         if t >= next_sample {
-            let s = sample(&lab, &addrs, t.as_secs_f64());
-            kv_samples.push(s.points.iter().filter_map(|p| p.kv).collect());
-            flags.push(s.clone());
-            timeline.push(s);
+            let s = sample(lab, &cell.addrs, t.as_secs_f64());
+            seen.kv_samples
+                .push(s.points.iter().filter_map(|p| p.kv).collect());
+            seen.flags.push(s.clone());
+            seen.timeline.push(s);
             next_sample += Duration::from_secs(1);
         } else {
             // Full flags change with each policy step: the affinity breakdown needs them at
             // each turn's start, not the nearest second.
-            flags.push(steering(&lab, &addrs, t.as_secs_f64()));
+            seen.flags.push(steering(lab, &cell.addrs, t.as_secs_f64()));
         }
         if let Some(st) = lab.topo.try_wait(gen)? {
             break st;
@@ -508,6 +650,27 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
     if !status.success() {
         bail!("the load generator failed ({status})");
     }
+    Ok(seen)
+}
+
+/// What the daemon, the load generator and the accelerators report after the load.
+struct Gathered {
+    events: Vec<Value>,
+    summary: Value,
+    records: Vec<Record>,
+    shed_counters: BTreeMap<String, u64>,
+    cache_queries: u64,
+    cache_hits: u64,
+}
+
+/// Reads the cell's reports; keeps the per-request records under `--records` when given.
+fn gather(
+    lab: &DaemonLab,
+    args: &Args,
+    scenario: Scenario,
+    policy: Policy,
+    files: &GenFiles,
+) -> Result<Gathered> {
     let events = lab
         .api("GET", "/v1/events", None)?
         .1
@@ -516,11 +679,11 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         .cloned()
         .unwrap_or_default();
     let summary: Value = serde_json::from_str(
-        &fs::read_to_string(&summary_file)
-            .with_context(|| format!("reading {}", summary_file.display()))?,
+        &fs::read_to_string(&files.summary)
+            .with_context(|| format!("reading {}", files.summary.display()))?,
     )?;
-    let records_text = fs::read_to_string(&records_file)
-        .with_context(|| format!("reading {}", records_file.display()))?;
+    let records_text = fs::read_to_string(&files.records)
+        .with_context(|| format!("reading {}", files.records.display()))?;
     if let Some(dir) = &args.records {
         let kept = dir.join(format!("{}-{}.jsonl", scenario.name(), policy.name()));
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -539,21 +702,46 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         .collect();
     // The prefix cache counters, summed over the accelerators (a killed one reads nothing).
     let (mut cache_queries, mut cache_hits) = (0, 0);
-    for i in 0..n {
+    for i in 0..args.backends {
         if let Ok((200, v)) = lab.accel_request(i, "GET", "/state", None) {
             cache_queries += v["prefix_cache_queries"].as_u64().unwrap_or(0);
             cache_hits += v["prefix_cache_hits"].as_u64().unwrap_or(0);
         }
     }
-    drop(lab);
+    Ok(Gathered {
+        events,
+        summary,
+        records,
+        shed_counters,
+        cache_queries,
+        cache_hits,
+    })
+}
 
+/// What a cell's result needs besides what it saw and gathered.
+struct CellFacts<'a> {
+    scenario: Scenario,
+    policy: Policy,
+    /// Offered requests per second.
+    rate: f64,
+    /// Seconds of load.
+    secs: f64,
+    /// When the load started (the daemon's events are counted from here).
+    since_ms: u64,
+    names: &'a [String],
+    ips: &'a [String],
+}
+
+/// A cell's result (`ttfts`: every request's time to first token, ms).
+fn cell_json(c: &CellFacts, seen: &Observed, got: &Gathered, ttfts: &[f64]) -> Value {
+    let (scenario, secs, names) = (c.scenario, c.secs, c.names);
+    let (records, summary, fired) = (&got.records, &got.summary, &seen.fired);
     let killed = scenario.killed().map(|i| names[i].clone());
     let faulty: Vec<&str> = if scenario.faults().is_empty() && scenario.slow().is_none() {
         Vec::new()
     } else {
         vec![names[scenario::FAULTY].as_str()]
     };
-    let ttfts = stats::ttfts(&records);
     let kill = killed
         .as_deref()
         .zip(fired.first())
@@ -562,8 +750,8 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             at_ms: at * 1000.0,
             bound_ms: AVOID_BOUND_MS,
         });
-    let (completed, broken, on_killed) = stats::sessions(&records, kill);
-    let changes = stats::weight_changes(&events, since_ms, &ips);
+    let (completed, broken, on_killed) = stats::sessions(records, kill);
+    let changes = stats::weight_changes(&got.events, c.since_ms, c.ips);
     let total_changes: u64 = changes.values().sum();
     let max_changes = changes.values().copied().max().unwrap_or(0);
     let mut after = Vec::new();
@@ -573,24 +761,24 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         after.push(json!({
             "fault": label,
             "at_s": (at * 10.0).round() / 10.0,
-            "new_sessions": stats::landed(&records, at * 1000.0 + 2000.0, to),
-            "ttft_ms": stats::quantiles(&window_ttfts(&records, at * 1000.0, to)),
+            "new_sessions": stats::landed(records, at * 1000.0 + 2000.0, to),
+            "ttft_ms": stats::quantiles(&window_ttfts(records, at * 1000.0, to)),
         }));
     }
-    let json = json!({
+    json!({
         "scenario": scenario.name(),
-        "policy": policy.name(),
-        "offered_rps": (rate * 1000.0).round() / 1000.0,
+        "policy": c.policy.name(),
+        "offered_rps": (c.rate * 1000.0).round() / 1000.0,
         "duration_s": secs,
-        "ttft_ms": stats::quantiles(&ttfts),
-        "itl_ms": itl(&summary),
+        "ttft_ms": stats::quantiles(ttfts),
+        "itl_ms": itl(summary),
         // Over the generator's whole run (requests start for `duration`, then finish).
         "goodput_tokens_per_s": summary["summary"]["goodput_tokens_per_s"],
         // A second figure beside goodput: only streams that met a TTFT SLO count.
         "slo_goodput": {
             "ttft_slo_ms": stats::TTFT_SLO_MS,
             "tokens_per_s": stats::slo_goodput(
-                &records,
+                records,
                 stats::TTFT_SLO_MS,
                 summary["elapsed_s"].as_f64().unwrap_or(0.0),
             ),
@@ -599,8 +787,8 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             "completed": completed,
             "broken": broken,
             "broken_on_killed_backend": on_killed,
-            "broken_by_reason": stats::broken_by_reason(&records),
-            "per_backend": stats::landed(&records, 0.0, f64::MAX),
+            "broken_by_reason": stats::broken_by_reason(records),
+            "per_backend": stats::landed(records, 0.0, f64::MAX),
         },
         // Requests refused (or reset before any byte) and tried again, and their retries.
         "retries": {
@@ -613,11 +801,11 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
             .first()
             .map(|b| &summary["in_flight_at_mark"]["per_backend"][*b])
             .filter(|f| !f.is_null()),
-        "imbalance": (stats::imbalance(&kv_samples) * 1000.0).round() / 1000.0,
-        "affinity_kept": stats::affinity_kept(&records, &faulty),
+        "imbalance": (stats::imbalance(&seen.kv_samples) * 1000.0).round() / 1000.0,
+        "affinity_kept": stats::affinity_kept(records, &faulty),
         // What affinity saves: prompt tokens served from the accelerators' prefix caches.
-        "prefix_cache": stats::prefix_cache(cache_queries, cache_hits, &records),
-        "affinity_lost": stats::affinity_lost(&records, &faulty, &names, &flags, AFFINITY_SECS),
+        "prefix_cache": stats::prefix_cache(got.cache_queries, got.cache_hits, records),
+        "affinity_lost": stats::affinity_lost(records, &faulty, names, &seen.flags, AFFINITY_SECS),
         "weight_changes": total_changes,
         "weight_changes_per_backend": changes,
         "weight_changes_per_backend_per_10min": (max_changes as f64 * 600.0 / secs).round(),
@@ -625,9 +813,9 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         "new_sessions_failed_for_ms_after_kill": fired
             .first()
             .filter(|_| killed.is_some())
-            .map(|(at, _)| stats::avoided_after_ms(&records, at * 1000.0).round()),
+            .map(|(at, _)| stats::avoided_after_ms(records, at * 1000.0).round()),
         "backends": names,
-        "timeline": timeline.iter().map(|s| json!({
+        "timeline": seen.timeline.iter().map(|s| json!({
             "t_s": (s.t * 10.0).round() / 10.0,
             "weight": s.points.iter().map(|p| p.weight).collect::<Vec<_>>(),
             "state": s.points.iter().map(|p| p.state.clone()).collect::<Vec<_>>(),
@@ -638,16 +826,9 @@ fn run_cell(args: &Args, tools: &Tools, scenario: Scenario, policy: Policy) -> R
         })).collect::<Vec<_>>(),
         // Admission: the shed level's changes (s into the cell) and the data plane's
         // refusals, by priority class (the whole VIP) or for want of a backend with room.
-        "shed_changes": stats::shed_changes(&events, since_ms),
-        "shed_counters": shed_counters,
+        "shed_changes": stats::shed_changes(&got.events, c.since_ms),
+        "shed_counters": got.shed_counters,
         "generator_summary": summary,
-    });
-    let title = format!("{} / {}", scenario.name(), policy.name());
-    let timeline_svg = plot::timeline(&title, secs, &names, &timeline, &fired, 100.0);
-    Ok(CellOut {
-        json,
-        ttfts,
-        timeline_svg,
     })
 }
 
@@ -886,7 +1067,7 @@ mod tests {
 
     #[test]
     fn args_default_and_check() {
-        let a = Args::parse(&[]).unwrap();
+        let a = Args::parse(&[]).unwrap().unwrap();
         assert_eq!((a.scenarios.len(), a.policies.len(), a.backends), (7, 4, 4));
         let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
         let a = Args::parse(&s(&[
@@ -897,6 +1078,7 @@ mod tests {
             "--duration",
             "15",
         ]))
+        .unwrap()
         .unwrap();
         assert_eq!(a.scenarios, [Scenario::Throttled]);
         assert_eq!(a.duration, Duration::from_secs(15));
@@ -906,16 +1088,41 @@ mod tests {
     }
 
     #[test]
+    fn tool_arguments_that_start_with_dashes_are_values() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let a = Args::parse(&s(&[
+            "--tokens-args",
+            "--output-median 40 --output-sigma 0.5",
+            "--accel-args",
+            "--max-num-seqs 64",
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            a.tokens_args,
+            s(&["--output-median", "40", "--output-sigma", "0.5"])
+        );
+        assert_eq!(a.accel_args, s(&["--max-num-seqs", "64"]));
+        let d = Args::defaults().unwrap();
+        assert_eq!(d.accel_args, words(DEFAULT_ACCEL_ARGS));
+        assert!(d.tokens_args.is_empty());
+    }
+
+    #[test]
     fn results_go_under_target_unless_recorded() {
         let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        let a = Args::parse(&s(&["--seed", "11"])).unwrap();
+        let a = Args::parse(&s(&["--seed", "11"])).unwrap().unwrap();
         assert_eq!(a.out, PathBuf::from("target/bench/steer.json"));
         assert_eq!(a.plots, PathBuf::from("target/bench/steer"));
-        let a = Args::parse(&s(&["--seed", "11", "--record", "--duration", "15"])).unwrap();
+        let a = Args::parse(&s(&["--seed", "11", "--record", "--duration", "15"]))
+            .unwrap()
+            .unwrap();
         assert_eq!(a.out, PathBuf::from("bench/results/steer.json"));
         assert_eq!(a.plots, PathBuf::from("bench/results/steer"));
         assert_eq!((a.seed, a.duration), (11, Duration::from_secs(15)));
-        let a = Args::parse(&s(&["--record", "--out", "/tmp/x.json"])).unwrap();
+        let a = Args::parse(&s(&["--record", "--out", "/tmp/x.json"]))
+            .unwrap()
+            .unwrap();
         assert_eq!(a.out, PathBuf::from("/tmp/x.json"));
     }
 

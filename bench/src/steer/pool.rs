@@ -17,15 +17,38 @@ use serde_json::{json, Map, Value};
 use super::{aims, cells_by_key, stats};
 use crate::{out, sys};
 
-const USAGE: &str =
-    "usage: sluice-bench steer-pool RESULT.json:RECORDS_DIR ... [--out FILE] [--record]
-  each RESULT.json a `sluice-bench steer` result and RECORDS_DIR the directory its --records
-  option wrote; at least two runs, of different seeds, with the same cells and the same
-  settings (duration, backends, capacity, load, sessions cap, sources, accelerator and
-  load-generator arguments, and each cell's load-generator settings but the seed: its stall
-  and request limits among them)
-  --out     default target/bench/steer-pooled.json
-  --record  write under bench/results/ (the committed results) instead";
+/// `sluice-bench steer-pool --help`.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "sluice-bench steer-pool",
+    about = "Pools seeded `sluice-bench steer` runs: per cell the TTFT quantiles over every \
+             run's requests, per steered policy the p99 ratio to Maglev by seed and pooled"
+)]
+struct Args {
+    /// Each RESULT.json a `sluice-bench steer` result and RECORDS_DIR the directory its
+    /// --records option wrote; at least two runs, of different seeds, with the same cells
+    /// and the same settings (duration, backends, capacity, load, sessions cap, sources,
+    /// accelerator and load-generator arguments, and each cell's load-generator settings but
+    /// the seed: its stall and request limits among them).
+    #[arg(value_name = "RESULT.json:RECORDS_DIR", value_parser = parse_source)]
+    runs: Vec<(PathBuf, PathBuf)>,
+    /// JSON results (default target/bench/steer-pooled.json).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[arg(long, help = out::RECORD_HELP)]
+    record: bool,
+}
+
+/// One run argument, `RESULT.json:RECORDS_DIR`.
+fn parse_source(a: &str) -> Result<(PathBuf, PathBuf), String> {
+    match a.split_once(':') {
+        Some((json, dir)) => Ok((PathBuf::from(json), PathBuf::from(dir))),
+        None => Err(format!("{a}: expected RESULT.json:RECORDS_DIR")),
+    }
+}
+
+/// What `pool` adds to its refusals: how to give the runs.
+const RUNS_HINT: &str = "give RESULT.json:RECORDS_DIR of each run (sluice-bench steer-pool --help)";
 
 /// The settings that make two runs' cells the same experiment but for the seed.
 const SETTINGS: [&str; 8] = [
@@ -50,23 +73,13 @@ pub struct Run {
 }
 
 pub fn main(args: &[String]) -> Result<()> {
-    let (record, args) = out::take_record(args);
-    let mut out_path = out::default_path(record, "steer-pooled.json");
-    let mut sources = Vec::new();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--help" | "-h" => bail!("{USAGE}"),
-            "--out" => match it.next() {
-                Some(v) => out_path = v.into(),
-                None => bail!("--out needs a value\n{USAGE}"),
-            },
-            _ => match a.split_once(':') {
-                Some((json, dir)) => sources.push((PathBuf::from(json), PathBuf::from(dir))),
-                None => bail!("{a}: expected RESULT.json:RECORDS_DIR\n{USAGE}"),
-            },
-        }
-    }
+    let Some(a) = crate::cli_args::<Args>("sluice-bench steer-pool", args)? else {
+        return Ok(());
+    };
+    let out_path = a
+        .out
+        .unwrap_or_else(|| out::default_path(a.record, "steer-pooled.json"));
+    let sources = a.runs;
     let runs = sources
         .iter()
         .map(|(json, dir)| read_run(json, dir))
@@ -167,10 +180,10 @@ fn generator_settings(cell: &Value) -> Map<String, Value> {
 /// pooled cells can judge (the TTFT ones). Refuses runs that are not the same experiment.
 pub fn pool(runs: &[Run]) -> Result<Value> {
     let [first, rest @ ..] = runs else {
-        bail!("no runs given\n{USAGE}");
+        bail!("no runs given: {RUNS_HINT}");
     };
     if rest.is_empty() {
-        bail!("one run has nothing to pool with: give two or more seeds\n{USAGE}");
+        bail!("one run has nothing to pool with: give two or more seeds; {RUNS_HINT}");
     }
     let mut seeds: Vec<u64> = runs.iter().map(|r| r.seed).collect();
     seeds.sort_unstable();

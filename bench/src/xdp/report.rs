@@ -327,7 +327,6 @@ impl Report {
     /// variant per case, with the aims (red) and Katran's ratios (grey) as marks.
     pub fn svg(&self) -> String {
         let cases: Vec<&CaseDef> = CASES.iter().filter(|c| c.baseline.is_some()).collect();
-        let nv = self.variants.len().max(1);
         let max_ratio = self
             .rows
             .iter()
@@ -335,20 +334,43 @@ impl Report {
             .flatten()
             .chain(cases.iter().flat_map(|c| [c.aim, c.katran]).flatten())
             .fold(1.0f64, f64::max);
-        let ymax = (max_ratio * 1.1).ceil().max(2.0);
-        let (w, panel_h, top, left, right) = (980.0, 300.0, 100.0, 60.0, 20.0);
-        let label_h = 80.0;
-        let h = top + 2.0 * panel_h + label_h + 50.0;
-        let plot_w = w - left - right;
-        let group_w = plot_w / cases.len() as f64;
-        let bar_w = (group_w * 0.7) / nv as f64;
-        let colors = ["#4e79a7", "#f28e2b"];
+        let (w, left, right) = (980.0, 60.0, 20.0);
+        let group_w = (w - left - right) / cases.len() as f64;
+        let g = Chart {
+            w,
+            top: 100.0,
+            left,
+            right,
+            panel_h: 300.0,
+            label_h: 80.0,
+            ymax: (max_ratio * 1.1).ceil().max(2.0),
+            group_w,
+            bar_w: (group_w * 0.7) / self.variants.len().max(1) as f64,
+        };
+        let h = g.top + 2.0 * g.panel_h + g.label_h + 50.0;
         let mut s = String::new();
         let _ = writeln!(
             s,
             r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="11">"#
         );
         let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+        self.svg_heading(&mut s, g.left);
+        for (p, (title, kernel)) in [
+            ("syscall-inclusive (wall clock per call) / baseline: the headline ratio", false),
+            ("kernel-reported duration / baseline (what Katran's 60 ns-baseline figures compare)", true),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let y0 = g.top + p as f64 * (g.panel_h + g.label_h);
+            self.svg_panel(&mut s, &g, &cases, y0, title, *kernel);
+        }
+        s.push_str("</svg>\n");
+        s
+    }
+
+    /// The chart's title, the run it shows, and the legend.
+    fn svg_heading(&self, s: &mut String, left: f64) {
         let _ = writeln!(
             s,
             r#"<text x="{left}" y="20" font-size="14" font-weight="bold">Sluice sluice_xdp cost per packet / sluice_pass baseline (BPF_PROG_TEST_RUN, repeat 1, median of {} rounds)</text>"#,
@@ -365,13 +387,12 @@ impl Report {
                 .map(|h| &h[..h.len().min(12)])
                 .unwrap_or(""))
         );
-        // Legend.
         let mut lx = left;
         for (i, v) in self.variants.iter().enumerate() {
             let _ = writeln!(
                 s,
                 r#"<rect x="{lx}" y="46" width="12" height="12" fill="{}"/><text x="{}" y="56">{} next hop</text>"#,
-                colors[i % 2],
+                COLORS[i % 2],
                 lx + 16.0,
                 v.name()
             );
@@ -390,93 +411,122 @@ impl Report {
             lx + 24.0,
             lx + 28.0
         );
+    }
 
-        for (p, (title, kernel)) in [
-            ("syscall-inclusive (wall clock per call) / baseline: the headline ratio", false),
-            ("kernel-reported duration / baseline (what Katran's 60 ns-baseline figures compare)", true),
-        ]
-        .iter()
-        .enumerate()
-        {
-            let y0 = top + p as f64 * (panel_h + label_h);
-            let y = |r: f64| y0 + panel_h - (r / ymax) * panel_h;
+    /// One panel from `y0` down: its title, the ratio axis and grid, and per case a bar per
+    /// variant with the aim and Katran's figure, labelled under the group.
+    fn svg_panel(
+        &self,
+        s: &mut String,
+        g: &Chart,
+        cases: &[&CaseDef],
+        y0: f64,
+        title: &str,
+        kernel: bool,
+    ) {
+        let (left, panel_h, ymax, bar_w) = (g.left, g.panel_h, g.ymax, g.bar_w);
+        let nv = self.variants.len().max(1);
+        let y = |r: f64| y0 + panel_h - (r / ymax) * panel_h;
+        let _ = writeln!(
+            s,
+            r#"<text x="{left}" y="{}" font-size="12" font-weight="bold">{}</text>"#,
+            y0 - 14.0,
+            esc(title)
+        );
+        // Axis and grid.
+        let step = if ymax > 12.0 { 2.0 } else { 1.0 };
+        let mut t = 0.0;
+        while t <= ymax + 1e-9 {
             let _ = writeln!(
                 s,
-                r#"<text x="{left}" y="{}" font-size="12" font-weight="bold">{}</text>"#,
-                y0 - 14.0,
-                esc(title)
+                r##"<line x1="{left}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="{}" stroke-width="1"/><text x="{}" y="{:.1}" text-anchor="end">{t}x</text>"##,
+                y(t),
+                g.w - g.right,
+                y(t),
+                if t == 0.0 { "#000" } else { "#e5e5e5" },
+                left - 6.0,
+                y(t) + 4.0
             );
-            // Axis and grid.
-            let step = if ymax > 12.0 { 2.0 } else { 1.0 };
-            let mut t = 0.0;
-            while t <= ymax + 1e-9 {
+            t += step;
+        }
+        for (gi, c) in cases.iter().enumerate() {
+            let gx = left + gi as f64 * g.group_w + g.group_w * 0.15;
+            for (vi, v) in self.variants.iter().enumerate() {
+                let Some(r) = self
+                    .rows
+                    .iter()
+                    .find(|r| r.variant == *v && r.def.id == c.id)
+                else {
+                    continue;
+                };
+                let Some(ratio) = (if kernel {
+                    r.ratio_kernel
+                } else {
+                    r.ratio_syscall
+                }) else {
+                    continue;
+                };
+                let x = gx + vi as f64 * bar_w;
                 let _ = writeln!(
                     s,
-                    r##"<line x1="{left}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="{}" stroke-width="1"/><text x="{}" y="{:.1}" text-anchor="end">{t}x</text>"##,
-                    y(t),
-                    w - right,
-                    y(t),
-                    if t == 0.0 { "#000" } else { "#e5e5e5" },
-                    left - 6.0,
-                    y(t) + 4.0
+                    r#"<rect x="{x:.1}" y="{:.1}" width="{:.1}" height="{:.1}" fill="{}"><title>{} [{}]: {ratio:.2}x</title></rect><text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="10">{ratio:.2}</text>"#,
+                    y(ratio),
+                    bar_w - 2.0,
+                    (ratio / ymax) * panel_h,
+                    COLORS[vi % 2],
+                    esc(c.label),
+                    v.name(),
+                    x + (bar_w - 2.0) / 2.0,
+                    y(ratio) - 3.0
                 );
-                t += step;
             }
-            for (gi, c) in cases.iter().enumerate() {
-                let gx = left + gi as f64 * group_w + group_w * 0.15;
-                for (vi, v) in self.variants.iter().enumerate() {
-                    let Some(r) = self.rows.iter().find(|r| r.variant == *v && r.def.id == c.id) else {
-                        continue;
-                    };
-                    let Some(ratio) = (if *kernel { r.ratio_kernel } else { r.ratio_syscall }) else {
-                        continue;
-                    };
-                    let x = gx + vi as f64 * bar_w;
-                    let _ = writeln!(
-                        s,
-                        r#"<rect x="{x:.1}" y="{:.1}" width="{:.1}" height="{:.1}" fill="{}"><title>{} [{}]: {ratio:.2}x</title></rect><text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="10">{ratio:.2}</text>"#,
-                        y(ratio),
-                        bar_w - 2.0,
-                        (ratio / ymax) * panel_h,
-                        colors[vi % 2],
-                        esc(c.label),
-                        v.name(),
-                        x + (bar_w - 2.0) / 2.0,
-                        y(ratio) - 3.0
-                    );
-                }
-                let (x1, x2) = (gx - 4.0, gx + nv as f64 * bar_w + 2.0);
-                if let Some(a) = c.aim {
-                    let _ = writeln!(
-                        s,
-                        r##"<line x1="{x1:.1}" y1="{:.1}" x2="{x2:.1}" y2="{:.1}" stroke="#d62728" stroke-width="2" stroke-dasharray="5,3"><title>aim {a}x</title></line>"##,
-                        y(a),
-                        y(a)
-                    );
-                }
-                if let Some(k) = c.katran {
-                    let _ = writeln!(
-                        s,
-                        r##"<line x1="{x1:.1}" y1="{:.1}" x2="{x2:.1}" y2="{:.1}" stroke="#777" stroke-width="2" stroke-dasharray="2,2"><title>Katran {k}x</title></line>"##,
-                        y(k),
-                        y(k)
-                    );
-                }
-                // Case label under the group, wrapped on commas / parentheses.
-                let cx = left + gi as f64 * group_w + group_w / 2.0;
-                for (li, line) in wrap(c.label, 20).iter().enumerate() {
-                    let _ = writeln!(
-                        s,
-                        r#"<text x="{cx:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
-                        y0 + panel_h + 14.0 + li as f64 * 12.0,
-                        esc(line)
-                    );
-                }
+            let (x1, x2) = (gx - 4.0, gx + nv as f64 * bar_w + 2.0);
+            if let Some(a) = c.aim {
+                let _ = writeln!(
+                    s,
+                    r##"<line x1="{x1:.1}" y1="{:.1}" x2="{x2:.1}" y2="{:.1}" stroke="#d62728" stroke-width="2" stroke-dasharray="5,3"><title>aim {a}x</title></line>"##,
+                    y(a),
+                    y(a)
+                );
+            }
+            if let Some(k) = c.katran {
+                let _ = writeln!(
+                    s,
+                    r##"<line x1="{x1:.1}" y1="{:.1}" x2="{x2:.1}" y2="{:.1}" stroke="#777" stroke-width="2" stroke-dasharray="2,2"><title>Katran {k}x</title></line>"##,
+                    y(k),
+                    y(k)
+                );
+            }
+            // Case label under the group, wrapped on commas / parentheses.
+            let cx = left + gi as f64 * g.group_w + g.group_w / 2.0;
+            for (li, line) in wrap(c.label, 20).iter().enumerate() {
+                let _ = writeln!(
+                    s,
+                    r#"<text x="{cx:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+                    y0 + panel_h + 14.0 + li as f64 * 12.0,
+                    esc(line)
+                );
             }
         }
-        s.push_str("</svg>\n");
-        s
     }
+}
+
+/// The bar colours of the first and second variant.
+const COLORS: [&str; 2] = ["#4e79a7", "#f28e2b"];
+
+/// The chart's geometry (pixels) and ratio scale.
+struct Chart {
+    w: f64,
+    top: f64,
+    left: f64,
+    right: f64,
+    panel_h: f64,
+    label_h: f64,
+    /// The top of the ratio axis.
+    ymax: f64,
+    /// Width of one case's group of bars, and of one bar.
+    group_w: f64,
+    bar_w: f64,
 }
 
 /// Which next hop and conn-table outcome the counters show, per call.
