@@ -752,8 +752,9 @@ fn a_backend_refusing_connections_behind_a_passing_health_check_is_moved_away() 
         line("sluice_backend_handshakes_total"),
         line("sluice_backend_handshakes_completed_total"),
     );
+    // At least the sample the rule judges (10 handshakes), some of them never completed.
     assert!(
-        started >= completed + 10,
+        started >= 10 && started > completed,
         "{started} handshakes started, {completed} completed"
     );
 }
