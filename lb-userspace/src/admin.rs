@@ -328,26 +328,35 @@ where
     match (route, parts.method) {
         (Route::Status, Method::GET) => reply(StatusCode::OK, &status(api).await),
         (Route::Vips, Method::GET) => list_vips(api).await,
-        (Route::Vips, Method::POST) => add_vip(api, peer, body).await,
+        (Route::Vips, Method::POST) => add_vip(api, peer, &read_body(body).await?).await,
         (Route::Vip(name), Method::GET) => show_vip(api, &name).await,
         (Route::Vip(name), Method::DELETE) => {
             drop(submit(api, peer, Op::RemoveVip { vip: name }).await?);
             no_content()
         }
         (Route::Backends(name), Method::GET) => list_backends(api, &name).await,
-        (Route::Backends(vip), Method::POST) => add_backend(api, peer, vip, body).await,
+        (Route::Backends(vip), Method::POST) => {
+            add_backend(api, peer, vip, &read_body(body).await?).await
+        }
         (Route::Backend(vip, address), Method::GET) => show_backend(api, &vip, address).await,
         (Route::Backend(vip, address), Method::DELETE) => {
             drop(submit(api, peer, Op::RemoveBackend { vip, address }).await?);
             no_content()
         }
         (Route::Weight(vip, address), Method::PUT) => {
-            set_weight(api, peer, vip, address, body).await
+            let op = weight_op(&vip, address, &read_body(body).await?)?;
+            let ctl = submit(api, peer, op).await?;
+            backend_reply(StatusCode::OK, &ctl, &vip, address)
         }
         (Route::Telemetry(vip, address), Method::POST) => {
-            push_telemetry(api, vip, address, body).await
+            push_telemetry(api, vip, address, &read_body(body).await?).await
         }
-        (Route::Drain(vip, address), Method::POST) => drain(api, peer, vip, address, body).await,
+        (Route::Drain(vip, address), Method::POST) => {
+            let body = read_body(body).await?;
+            let now = now_ms();
+            let ctl = submit_at(api, peer, drain_op(&vip, address, &body, now)?, now).await?;
+            backend_reply(StatusCode::OK, &ctl, &vip, address)
+        }
         (Route::Undrain(vip, address), Method::POST) => {
             let op = Op::Undrain {
                 vip: vip.clone(),
@@ -367,7 +376,7 @@ where
             let on = api.ctl.lock().await.trace();
             reply(StatusCode::OK, &json!({ "enabled": on }))
         }
-        (Route::Trace, Method::PUT) => set_trace(api, peer, body).await,
+        (Route::Trace, Method::PUT) => set_trace(api, peer, &read_body(body).await?).await,
         (Route::Stats, Method::GET) => {
             reply(StatusCode::OK, &stats(&Snapshot::take(&api.ctl).await?))
         }
@@ -428,12 +437,8 @@ async fn list_vips<P: Plane>(api: &Api<P>) -> Reply {
     reply(StatusCode::OK, &json!({ "vips": vips }))
 }
 
-async fn add_vip<P: Plane, B>(api: &Api<P>, peer: Peer, body: B) -> Reply
-where
-    B: Body,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
-{
-    let req: NewVip = json_body(body, NEW_VIP_SHAPE).await?;
+async fn add_vip<P: Plane>(api: &Api<P>, peer: Peer, body: &[u8]) -> Reply {
+    let req: NewVip = parse_json(body, NEW_VIP_SHAPE)?;
     let name = req.vip.name.clone();
     let op = Op::AddVip {
         vip: req.vip,
@@ -475,12 +480,8 @@ async fn list_backends<P: Plane>(api: &Api<P>, vip: &str) -> Reply {
     reply(StatusCode::OK, &json!({ "backends": backends }))
 }
 
-async fn add_backend<P: Plane, B>(api: &Api<P>, peer: Peer, vip: String, body: B) -> Reply
-where
-    B: Body,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
-{
-    let backend: BackendSpec = json_body(body, BACKEND_SHAPE).await?;
+async fn add_backend<P: Plane>(api: &Api<P>, peer: Peer, vip: String, body: &[u8]) -> Reply {
+    let backend: BackendSpec = parse_json(body, BACKEND_SHAPE)?;
     let address = backend.address;
     let ctl = submit(
         api,
@@ -500,35 +501,25 @@ async fn show_backend<P: Plane>(api: &Api<P>, vip: &str, address: IpAddr) -> Rep
     reply(StatusCode::OK, &snap.backend_view(b))
 }
 
-async fn set_weight<P: Plane, B>(
-    api: &Api<P>,
-    peer: Peer,
-    vip: String,
-    address: IpAddr,
-    body: B,
-) -> Reply
-where
-    B: Body,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
-{
-    let w: WeightChange = json_body(body, r#"{"weight": 0-65535}"#).await?;
-    let op = Op::SetWeight {
-        vip: vip.clone(),
+/// `PUT .../weight`: the change the body asks for.
+fn weight_op(vip: &str, address: IpAddr, body: &[u8]) -> Result<Op, ApiError> {
+    let w: WeightChange = parse_json(body, r#"{"weight": 0-65535}"#)?;
+    Ok(Op::SetWeight {
+        vip: vip.to_owned(),
         address,
         weight: w.weight,
-    };
-    let ctl = submit(api, peer, op).await?;
-    backend_reply(StatusCode::OK, &ctl, &vip, address)
+    })
 }
 
 /// A sample from a source Sluice does not scrape: it joins the scraped ones and ages like
 /// them (stale after telemetry.stale_after).
-async fn push_telemetry<P: Plane, B>(api: &Api<P>, vip: String, address: IpAddr, body: B) -> Reply
-where
-    B: Body,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
-{
-    let sample: Sample = json_body(body, SAMPLE_SHAPE).await?;
+async fn push_telemetry<P: Plane>(
+    api: &Api<P>,
+    vip: String,
+    address: IpAddr,
+    body: &[u8],
+) -> Reply {
+    let sample: Sample = parse_json(body, SAMPLE_SHAPE)?;
     sample.validate().map_err(|e| ApiError::new(400, e))?;
     api.ctl.lock().await.state().backend(&vip, address)?;
     let key = (vip, address);
@@ -537,24 +528,14 @@ where
     no_content()
 }
 
-async fn drain<P: Plane, B>(
-    api: &Api<P>,
-    peer: Peer,
-    vip: String,
-    address: IpAddr,
-    body: B,
-) -> Reply
-where
-    B: Body,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
-{
-    let bytes = read_body(body).await?;
-    let req: DrainRequest = if bytes.trim_ascii().is_empty() {
+/// `POST .../drain`: a drain until the body's deadline from `now`, or with none when there
+/// is no body.
+fn drain_op(vip: &str, address: IpAddr, body: &[u8], now: u64) -> Result<Op, ApiError> {
+    let req: DrainRequest = if body.trim_ascii().is_empty() {
         DrainRequest::default()
     } else {
-        parse_json(&bytes, r#"{"deadline": "10m"} or no body"#)?
+        parse_json(body, r#"{"deadline": "10m"} or no body"#)?
     };
-    let now = now_ms();
     let deadline_ms = match req.deadline {
         None => None,
         Some(d) => {
@@ -562,26 +543,20 @@ where
             Some(now.saturating_add(rules::millis(d)))
         }
     };
-    let op = Op::Drain {
-        vip: vip.clone(),
+    Ok(Op::Drain {
+        vip: vip.to_owned(),
         address,
         deadline_ms,
-    };
-    let ctl = submit_at(api, peer, op, now).await?;
-    backend_reply(StatusCode::OK, &ctl, &vip, address)
+    })
 }
 
-async fn set_trace<P: Plane, B>(api: &Api<P>, peer: Peer, body: B) -> Reply
-where
-    B: Body,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
-{
+async fn set_trace<P: Plane>(api: &Api<P>, peer: Peer, body: &[u8]) -> Reply {
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Switch {
         enabled: bool,
     }
-    let s: Switch = json_body(body, r#"{"enabled": true|false}"#).await?;
+    let s: Switch = parse_json(body, r#"{"enabled": true|false}"#)?;
     let mut ctl = api.ctl.lock().await;
     ctl.set_trace(s.enabled, peer, now_ms())?;
     reply(StatusCode::OK, &json!({ "enabled": ctl.trace() }))
@@ -656,14 +631,6 @@ fn parse_json<T: DeserializeOwned>(bytes: &[u8], shape: &str) -> Result<T, ApiEr
     }
     serde_json::from_slice(bytes)
         .map_err(|e| ApiError::new(400, format!("invalid JSON body: {e}; expected {shape}")))
-}
-
-async fn json_body<T: DeserializeOwned, B>(body: B, shape: &str) -> Result<T, ApiError>
-where
-    B: Body,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
-{
-    parse_json(&read_body(body).await?, shape)
 }
 
 async fn submit<P: Plane>(
