@@ -294,28 +294,15 @@ impl Drop for Rollback {
 /// `sluice run`: prepares what can fail without the data plane, then loads and applies it
 /// (undone if that fails), serves until SIGTERM or SIGINT and shuts down.
 pub async fn run(config_path: &Path) -> Result<()> {
-    let Prepared {
-        cfg,
-        hash,
-        mut signals,
-        targets,
-        fleet,
-        listeners,
-        persisted,
-        desired,
-        limits,
-    } = prepare(config_path)?;
-    // The socket file is removed when `run` returns, whether the start failed or not.
-    let Listeners {
-        admin,
-        metrics,
-        socket_file: _socket_file,
-    } = listeners;
-    let started = load_and_apply(&cfg, hash, persisted.as_ref(), desired, limits)?;
-    let (serving, live) = serve(cfg, started, admin, metrics, targets, fleet);
+    let mut p = prepare(config_path)?;
+    // The admin socket's file goes when `run` returns, whether the start failed or not.
+    let _socket_file = p.listeners.socket_file;
+    let started = load_and_apply(&p.cfg, p.hash, p.persisted.as_ref(), p.desired, p.limits)?;
+    let (admin, metrics) = (p.listeners.admin, p.listeners.metrics);
+    let (serving, live) = serve(p.cfg, started, admin, metrics, p.targets, p.fleet);
     // The data plane is attached and the admin socket accepts: a Type=notify unit is up.
     notify::ready("steering");
-    let live = wait_for_signals(&mut signals, config_path, &serving, live).await;
+    let live = wait_for_signals(&mut p.signals, config_path, &serving, live).await;
     shut_down(serving, live).await
 }
 
