@@ -319,156 +319,42 @@ where
     B: Body,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
 {
-    if !may_administer(&peer, api.owner_uid, api.group_gid, || {
-        supplementary_groups(peer.pid)
-    }) {
-        let group = group_name(api.group_gid).unwrap_or_else(|| api.group_gid.to_string());
-        return Err(ApiError::new(
-            403,
-            format!(
-                "uid {} may not use the admin API: run as root or as a member of group {group}",
-                peer.uid
-            ),
-        ));
-    }
-    // A body declared larger than the limit is refused before it is read: hyper sends
-    // `100 Continue` only once the body is polled, so a client that waits for it sends
-    // nothing more.
-    if let Some(len) = req.headers().get(header::CONTENT_LENGTH) {
-        let len = len.to_str().ok().and_then(|l| l.parse::<u64>().ok());
-        if len.is_some_and(|l| l > MAX_BODY as u64) {
-            let mut r = too_large().into_response();
-            r.headers_mut().insert(
-                header::CONNECTION,
-                header::HeaderValue::from_static("close"),
-            );
-            return Ok(r);
-        }
+    check_caller(api, &peer)?;
+    if let Some(refused) = refuse_declared_too_large(&req) {
+        return Ok(refused);
     }
     let route = Route::parse(req.uri().path())?;
     let (parts, body) = req.into_parts();
     match (route, parts.method) {
         (Route::Status, Method::GET) => reply(StatusCode::OK, &status(api).await),
-        (Route::Vips, Method::GET) => {
-            let snap = Snapshot::take(&api.ctl).await?;
-            let vips: Vec<_> = snap
-                .state
-                .vips
-                .values()
-                .map(|v| VipView::new(v, Some(snap.vip_live(v))))
-                .collect();
-            reply(StatusCode::OK, &json!({ "vips": vips }))
-        }
-        (Route::Vips, Method::POST) => {
-            let req: NewVip = json_body(body, NEW_VIP_SHAPE).await?;
-            let name = req.vip.name.clone();
-            let op = Op::AddVip {
-                vip: req.vip,
-                backends: req.backends,
-            };
-            let ctl = submit(api, peer, op).await?;
-            let vip = ctl.state().vip(&name)?;
-            let backends = vip
-                .backends
-                .values()
-                .map(|b| BackendView::new(b, ctl.effective_weight(b), None))
-                .collect();
-            reply(StatusCode::CREATED, &vip_detail(vip, backends, None))
-        }
-        (Route::Vip(name), Method::GET) => {
-            let snap = Snapshot::take(&api.ctl).await?;
-            let vip = snap.state.vip(&name)?;
-            let backends = vip
-                .backends
-                .values()
-                .map(|b| snap.backend_view(b))
-                .collect();
-            reply(
-                StatusCode::OK,
-                &vip_detail(vip, backends, Some(snap.vip_live(vip))),
-            )
-        }
+        (Route::Vips, Method::GET) => list_vips(api).await,
+        (Route::Vips, Method::POST) => add_vip(api, peer, &read_body(body).await?).await,
+        (Route::Vip(name), Method::GET) => show_vip(api, &name).await,
         (Route::Vip(name), Method::DELETE) => {
             drop(submit(api, peer, Op::RemoveVip { vip: name }).await?);
             no_content()
         }
-        (Route::Backends(name), Method::GET) => {
-            let snap = Snapshot::take(&api.ctl).await?;
-            let backends: Vec<_> = snap
-                .state
-                .vip(&name)?
-                .backends
-                .values()
-                .map(|b| snap.backend_view(b))
-                .collect();
-            reply(StatusCode::OK, &json!({ "backends": backends }))
-        }
+        (Route::Backends(name), Method::GET) => list_backends(api, &name).await,
         (Route::Backends(vip), Method::POST) => {
-            let backend: BackendSpec = json_body(body, BACKEND_SHAPE).await?;
-            let address = backend.address;
-            let ctl = submit(
-                api,
-                peer,
-                Op::AddBackend {
-                    vip: vip.clone(),
-                    backend,
-                },
-            )
-            .await?;
-            backend_reply(StatusCode::CREATED, &ctl, &vip, address)
+            add_backend(api, peer, vip, &read_body(body).await?).await
         }
-        (Route::Backend(vip, address), Method::GET) => {
-            let snap = Snapshot::take(&api.ctl).await?;
-            let b = snap.state.backend(&vip, address)?;
-            reply(StatusCode::OK, &snap.backend_view(b))
-        }
+        (Route::Backend(vip, address), Method::GET) => show_backend(api, &vip, address).await,
         (Route::Backend(vip, address), Method::DELETE) => {
             drop(submit(api, peer, Op::RemoveBackend { vip, address }).await?);
             no_content()
         }
         (Route::Weight(vip, address), Method::PUT) => {
-            let w: WeightChange = json_body(body, r#"{"weight": 0-65535}"#).await?;
-            let op = Op::SetWeight {
-                vip: vip.clone(),
-                address,
-                weight: w.weight,
-            };
+            let op = weight_op(&vip, address, &read_body(body).await?)?;
             let ctl = submit(api, peer, op).await?;
             backend_reply(StatusCode::OK, &ctl, &vip, address)
         }
         (Route::Telemetry(vip, address), Method::POST) => {
-            // For sources Sluice does not scrape: the sample joins the scraped ones and ages
-            // like them (stale after telemetry.stale_after).
-            let sample: Sample = json_body(body, SAMPLE_SHAPE).await?;
-            sample.validate().map_err(|e| ApiError::new(400, e))?;
-            api.ctl.lock().await.state().backend(&vip, address)?;
-            let key = (vip, address);
-            let mut hub = api.info.telemetry.lock().expect("telemetry hub lock");
-            hub.push(&key, sample, Instant::now());
-            no_content()
+            push_telemetry(api, vip, address, &read_body(body).await?).await
         }
         (Route::Drain(vip, address), Method::POST) => {
-            let bytes = read_body(body).await?;
-            let req: DrainRequest = if bytes.trim_ascii().is_empty() {
-                DrainRequest::default()
-            } else {
-                parse_json(&bytes, r#"{"deadline": "10m"} or no body"#)?
-            };
+            let body = read_body(body).await?;
             let now = now_ms();
-            let deadline_ms = match req.deadline {
-                None => None,
-                Some(d) => {
-                    let d = rules::duration(&d)
-                        .map_err(|e| ApiError::new(400, format!("deadline {e}")))?;
-                    Some(now.saturating_add(rules::millis(d)))
-                }
-            };
-            let op = Op::Drain {
-                vip: vip.clone(),
-                address,
-                deadline_ms,
-            };
-            let ctl = submit_at(api, peer, op, now).await?;
+            let ctl = submit_at(api, peer, drain_op(&vip, address, &body, now)?, now).await?;
             backend_reply(StatusCode::OK, &ctl, &vip, address)
         }
         (Route::Undrain(vip, address), Method::POST) => {
@@ -490,53 +376,13 @@ where
             let on = api.ctl.lock().await.trace();
             reply(StatusCode::OK, &json!({ "enabled": on }))
         }
-        (Route::Trace, Method::PUT) => {
-            #[derive(Deserialize)]
-            #[serde(deny_unknown_fields)]
-            struct Switch {
-                enabled: bool,
-            }
-            let s: Switch = json_body(body, r#"{"enabled": true|false}"#).await?;
-            let mut ctl = api.ctl.lock().await;
-            ctl.set_trace(s.enabled, peer, now_ms())?;
-            reply(StatusCode::OK, &json!({ "enabled": ctl.trace() }))
-        }
+        (Route::Trace, Method::PUT) => set_trace(api, peer, &read_body(body).await?).await,
         (Route::Stats, Method::GET) => {
             reply(StatusCode::OK, &stats(&Snapshot::take(&api.ctl).await?))
         }
-        (Route::Events, Method::GET) => {
-            let ctl = api.ctl.lock().await;
-            let events: Vec<_> = ctl.events().cloned().collect();
-            let counts = ctl.event_counts().clone();
-            drop(ctl);
-            reply(
-                StatusCode::OK,
-                &json!({ "events": events, "counts": counts }),
-            )
-        }
+        (Route::Events, Method::GET) => events(api).await,
         (Route::Lb(None), Method::GET) => reply(StatusCode::OK, &announcer(api)?.status()),
-        (Route::Lb(Some(action)), Method::POST) => {
-            let a = announcer(api)?;
-            let was = if action == "drain" {
-                a.drain(now_ms())
-            } else {
-                !a.undrain()
-            };
-            if !was {
-                let (kind, what) = match action {
-                    "drain" => ("host-maintenance", "withdrawing every route"),
-                    _ => ("host-undrained", "announcing the served VIPs again"),
-                };
-                api.ctl.lock().await.record(crate::controller::Event {
-                    time_ms: now_ms(),
-                    kind: kind.into(),
-                    vip: String::new(),
-                    backend: None,
-                    reason: format!("sluice lb {action} by uid {}: {what}", peer.uid),
-                });
-            }
-            reply(StatusCode::OK, &a.status())
-        }
+        (Route::Lb(Some(action)), Method::POST) => lb_action(api, peer, action).await,
         (route, method) => Err(ApiError {
             allow: Some(route.allow()),
             ..ApiError::new(
@@ -545,6 +391,211 @@ where
             )
         }),
     }
+}
+
+/// Refuses a caller who is neither root, the socket's owner nor in its group.
+fn check_caller<P: Plane>(api: &Api<P>, peer: &Peer) -> Result<(), ApiError> {
+    if may_administer(peer, api.owner_uid, api.group_gid, || {
+        supplementary_groups(peer.pid)
+    }) {
+        return Ok(());
+    }
+    let group = group_name(api.group_gid).unwrap_or_else(|| api.group_gid.to_string());
+    Err(ApiError::new(
+        403,
+        format!(
+            "uid {} may not use the admin API: run as root or as a member of group {group}",
+            peer.uid
+        ),
+    ))
+}
+
+/// The 413 answer to a body declared larger than the limit, which is refused before it is
+/// read: hyper sends `100 Continue` only once the body is polled, so a client that waits for
+/// it sends nothing more.
+fn refuse_declared_too_large<B>(req: &Request<B>) -> Option<Response<Full<Bytes>>> {
+    let len = req.headers().get(header::CONTENT_LENGTH)?.to_str().ok()?;
+    if len.parse::<u64>().ok()? <= MAX_BODY as u64 {
+        return None;
+    }
+    let mut r = too_large().into_response();
+    r.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    Some(r)
+}
+
+async fn list_vips<P: Plane>(api: &Api<P>) -> Reply {
+    let snap = Snapshot::take(&api.ctl).await?;
+    let vips: Vec<_> = snap
+        .state
+        .vips
+        .values()
+        .map(|v| VipView::new(v, Some(snap.vip_live(v))))
+        .collect();
+    reply(StatusCode::OK, &json!({ "vips": vips }))
+}
+
+async fn add_vip<P: Plane>(api: &Api<P>, peer: Peer, body: &[u8]) -> Reply {
+    let req: NewVip = parse_json(body, NEW_VIP_SHAPE)?;
+    let name = req.vip.name.clone();
+    let op = Op::AddVip {
+        vip: req.vip,
+        backends: req.backends,
+    };
+    let ctl = submit(api, peer, op).await?;
+    let vip = ctl.state().vip(&name)?;
+    let backends = vip
+        .backends
+        .values()
+        .map(|b| BackendView::new(b, ctl.effective_weight(b), None))
+        .collect();
+    reply(StatusCode::CREATED, &vip_detail(vip, backends, None))
+}
+
+async fn show_vip<P: Plane>(api: &Api<P>, name: &str) -> Reply {
+    let snap = Snapshot::take(&api.ctl).await?;
+    let vip = snap.state.vip(name)?;
+    let backends = vip
+        .backends
+        .values()
+        .map(|b| snap.backend_view(b))
+        .collect();
+    reply(
+        StatusCode::OK,
+        &vip_detail(vip, backends, Some(snap.vip_live(vip))),
+    )
+}
+
+async fn list_backends<P: Plane>(api: &Api<P>, vip: &str) -> Reply {
+    let snap = Snapshot::take(&api.ctl).await?;
+    let backends: Vec<_> = snap
+        .state
+        .vip(vip)?
+        .backends
+        .values()
+        .map(|b| snap.backend_view(b))
+        .collect();
+    reply(StatusCode::OK, &json!({ "backends": backends }))
+}
+
+async fn add_backend<P: Plane>(api: &Api<P>, peer: Peer, vip: String, body: &[u8]) -> Reply {
+    let backend: BackendSpec = parse_json(body, BACKEND_SHAPE)?;
+    let address = backend.address;
+    let ctl = submit(
+        api,
+        peer,
+        Op::AddBackend {
+            vip: vip.clone(),
+            backend,
+        },
+    )
+    .await?;
+    backend_reply(StatusCode::CREATED, &ctl, &vip, address)
+}
+
+async fn show_backend<P: Plane>(api: &Api<P>, vip: &str, address: IpAddr) -> Reply {
+    let snap = Snapshot::take(&api.ctl).await?;
+    let b = snap.state.backend(vip, address)?;
+    reply(StatusCode::OK, &snap.backend_view(b))
+}
+
+/// `PUT .../weight`: the change the body asks for.
+fn weight_op(vip: &str, address: IpAddr, body: &[u8]) -> Result<Op, ApiError> {
+    let w: WeightChange = parse_json(body, r#"{"weight": 0-65535}"#)?;
+    Ok(Op::SetWeight {
+        vip: vip.to_owned(),
+        address,
+        weight: w.weight,
+    })
+}
+
+/// A sample from a source Sluice does not scrape: it joins the scraped ones and ages like
+/// them (stale after telemetry.stale_after).
+async fn push_telemetry<P: Plane>(
+    api: &Api<P>,
+    vip: String,
+    address: IpAddr,
+    body: &[u8],
+) -> Reply {
+    let sample: Sample = parse_json(body, SAMPLE_SHAPE)?;
+    sample.validate().map_err(|e| ApiError::new(400, e))?;
+    api.ctl.lock().await.state().backend(&vip, address)?;
+    let key = (vip, address);
+    let mut hub = api.info.telemetry.lock().expect("telemetry hub lock");
+    hub.push(&key, sample, Instant::now());
+    no_content()
+}
+
+/// `POST .../drain`: a drain until the body's deadline from `now`, or with none when there
+/// is no body.
+fn drain_op(vip: &str, address: IpAddr, body: &[u8], now: u64) -> Result<Op, ApiError> {
+    let req: DrainRequest = if body.trim_ascii().is_empty() {
+        DrainRequest::default()
+    } else {
+        parse_json(body, r#"{"deadline": "10m"} or no body"#)?
+    };
+    let deadline_ms = match req.deadline {
+        None => None,
+        Some(d) => {
+            let d = rules::duration(&d).map_err(|e| ApiError::new(400, format!("deadline {e}")))?;
+            Some(now.saturating_add(rules::millis(d)))
+        }
+    };
+    Ok(Op::Drain {
+        vip: vip.to_owned(),
+        address,
+        deadline_ms,
+    })
+}
+
+async fn set_trace<P: Plane>(api: &Api<P>, peer: Peer, body: &[u8]) -> Reply {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Switch {
+        enabled: bool,
+    }
+    let s: Switch = parse_json(body, r#"{"enabled": true|false}"#)?;
+    let mut ctl = api.ctl.lock().await;
+    ctl.set_trace(s.enabled, peer, now_ms())?;
+    reply(StatusCode::OK, &json!({ "enabled": ctl.trace() }))
+}
+
+async fn events<P: Plane>(api: &Api<P>) -> Reply {
+    let ctl = api.ctl.lock().await;
+    let events: Vec<_> = ctl.events().cloned().collect();
+    let counts = ctl.event_counts().clone();
+    drop(ctl);
+    reply(
+        StatusCode::OK,
+        &json!({ "events": events, "counts": counts }),
+    )
+}
+
+/// `sluice lb drain|undrain`: withdraws or announces this host's routes, and records the
+/// change as an event when it changed anything.
+async fn lb_action<P: Plane>(api: &Api<P>, peer: Peer, action: &str) -> Reply {
+    let a = announcer(api)?;
+    let was = if action == "drain" {
+        a.drain(now_ms())
+    } else {
+        !a.undrain()
+    };
+    if !was {
+        let (kind, what) = match action {
+            "drain" => ("host-maintenance", "withdrawing every route"),
+            _ => ("host-undrained", "announcing the served VIPs again"),
+        };
+        api.ctl.lock().await.record(crate::controller::Event {
+            time_ms: now_ms(),
+            kind: kind.into(),
+            vip: String::new(),
+            backend: None,
+            reason: format!("sluice lb {action} by uid {}: {what}", peer.uid),
+        });
+    }
+    reply(StatusCode::OK, &a.status())
 }
 
 const SAMPLE_SHAPE: &str = r#"{"gpu_util": 0.0-1.0, "kv_cache": 0.0-1.0, "queue_depth": n, "ecn_rate": n, ...} (fields of a telemetry sample, all optional)"#;
@@ -580,14 +631,6 @@ fn parse_json<T: DeserializeOwned>(bytes: &[u8], shape: &str) -> Result<T, ApiEr
     }
     serde_json::from_slice(bytes)
         .map_err(|e| ApiError::new(400, format!("invalid JSON body: {e}; expected {shape}")))
-}
-
-async fn json_body<T: DeserializeOwned, B>(body: B, shape: &str) -> Result<T, ApiError>
-where
-    B: Body,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
-{
-    parse_json(&read_body(body).await?, shape)
 }
 
 async fn submit<P: Plane>(

@@ -1,10 +1,11 @@
 //! `sluice run`: the daemon shell. Loads (or re-adopts) the pinned data plane, attaches it,
 //! restores state, then serves the admin socket and metrics until a signal.
 
+mod tasks;
+
 use std::{
     collections::hash_map::DefaultHasher,
     ffi::CString,
-    future::Future,
     hash::{Hash, Hasher},
     path::{Path, PathBuf},
     sync::Arc,
@@ -20,6 +21,7 @@ use tokio::{
     task::JoinHandle,
 };
 
+use self::tasks::{start_health, start_scraper, start_ticker, stopped, Live, Restartable};
 use crate::{
     admin::{self, AdminSocket, DaemonInfo},
     apply::MapPlane,
@@ -31,7 +33,7 @@ use crate::{
     fleet, limits, metrics, notify,
     object::BPF_OBJECT,
     policy::Policy,
-    ring_store, scheduler,
+    ring_store,
     state::{BackendSpec, Limits, State, VipSpec},
     telemetry::{self, Hub},
 };
@@ -289,140 +291,51 @@ impl Drop for Rollback {
     }
 }
 
-/// A task a reload restarts with new settings; it has its own stop signal.
-struct Restartable {
-    stop: watch::Sender<bool>,
-    task: JoinHandle<()>,
-}
-
-impl Restartable {
-    fn spawn<F>(make: impl FnOnce(Stopped) -> F) -> Restartable
-    where
-        F: Future<Output = ()> + Send + 'static,
-    {
-        let (stop, rx) = watch::channel(false);
-        Restartable {
-            stop,
-            task: tokio::spawn(make(stopped(rx))),
-        }
-    }
-
-    async fn stop(self) {
-        let _ = self.stop.send(true);
-        let _ = self.task.await;
-    }
-}
-
-type Stopped = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
-
-fn stopped(mut rx: watch::Receiver<bool>) -> Stopped {
-    Box::pin(async move {
-        let _ = rx.wait_for(|s| *s).await;
-    })
-}
-
-/// The parts of the daemon that follow `[health]`, `[telemetry]`, `[policy]` and the
-/// VIPs' telemetry sources, and that a SIGHUP reload hands new settings.
-struct Live {
-    cfg: Arc<Config>,
-    scraper: Restartable,
-    health: Restartable,
-    /// The steering ticker reads its settings from here at every tick, keeping the policy's
-    /// per-backend memory across a reload.
-    settings: watch::Sender<Arc<Config>>,
-}
-
-/// Starts the scrapers for `targets` and configures the hub for `cfg`'s sources.
-fn start_scraper(
-    cfg: &Arc<Config>,
-    targets: Vec<telemetry::target::Target>,
-    hub: &Arc<std::sync::Mutex<Hub>>,
-    epoch: Instant,
-) -> Restartable {
-    {
-        let mut h = hub.lock().expect("telemetry hub lock");
-        h.set_stale_after(cfg.telemetry.stale_after);
-        let sources = telemetry::target::sources(cfg);
-        h.retain(|k| sources.contains_key(k));
-        for (key, sources) in sources {
-            h.configure(key, sources);
-        }
-    }
-    let (hub, tcfg) = (hub.clone(), cfg.telemetry.clone());
-    Restartable::spawn(move |stop| telemetry::scrape::run(targets, hub, tcfg, epoch, stop))
-}
-
-fn start_health(
-    cfg: &Arc<Config>,
-    ctl: &Arc<Mutex<Controller<MapPlane>>>,
-    epoch: Instant,
-) -> Restartable {
-    let (ctl, cfg) = (ctl.clone(), cfg.clone());
-    Restartable::spawn(move |stop| scheduler::run_health(ctl, cfg, epoch, stop))
-}
-
-/// Drains and the adaptive policy step together, once per telemetry interval.
-fn start_ticker(
-    settings: watch::Receiver<Arc<Config>>,
-    ctl: &Arc<Mutex<Controller<MapPlane>>>,
-    hub: &Arc<std::sync::Mutex<Hub>>,
-    info: &Arc<DaemonInfo>,
-    epoch: Instant,
-) -> Restartable {
-    let (ctl, hub, info) = (ctl.clone(), hub.clone(), info.clone());
-    Restartable::spawn(move |mut stop| async move {
-        let mut settings = settings;
-        let cfg = settings.borrow_and_update().clone();
-        let mut policy = Policy::new(cfg.policy.clone());
-        let mut inband = telemetry::inband::Tracker::default();
-        let mut rst = cfg.policy.shed == Some(config::ShedMode::Rst);
-        // Steps tick with the scrape rounds ([`telemetry::scrape::rounds`]) and each waits
-        // for its round to report (at most scrape_timeout), so the policy decides on
-        // telemetry milliseconds old. Stepping on a tick of its own would race the round's
-        // scrapes and lose, deciding every time on telemetry a whole period old. The first
-        // step is on the first round after the start, not at once: stepping before any round
-        // would see every scraped backend as stale ("never scraped") and move half of each
-        // pool away for a cooldown and a slow start at every daemon start.
-        let rounds = |period| telemetry::scrape::rounds(epoch, period);
-        let mut period = cfg.telemetry.scrape_interval;
-        let mut timeout = cfg.telemetry.scrape_timeout;
-        let mut every = rounds(period);
-        loop {
-            let round = tokio::select! {
-                t = every.tick() => t.into_std(),
-                _ = &mut stop => break,
-            };
-            if settings.has_changed().unwrap_or(false) {
-                let cfg = settings.borrow_and_update().clone();
-                policy.set_config(cfg.policy.clone());
-                rst = cfg.policy.shed == Some(config::ShedMode::Rst);
-                timeout = cfg.telemetry.scrape_timeout;
-                if cfg.telemetry.scrape_interval != period {
-                    period = cfg.telemetry.scrape_interval;
-                    every = rounds(period);
-                }
-            }
-            tokio::select! {
-                _ = telemetry::scrape::round_in(&hub, round, round + timeout) => {}
-                _ = &mut stop => break,
-            }
-            let started = Instant::now();
-            if let Err(e) = ctl.lock().await.tick(now_ms()) {
-                tracing::error!(error = %format!("{e:#}"), "drain check failed");
-            }
-            let step = scheduler::step(&ctl, &hub, &mut policy, &mut inband, rst, epoch.elapsed());
-            if let Err(e) = step.await {
-                tracing::error!(error = %format!("{e:#}"), "steering step failed");
-            }
-            // Drains and the policy step together (the metric the reads bench reads).
-            let took = started.elapsed().as_nanos().max(1) as u64;
-            info.policy_step_ns
-                .store(took, std::sync::atomic::Ordering::Relaxed);
-        }
-    })
-}
-
+/// `sluice run`: prepares what can fail without the data plane, then loads and applies it
+/// (undone if that fails), serves until SIGTERM or SIGINT and shuts down.
 pub async fn run(config_path: &Path) -> Result<()> {
+    let mut p = prepare(config_path)?;
+    // The admin socket's file goes when `run` returns, whether the start failed or not.
+    let _socket_file = p.listeners.socket_file;
+    let started = load_and_apply(&p.cfg, p.hash, p.persisted.as_ref(), p.desired, p.limits)?;
+    let (admin, metrics) = (p.listeners.admin, p.listeners.metrics);
+    let (serving, live) = serve(p.cfg, started, admin, metrics, p.targets, p.fleet);
+    // The data plane is attached and the admin socket accepts: a Type=notify unit is up.
+    notify::ready("steering");
+    let live = wait_for_signals(&mut p.signals, config_path, &serving, live).await;
+    shut_down(serving, live).await
+}
+
+/// The signals the daemon answers, registered before the data plane is touched.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+/// The admin socket and metrics port, bound before anything is loaded.
+struct Listeners {
+    admin: tokio::net::UnixListener,
+    socket_file: RemovedOnDrop,
+    metrics: Option<(std::net::SocketAddr, tokio::net::TcpListener)>,
+}
+
+/// What a start checks, binds and decides before it touches the data plane.
+struct Prepared {
+    cfg: Config,
+    hash: u64,
+    signals: Signals,
+    targets: Vec<telemetry::target::Target>,
+    fleet: Option<Arc<fleet::Fleet<fleet::gateway::Gateway>>>,
+    listeners: Listeners,
+    persisted: Option<Persisted>,
+    /// The state this start runs.
+    desired: State,
+    limits: Limits,
+}
+
+/// Everything that can fail without the data plane, done before it is touched.
+fn prepare(config_path: &Path) -> Result<Prepared> {
     // Whatever the file can be refused for is refused here, before anything is attached,
     // with the messages of `sluice check`.
     let Checked {
@@ -435,9 +348,11 @@ pub async fn run(config_path: &Path) -> Result<()> {
         tracing::warn!("{w}");
     }
     // What can fail without the data plane is checked before it is touched.
-    let mut term = tokio::signal::unix::signal(SignalKind::terminate())?;
-    let mut int = tokio::signal::unix::signal(SignalKind::interrupt())?;
-    let mut hup = tokio::signal::unix::signal(SignalKind::hangup())?;
+    let signals = Signals {
+        term: tokio::signal::unix::signal(SignalKind::terminate())?,
+        int: tokio::signal::unix::signal(SignalKind::interrupt())?,
+        hup: tokio::signal::unix::signal(SignalKind::hangup())?,
+    };
     let targets = telemetry::target::targets(&cfg).map_err(|e| anyhow!("telemetry: {e}"))?;
     let fleet = cfg
         .fleet
@@ -459,27 +374,10 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let fds = limits::raise_nofile(&cfg).context("raising the open-file limit")?;
     tracing::info!(limit = fds, "open-file limit");
     let hash = config_hash(&text);
-    let pin_dir = cfg.daemon.bpffs.clone();
     let limits = Limits {
         max_vips: cfg.dataplane.max_vips,
     };
-
-    // What the host can refuse is refused before anything is loaded or attached: a missing
-    // interface, an admin socket that cannot be bound (or where a daemon answers: a second
-    // daemon must not take over the pinned data plane) and a metrics port that cannot be had.
-    for itf in &cfg.dataplane.interfaces {
-        ifindex(&itf.name)?;
-    }
-    let listener = admin::bind(&AdminSocket {
-        path: cfg.admin.socket.clone(),
-        mode: cfg.admin.mode.bits(),
-        group: cfg.admin.group.clone(),
-    })?;
-    let _socket_file = RemovedOnDrop(cfg.admin.socket.clone());
-    let metrics_listener = match cfg.metrics.enabled.then_some(cfg.metrics.listen) {
-        Some(addr) => Some((addr, metrics::bind(addr)?)),
-        None => None,
-    };
+    let listeners = bind_listeners(&cfg)?;
 
     // The state this start runs, from the file and the persisted runtime state (the same
     // decision a reload makes), also before anything is touched.
@@ -496,7 +394,65 @@ pub async fn run(config_path: &Path) -> Result<()> {
         .unwrap_or_default()
         .for_config(same_file, &specs(&cfg), &limits)
         .map_err(|e| anyhow!("configuration: {e}"))?;
+    Ok(Prepared {
+        cfg,
+        hash,
+        signals,
+        targets,
+        fleet,
+        listeners,
+        persisted,
+        desired,
+        limits,
+    })
+}
 
+/// What the host can refuse is refused before anything is loaded or attached: a missing
+/// interface, an admin socket that cannot be bound (or where a daemon answers: a second
+/// daemon must not take over the pinned data plane) and a metrics port that cannot be had.
+fn bind_listeners(cfg: &Config) -> Result<Listeners> {
+    for itf in &cfg.dataplane.interfaces {
+        ifindex(&itf.name)?;
+    }
+    let admin = admin::bind(&AdminSocket {
+        path: cfg.admin.socket.clone(),
+        mode: cfg.admin.mode.bits(),
+        group: cfg.admin.group.clone(),
+    })?;
+    let socket_file = RemovedOnDrop(cfg.admin.socket.clone());
+    let metrics = match cfg.metrics.enabled.then_some(cfg.metrics.listen) {
+        Some(addr) => Some((addr, metrics::bind(addr)?)),
+        None => None,
+    };
+    Ok(Listeners {
+        admin,
+        socket_file,
+        metrics,
+    })
+}
+
+/// The data plane a start runs, loaded (or re-adopted) and written.
+struct Started {
+    ctl: Controller<MapPlane>,
+    /// (interface, XDP mode) as attached.
+    interfaces: Vec<(String, String)>,
+    reused: bool,
+    traces: aya_log::EbpfLogger<crate::trace::TraceLog>,
+    /// Where the rings' history is saved for the next daemon.
+    ring_file: PathBuf,
+}
+
+/// Loads (or re-adopts) the data plane and writes `desired`, the settings and the
+/// attachments. A failure changes nothing: a data plane this start created is removed whole,
+/// and each write to a re-adopted one is undone.
+fn load_and_apply(
+    cfg: &Config,
+    hash: u64,
+    persisted: Option<&Persisted>,
+    desired: State,
+    limits: Limits,
+) -> Result<Started> {
+    let pin_dir = cfg.daemon.bpffs.clone();
     let opts = LoadOptions {
         conn_table_size: cfg.dataplane.conn_table_size,
         affinity_table_size: cfg.dataplane.affinity_table_size,
@@ -530,7 +486,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
         }
     }
     // What the maps hold now: the persisted state if we re-adopt pinned maps.
-    let in_plane = match (&persisted, reused) {
+    let in_plane = match (persisted, reused) {
         (Some(p), true) => p.state.clone(),
         (None, true) => {
             tracing::warn!(
@@ -556,7 +512,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
     // created one is removed whole by the rollback). The state file comes last.
     let mut ctl = Controller::new(desired, &in_plane, plane, settings)?;
     let mut undone = Vec::new();
-    let taken = take_over(&mut ctl.plane().dp, &cfg, &pin_dir, &mut undone)
+    let taken = take_over(&mut ctl.plane().dp, cfg, &pin_dir, &mut undone)
         .and_then(|interfaces| ctl.persist().map(|()| interfaces));
     let interfaces = match taken {
         Ok(i) => i,
@@ -573,16 +529,59 @@ pub async fn run(config_path: &Path) -> Result<()> {
     };
     tracing::info!(reused, pin_dir = %pin_dir.display(), "data plane ready");
     let _ = std::fs::remove_file(&ring_file);
-    // Nothing below can fail before the daemon serves.
+    // Nothing after this can fail before the daemon serves.
     rollback.armed = false;
+    Ok(Started {
+        ctl,
+        interfaces,
+        reused,
+        traces,
+        ring_file,
+    })
+}
 
+/// The running daemon's shared parts and tasks, stopped in order by `shut_down`.
+struct Serving {
+    /// The configuration the daemon started with.
+    cfg: Arc<Config>,
+    ctl: Arc<Mutex<Controller<MapPlane>>>,
+    hub: Arc<std::sync::Mutex<Hub>>,
+    epoch: Instant,
+    ring_file: PathBuf,
+    /// Stops the listeners and the trace reader.
+    stop: watch::Sender<bool>,
+    admin: JoinHandle<Result<()>>,
+    metrics: Option<JoinHandle<Result<()>>>,
+    tracer: JoinHandle<()>,
+    announcer: Option<Restartable>,
+    ticker: Restartable,
+    follower: Option<Restartable>,
+}
+
+/// Starts the listeners and the daemon's tasks over the started data plane. Nothing here can
+/// fail.
+fn serve(
+    cfg: Config,
+    started: Started,
+    listener: tokio::net::UnixListener,
+    metrics_listener: Option<(std::net::SocketAddr, tokio::net::TcpListener)>,
+    targets: Vec<telemetry::target::Target>,
+    fleet: Option<Arc<fleet::Fleet<fleet::gateway::Gateway>>>,
+) -> (Serving, Live) {
+    let Started {
+        ctl,
+        interfaces,
+        reused,
+        traces,
+        ring_file,
+    } = started;
     let ctl = Arc::new(Mutex::new(ctl));
     let hub = Arc::new(std::sync::Mutex::new(Hub::new(cfg.telemetry.stale_after)));
     let info = Arc::new(DaemonInfo {
         version: env!("CARGO_PKG_VERSION").to_string(),
         started: Instant::now(),
         interfaces,
-        pin_dir: pin_dir.display().to_string(),
+        pin_dir: cfg.daemon.bpffs.display().to_string(),
         reused,
         telemetry: hub.clone(),
         refused: Arc::default(),
@@ -613,7 +612,7 @@ pub async fn run(config_path: &Path) -> Result<()> {
     let tracer = tokio::spawn(crate::trace::run(traces, stopped(stop_rx.clone())));
     let epoch = Instant::now();
     let (settings_tx, settings_rx) = watch::channel(cfg.clone());
-    let mut live = Live {
+    let live = Live {
         scraper: start_scraper(&cfg, targets, &hub, epoch),
         health: start_health(&cfg, &ctl, epoch),
         settings: settings_tx,
@@ -647,25 +646,68 @@ pub async fn run(config_path: &Path) -> Result<()> {
             )
         }
     };
+    let serving = Serving {
+        cfg,
+        ctl,
+        hub,
+        epoch,
+        ring_file,
+        stop: stop_tx,
+        admin: admin_task,
+        metrics: metrics_task,
+        tracer,
+        announcer,
+        ticker,
+        follower,
+    };
+    (serving, live)
+}
 
-    // The data plane is attached and the admin socket accepts: a Type=notify unit is up.
-    notify::ready("steering");
+/// Serves until SIGTERM or SIGINT; each SIGHUP reloads the configuration.
+async fn wait_for_signals(
+    signals: &mut Signals,
+    config_path: &Path,
+    serving: &Serving,
+    mut live: Live,
+) -> Live {
+    let Serving {
+        ctl, hub, epoch, ..
+    } = serving;
     loop {
         tokio::select! {
-            _ = term.recv() => break,
-            _ = int.recv() => break,
-            _ = hup.recv() => live = reload(config_path, &ctl, &hub, epoch, live).await,
+            _ = signals.term.recv() => break,
+            _ = signals.int.recv() => break,
+            _ = signals.hup.recv() => live = reload(config_path, ctl, hub, *epoch, live).await,
         }
     }
+    live
+}
+
+/// Stops the daemon: its routes first, then the listeners and tasks, then the data plane
+/// unless `keep_dataplane_on_exit` keeps it forwarding.
+async fn shut_down(serving: Serving, live: Live) -> Result<()> {
+    let Serving {
+        cfg,
+        ctl,
+        ring_file,
+        stop,
+        admin,
+        metrics,
+        tracer,
+        announcer,
+        ticker,
+        follower,
+        ..
+    } = serving;
     tracing::info!("stopping");
     notify::stopping();
     // Routes go first, while the data plane still forwards what the routers send meanwhile.
     if let Some(a) = announcer {
         a.stop().await;
     }
-    let _ = stop_tx.send(true);
-    let _ = admin_task.await;
-    if let Some(t) = metrics_task {
+    let _ = stop.send(true);
+    let _ = admin.await;
+    if let Some(t) = metrics {
         let _ = t.await;
     }
     ticker.stop().await;
@@ -687,10 +729,11 @@ pub async fn run(config_path: &Path) -> Result<()> {
     }
     // Drop the maps and programs before unpinning, so nothing of ours holds them.
     drop(ctl);
+    let pin_dir = &cfg.daemon.bpffs;
     if cfg.daemon.keep_dataplane_on_exit {
         tracing::info!(pin_dir = %pin_dir.display(), "keeping the data plane running (keep_dataplane_on_exit)");
     } else {
-        remove_pinned(&pin_dir)?;
+        remove_pinned(pin_dir)?;
         tracing::info!("data plane detached and unpinned");
     }
     Ok(())

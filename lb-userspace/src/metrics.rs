@@ -27,7 +27,7 @@ use crate::{
     http_server::{serve_connections, serve_http, within},
     limits::{ScrapePeer, METRICS},
     policy::BackendDecision,
-    state::{FlowState, PlaneState},
+    state::{Backend, FlowState, PlaneState, Vip},
 };
 
 pub(crate) type Labels = Vec<(&'static str, String)>;
@@ -228,35 +228,49 @@ pub(crate) fn dataplane_counters(
     );
 }
 
-/// The exposition text of `snap`.
+/// The exposition text of `snap`: the families in the order a scrape lists them.
 pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
     let mut reg = Registry::with_prefix("sluice");
-    let vips = || snap.state.vips.values();
-    let backends = || {
-        vips().flat_map(|v| {
-            v.backends.values().map(move |b| {
-                (
-                    v,
-                    b,
-                    vec![
-                        ("vip", v.spec.name.clone()),
-                        ("backend", b.spec.address.to_string()),
-                    ],
-                )
-            })
-        })
-    };
-    let vip_labels = |v: &crate::state::Vip| vec![("vip", v.spec.name.clone())];
+    listener_families(&mut reg, info);
+    vip_families(&mut reg, snap);
+    backend_families(&mut reg, snap);
+    steering_families(&mut reg, snap);
+    map_families(&mut reg, snap);
+    event_families(&mut reg, snap);
+    daemon_families(&mut reg, snap, info);
 
-    type Field = fn(crate::controller::Traffic) -> u64;
-    let per_vip = |f: Field| {
-        vips()
-            .map(|v| (vip_labels(v), f(snap.vip_traffic(v))))
-            .collect()
-    };
+    let mut out = String::new();
+    prometheus_text::encode(&mut out, &reg).expect("writing to a String cannot fail");
+    out
+}
+
+/// A traffic counter of a VIP or backend, for the families that export one each.
+type Field = fn(crate::controller::Traffic) -> u64;
+
+fn vip_labels(v: &Vip) -> Labels {
+    vec![("vip", v.spec.name.clone())]
+}
+
+/// Each backend of each VIP with its `{vip, backend}` labels.
+fn backends(snap: &Snapshot) -> impl Iterator<Item = (&Backend, Labels)> {
+    snap.state.vips.values().flat_map(|v| {
+        v.backends.values().map(move |b| {
+            (
+                b,
+                vec![
+                    ("vip", v.spec.name.clone()),
+                    ("backend", b.spec.address.to_string()),
+                ],
+            )
+        })
+    })
+}
+
+/// Connections each listener refused at its caps.
+fn listener_families(reg: &mut Registry, info: &DaemonInfo) {
     let (admin, metrics) = info.refused.get();
     counters(
-        &mut reg,
+        reg,
         "listener_refused_connections",
         "Connections answered 503 and closed at once because the listener or the peer was at its cap",
         vec![
@@ -264,7 +278,17 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             (vec![("listener", "metrics".into())], metrics),
         ],
     );
-    let vip_families: [(&str, &str, Field); 5] = [
+}
+
+/// Traffic per VIP and where each VIP keeps its flow state.
+fn vip_families(reg: &mut Registry, snap: &Snapshot) {
+    let vips = || snap.state.vips.values();
+    let per_vip = |f: Field| {
+        vips()
+            .map(|v| (vip_labels(v), f(snap.vip_traffic(v))))
+            .collect()
+    };
+    let families: [(&str, &str, Field); 5] = [
         ("vip_packets", "Packets steered to the VIP", |t| t.packets),
         ("vip_bytes", "Bytes steered to the VIP", |t| t.bytes),
         ("vip_new_flows", "New flows to the VIP", |t| t.new_flows),
@@ -279,12 +303,12 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             |t| t.handshakes_completed,
         ),
     ];
-    for (name, help, field) in vip_families {
-        counters(&mut reg, name, help, per_vip(field));
+    for (name, help, field) in families {
+        counters(reg, name, help, per_vip(field));
     }
 
     gauges(
-        &mut reg,
+        reg,
         "vip_flow_state",
         "1 for where the VIP's TCP flow state lives (table: the LB's connection table; \
          second-chance: the backends, found through the ring's history), 0 for the other",
@@ -299,13 +323,16 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             })
             .collect(),
     );
+}
 
+/// Traffic, flows, weight and state per backend.
+fn backend_families(reg: &mut Registry, snap: &Snapshot) {
     let per_backend = |f: Field| {
-        backends()
-            .map(|(_, b, l)| (l, f(snap.backend_traffic(b))))
+        backends(snap)
+            .map(|(b, l)| (l, f(snap.backend_traffic(b))))
             .collect()
     };
-    let backend_families: [(&str, &str, Field); 5] = [
+    let families: [(&str, &str, Field); 5] = [
         ("backend_packets", "Packets sent to the backend", |t| {
             t.packets
         }),
@@ -327,31 +354,31 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             |t| t.handshakes_completed,
         ),
     ];
-    for (name, help, field) in backend_families {
-        counters(&mut reg, name, help, per_backend(field));
+    for (name, help, field) in families {
+        counters(reg, name, help, per_backend(field));
     }
     gauges(
-        &mut reg,
+        reg,
         "backend_active_flows",
         "Connection-table entries of the backend seen recently",
-        backends()
-            .map(|(_, b, l)| (l, snap.backend_flows(b) as i64))
+        backends(snap)
+            .map(|(b, l)| (l, snap.backend_flows(b) as i64))
             .collect(),
     );
     gauges(
-        &mut reg,
+        reg,
         "backend_weight",
         "Maglev weight the backend is steered with now (after adaptive scaling)",
-        backends()
-            .map(|(_, b, l)| (l, i64::from(snap.effective[&b.id])))
+        backends(snap)
+            .map(|(b, l)| (l, i64::from(snap.effective[&b.id])))
             .collect(),
     );
     gauges(
-        &mut reg,
+        reg,
         "backend_state",
         "1 for the backend's state (active, draining or down), 0 for the others",
-        backends()
-            .flat_map(|(_, b, l)| {
+        backends(snap)
+            .flat_map(|(b, l)| {
                 [PlaneState::Active, PlaneState::Draining, PlaneState::Down].map(|s| {
                     let name = serde_json::to_value(s).expect("a plain enum serializes");
                     let mut l = l.clone();
@@ -361,58 +388,60 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             })
             .collect(),
     );
+}
 
-    // The adaptive policy's view of each backend.
+/// The adaptive policy's view of each backend.
+fn steering_families(reg: &mut Registry, snap: &Snapshot) {
     let steering = |f: fn(&BackendDecision) -> f64| -> Vec<(Labels, f64)> {
-        backends()
-            .filter_map(|(_, b, l)| snap.steering.get(&b.id).map(|d| (l, f(d))))
+        backends(snap)
+            .filter_map(|(b, l)| snap.steering.get(&b.id).map(|d| (l, f(d))))
             .collect()
     };
     float_gauges(
-        &mut reg,
+        reg,
         "backend_load_score",
         "Smoothed load score of the backend (0 idle, 1 at a threshold)",
         steering(|d| d.score),
     );
     float_gauges(
-        &mut reg,
+        reg,
         "backend_cooldown_seconds",
         "Cooldown left before a moved-away backend may take new sessions again",
         steering(|d| d.cooldown_left.as_secs_f64()),
     );
     float_gauges(
-        &mut reg,
+        reg,
         "backend_telemetry_age_seconds",
         "Age of the backend's oldest telemetry source (absent: none reported)",
-        backends()
-            .filter_map(|(_, b, l)| {
+        backends(snap)
+            .filter_map(|(b, l)| {
                 let age = snap.steering.get(&b.id)?.telemetry_age?;
                 Some((l, age.as_secs_f64()))
             })
             .collect(),
     );
     float_gauges(
-        &mut reg,
+        reg,
         "backend_inband_ttfb_seconds",
         "In-band mean time to first byte over the last window, from the clients' ACKs",
-        backends()
-            .filter_map(|(_, b, l)| Some((l, snap.steering.get(&b.id)?.ttfb_s?)))
+        backends(snap)
+            .filter_map(|(b, l)| Some((l, snap.steering.get(&b.id)?.ttfb_s?)))
             .collect(),
     );
     float_gauges(
-        &mut reg,
+        reg,
         "backend_inband_delivery_bytes_per_second",
         "In-band delivery rate per stream over the last window, from the clients' ACKs",
-        backends()
-            .filter_map(|(_, b, l)| Some((l, snap.steering.get(&b.id)?.delivery_bps?)))
+        backends(snap)
+            .filter_map(|(b, l)| Some((l, snap.steering.get(&b.id)?.delivery_bps?)))
             .collect(),
     );
     gauges(
-        &mut reg,
+        reg,
         "backend_moved_away",
         "1 while adaptive steering keeps new sessions off the backend, by reason",
-        backends()
-            .filter_map(|(_, b, l)| {
+        backends(snap)
+            .filter_map(|(b, l)| {
                 let d = snap.steering.get(&b.id)?;
                 let mut l = l;
                 let reason = d
@@ -425,7 +454,7 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             .collect(),
     );
     gauges(
-        &mut reg,
+        reg,
         "backend_full",
         "1 while the backend is at its session cap or saturated (new sessions probe past it)",
         steering(|d| f64::from(u8::from(d.full)))
@@ -433,8 +462,12 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             .map(|(l, v)| (l, v as i64))
             .collect(),
     );
+}
+
+/// Use and capacity of the data-plane maps.
+fn map_families(reg: &mut Registry, snap: &Snapshot) {
     gauges(
-        &mut reg,
+        reg,
         "map_entries",
         "Entries in use in a data-plane map",
         snap.counters
@@ -444,7 +477,7 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             .collect(),
     );
     gauges(
-        &mut reg,
+        reg,
         "map_capacity",
         "Capacity of a data-plane map",
         snap.counters
@@ -453,16 +486,19 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             .map(|(m, (_, cap))| (vec![("map", m.clone())], *cap as i64))
             .collect(),
     );
+}
 
+/// The data plane's global counters and the control plane's events.
+fn event_families(reg: &mut Registry, snap: &Snapshot) {
     dataplane_counters(
-        &mut reg,
+        reg,
         (0..stat::COUNT).map(stat::Counter).map(|c| {
             let v = snap.counters.global.get(c.name());
             (c, v.copied().unwrap_or(0))
         }),
     );
     counters(
-        &mut reg,
+        reg,
         "control_events",
         "Control-plane events (drain completions, health changes, ...), by kind",
         snap.event_counts
@@ -470,7 +506,10 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
             .map(|(k, v)| (vec![("kind", k.clone())], *v))
             .collect(),
     );
+}
 
+/// The daemon itself: uptime, background work, announcer, fleet and build.
+fn daemon_families(reg: &mut Registry, snap: &Snapshot, info: &DaemonInfo) {
     let uptime = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
     uptime.set(info.started.elapsed().as_secs_f64());
     reg.register_with_unit(
@@ -498,7 +537,7 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
         );
     }
     if let Some(a) = &info.announce {
-        crate::announce::register_metrics(&mut reg, &a.status());
+        crate::announce::register_metrics(reg, &a.status());
     }
     let step_ns = info
         .policy_step_ns
@@ -514,17 +553,13 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
         );
     }
     if let Some(f) = &info.fleet {
-        crate::fleet::metrics(&mut reg, &f.status());
+        crate::fleet::metrics(reg, &f.status());
     }
     reg.register(
         "build",
         "The daemon's version",
         Info::new(vec![("version", info.version.clone())]),
     );
-
-    let mut out = String::new();
-    prometheus_text::encode(&mut out, &reg).expect("writing to a String cannot fail");
-    out
 }
 
 #[cfg(test)]

@@ -673,62 +673,8 @@ impl Policy {
         let cfg = &self.cfg;
         let input = w.input;
         let m = self.backends.get_mut(&input.id).expect("observed");
-        let snapshot = || input.telemetry.and_then(|t| serde_json::to_value(t).ok());
-        let event = |kind, reason: String| PolicyEvent {
-            at: now,
-            kind,
-            vip: input.vip.to_owned(),
-            backend: Some(input.address),
-            reason,
-            telemetry: snapshot(),
-        };
         if w.eligible && !kept {
-            let reason = w.trigger.as_ref().map(|t| t.reason);
-            let was = match m.move_away.phase {
-                Phase::MovedAway { reason, .. } => Some(reason),
-                Phase::InRotation { .. } => None,
-            };
-            let carrying = m.weight.is_some_and(|w| w > 0);
-            match m.move_away.update(now, reason, carrying, cfg) {
-                Some(Change::Moved { cooldown, flap }) => {
-                    let detail = w.trigger.as_ref().map_or("", |t| &t.detail);
-                    events.push(event(EventKind::Reroute, detail.to_owned()));
-                    let (kind, why) = if flap {
-                        (
-                            EventKind::CooldownExtend,
-                            "moved away again within flap_window",
-                        )
-                    } else {
-                        (EventKind::CooldownStart, "moved away")
-                    };
-                    events.push(event(kind, format!("{why}: cooldown {cooldown:?}")));
-                }
-                Some(Change::Returned { probation }) => {
-                    // The speed its streams showed under a throttle or congestion is that
-                    // fault's, and the exporter says it has cleared: measure afresh, or it
-                    // returns at a reduced weight while the others, full with its share,
-                    // queue.
-                    if matches!(was, Some(Reason::Throttling | Reason::Congestion)) {
-                        m.speed = Speed::new(cfg);
-                    }
-                    let detail = if probation {
-                        format!("cooldown over and signals fine: on probation for {PROBATION:?}")
-                    } else if m.move_away.ramping() {
-                        format!(
-                            "cooldown over and signals fine: slow start over {:?}",
-                            cfg.slow_start
-                        )
-                    } else {
-                        "cooldown over and signals fine: full weight".to_owned()
-                    };
-                    events.push(event(EventKind::Recover, detail));
-                }
-                Some(Change::Cleared) => events.push(event(
-                    EventKind::Recover,
-                    "probation over without congestion: full weight".to_owned(),
-                )),
-                None => {}
-            }
+            move_away_or_back(m, cfg, now, w, events);
         }
         let moved = matches!(m.move_away.phase, Phase::MovedAway { .. });
         // Slow for its hardware, not for its load: with no room elsewhere it keeps a part.
@@ -789,7 +735,7 @@ impl Policy {
                 m.score.value(),
                 cfg.weight_levels
             );
-            events.push(event(EventKind::WeightChange, why));
+            events.push(backend_event(now, input, EventKind::WeightChange, why));
         }
         m.weight = Some(weight);
         m.reduced = keeps_part;
@@ -894,6 +840,81 @@ impl Policy {
                 },
             );
         }
+    }
+}
+
+/// Moves the backend away or back as its trigger and cooldown say, with the events that
+/// say so.
+fn move_away_or_back(
+    m: &mut Memory,
+    cfg: &PolicyConfig,
+    now: Duration,
+    w: &Work,
+    events: &mut Vec<PolicyEvent>,
+) {
+    let event = |kind, reason| backend_event(now, w.input, kind, reason);
+    let reason = w.trigger.as_ref().map(|t| t.reason);
+    let was = match m.move_away.phase {
+        Phase::MovedAway { reason, .. } => Some(reason),
+        Phase::InRotation { .. } => None,
+    };
+    let carrying = m.weight.is_some_and(|w| w > 0);
+    match m.move_away.update(now, reason, carrying, cfg) {
+        Some(Change::Moved { cooldown, flap }) => {
+            let detail = w.trigger.as_ref().map_or("", |t| &t.detail);
+            events.push(event(EventKind::Reroute, detail.to_owned()));
+            let (kind, why) = if flap {
+                (
+                    EventKind::CooldownExtend,
+                    "moved away again within flap_window",
+                )
+            } else {
+                (EventKind::CooldownStart, "moved away")
+            };
+            events.push(event(kind, format!("{why}: cooldown {cooldown:?}")));
+        }
+        Some(Change::Returned { probation }) => {
+            // The speed its streams showed under a throttle or congestion is that
+            // fault's, and the exporter says it has cleared: measure afresh, or it
+            // returns at a reduced weight while the others, full with its share,
+            // queue.
+            if matches!(was, Some(Reason::Throttling | Reason::Congestion)) {
+                m.speed = Speed::new(cfg);
+            }
+            let detail = if probation {
+                format!("cooldown over and signals fine: on probation for {PROBATION:?}")
+            } else if m.move_away.ramping() {
+                format!(
+                    "cooldown over and signals fine: slow start over {:?}",
+                    cfg.slow_start
+                )
+            } else {
+                "cooldown over and signals fine: full weight".to_owned()
+            };
+            events.push(event(EventKind::Recover, detail));
+        }
+        Some(Change::Cleared) => events.push(event(
+            EventKind::Recover,
+            "probation over without congestion: full weight".to_owned(),
+        )),
+        None => {}
+    }
+}
+
+/// An event about `input`'s backend, with its telemetry at the time.
+fn backend_event(
+    now: Duration,
+    input: &BackendInput,
+    kind: EventKind,
+    reason: String,
+) -> PolicyEvent {
+    PolicyEvent {
+        at: now,
+        kind,
+        vip: input.vip.to_owned(),
+        backend: Some(input.address),
+        reason,
+        telemetry: input.telemetry.and_then(|t| serde_json::to_value(t).ok()),
     }
 }
 
