@@ -507,6 +507,13 @@ fn load_and_apply(
     let traces = dp.trace_reader(crate::trace::TraceLog)?;
     let plane = MapPlane::new(dp, cfg.dataplane.hash_seed, cfg.dataplane.flow_idle_timeout)?;
 
+    // A re-adopted plane's state file is first rewritten with its own bytes: one that cannot
+    // be written fails the start here, before any map write, rather than after the maps were
+    // written and while they are written back (streams on a backend the new file removes
+    // would meet that window).
+    if reused {
+        rewrite_in_place(&cfg.daemon.state_file)?;
+    }
     // The writes, each undone if a later one fails: a re-adopted data plane was forwarding
     // before this start and keeps forwarding exactly as it was, with its state file (a
     // created one is removed whole by the rollback). The state file comes last.
@@ -538,6 +545,17 @@ fn load_and_apply(
         traces,
         ring_file,
     })
+}
+
+/// Writes `path` again with the bytes it holds (nothing when it does not exist), through the
+/// same private-file writer as the state itself, to prove it can be written.
+fn rewrite_in_place(path: &Path) -> Result<()> {
+    match std::fs::read(path) {
+        Ok(bytes) => crate::private_file::write(path, &bytes)
+            .with_context(|| format!("writing {}", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+    }
 }
 
 /// The running daemon's shared parts and tasks, stopped in order by `shut_down`.
