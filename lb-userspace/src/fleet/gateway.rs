@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use tokio::{net::TcpStream, sync::mpsc};
 
 use super::store::{Kv, Range, Store, StoreError, Watch, WatchEvent};
-use crate::telemetry::target::HttpUrl;
+use crate::config::HttpUrl;
 
 /// Largest unary answer read (etcd's own request limit is 1.5 MiB; base64 adds a third).
 const MAX_ANSWER: usize = 4 << 20;

@@ -49,7 +49,7 @@ pub fn validate(r: RawFleet) -> Result<FleetConfig, Vec<(&'static str, String)>>
         ));
     }
     for e in &endpoints {
-        if let Err(why) = crate::telemetry::target::HttpUrl::parse(e) {
+        if let Err(why) = super::HttpUrl::parse(e) {
             errs.push(("endpoints", why));
         }
     }

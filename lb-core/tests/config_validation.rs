@@ -15,7 +15,7 @@ use std::{
 };
 
 use lb_common::{FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, VIP_F_SRC_HASH};
-use sluice::config::{
+use sluice_core::config::{
     self, AttachMode, BackendConfig, Cidr, CidrError, Config, DataplaneConfig, EngineKind,
     HashMode, HealthCheck, InterfaceConfig, Mac, Protocol, RoceConfig, SocketMode,
 };
