@@ -8,6 +8,7 @@ mod demo;
 mod exports;
 mod fuzz;
 mod lint;
+mod modgraph;
 mod package;
 mod setup;
 mod test;
