@@ -67,7 +67,11 @@ mod semantics;
 mod shape;
 mod types;
 
-pub use self::{errors::*, types::*, url::HttpUrl};
+pub use self::{
+    errors::*,
+    types::*,
+    url::{HttpUrl, UrlError},
+};
 use self::{positions::*, semantics::*, shape::*};
 
 // ------------------------------------------------------------------------------------------

@@ -1,11 +1,14 @@
 //! `[bgp]`: the BGP speaker this host drives (BIRD 2) and how often the announcement is
-//! re-decided. Parsed and checked here; config.rs only hooks the section in.
+//! re-decided.
 
-use std::{path::PathBuf, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use serde::{Deserialize, Serialize};
 
-use super::rules;
+use super::{Checker, KeyPath};
 
 /// `[bgp]`, validated.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -25,6 +28,17 @@ impl BgpConfig {
     pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
 }
 
+/// The section written as `[bgp]` with no keys.
+impl Default for BgpConfig {
+    fn default() -> Self {
+        BgpConfig {
+            control_socket: PathBuf::from(Self::DEFAULT_SOCKET),
+            routes_file: PathBuf::from(Self::DEFAULT_ROUTES),
+            interval: Self::DEFAULT_INTERVAL,
+        }
+    }
+}
+
 fn humantime_str<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.collect_str(&humantime::format_duration(*d))
 }
@@ -38,72 +52,28 @@ pub struct RawBgp {
     interval: Option<String>,
 }
 
-fn abs(key: &str, v: Option<&str>, default: &str) -> Result<PathBuf, (String, String)> {
-    let s = v.unwrap_or(default);
-    if s.starts_with('/') {
-        Ok(PathBuf::from(s))
-    } else {
-        Err((
-            key.into(),
-            format!("{s:?} is not an absolute path; allowed: an absolute path, e.g. {default:?}"),
-        ))
-    }
-}
-
-impl RawBgp {
-    /// The section, or every (key, problem) found.
-    pub fn validate(self) -> Result<BgpConfig, Vec<(String, String)>> {
-        let socket = abs(
-            "control_socket",
-            self.control_socket.as_deref(),
-            BgpConfig::DEFAULT_SOCKET,
-        );
-        let routes = abs(
-            "routes_file",
-            self.routes_file.as_deref(),
-            BgpConfig::DEFAULT_ROUTES,
-        );
-        let interval = match self.interval.as_deref() {
-            None => Ok(BgpConfig::DEFAULT_INTERVAL),
-            Some(s) => match rules::duration(s) {
-                Ok(d) if d >= Duration::from_millis(10) && d <= Duration::from_secs(60) => Ok(d),
-                Ok(_) => Err((
-                    "interval".to_string(),
-                    format!("{s:?} is out of range; allowed: 10ms..=60s, e.g. \"1s\""),
-                )),
-                Err(e) => Err(("interval".to_string(), e)),
-            },
-        };
-        match (socket, routes, interval) {
-            (Ok(control_socket), Ok(routes_file), Ok(interval)) => Ok(BgpConfig {
-                control_socket,
-                routes_file,
-                interval,
-            }),
-            (a, b, c) => Err([a.err(), b.err(), c.err()].into_iter().flatten().collect()),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn raw(text: &str) -> RawBgp {
-        toml::from_str(text).unwrap()
-    }
-
-    #[test]
-    fn defaults_and_every_problem_named() {
-        let d = raw("").validate().unwrap();
-        assert_eq!(d.control_socket, PathBuf::from("/run/bird/bird.ctl"));
-        assert_eq!(d.interval, Duration::from_secs(1));
-        let errs = raw("control_socket = \"bird.ctl\"\ninterval = \"5ms\"")
-            .validate()
-            .unwrap_err();
-        let keys: Vec<&str> = errs.iter().map(|(k, _)| k.as_str()).collect();
-        assert_eq!(keys, ["control_socket", "interval"]);
-        assert!(errs[1].1.contains("10ms..=60s"), "{errs:?}");
-        assert!(toml::from_str::<RawBgp>("speaker = \"x\"").is_err());
-    }
+/// Checks `[bgp]` at `p`, recording every problem in `c`.
+pub(super) fn bgp(c: &mut Checker, p: &KeyPath, r: RawBgp) -> Option<BgpConfig> {
+    let control_socket = c.abs_path(
+        &p.key("control_socket"),
+        r.control_socket.as_deref(),
+        Path::new(BgpConfig::DEFAULT_SOCKET),
+    );
+    let routes_file = c.abs_path(
+        &p.key("routes_file"),
+        r.routes_file.as_deref(),
+        Path::new(BgpConfig::DEFAULT_ROUTES),
+    );
+    let interval = c.duration_in(
+        &p.key("interval"),
+        r.interval.as_deref(),
+        BgpConfig::DEFAULT_INTERVAL,
+        Duration::from_millis(10)..=Duration::from_secs(60),
+        "1s",
+    );
+    Some(BgpConfig {
+        control_socket: control_socket?,
+        routes_file: routes_file?,
+        interval: interval?,
+    })
 }

@@ -4,11 +4,13 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::{Checker, HttpUrl, KeyPath, UrlUse};
+
 /// `[fleet]`, validated.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct FleetConfig {
     /// etcd client URLs (`http://host:port`), tried in order.
-    pub endpoints: Vec<String>,
+    pub endpoints: Vec<HttpUrl>,
     /// Every key of this fleet starts with it (several fleets can share one etcd).
     pub prefix: String,
     /// This host's name in the fleet: unique, it names its report and its leadership.
@@ -36,127 +38,96 @@ pub const DEFAULT_PREFIX: &str = "/sluice";
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(5);
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Validates `[fleet]`; the errors are (key, message), every one found.
-pub fn validate(r: RawFleet) -> Result<FleetConfig, Vec<(&'static str, String)>> {
-    let mut errs = vec![];
-    let endpoints = r.endpoints.unwrap_or_default();
-    if endpoints.is_empty() {
-        errs.push((
-            "endpoints",
-            "missing (required); allowed: a list of etcd client URLs such as \
-             [\"http://10.0.0.1:2379\"]"
-                .to_string(),
-        ));
-    }
-    for e in &endpoints {
-        if let Err(why) = super::HttpUrl::parse(e) {
-            errs.push(("endpoints", why));
-        }
-    }
+/// Checks `[fleet]` at `p`, recording every problem in `c`.
+pub(super) fn fleet(c: &mut Checker, p: &KeyPath, r: RawFleet) -> Option<FleetConfig> {
+    let endpoints = endpoints(c, &p.key("endpoints"), r.endpoints.unwrap_or_default());
     let prefix = r.prefix.unwrap_or_else(|| DEFAULT_PREFIX.to_string());
-    if !prefix.starts_with('/') || prefix.ends_with('/') || prefix.len() < 2 {
-        errs.push((
-            "prefix",
-            format!("{prefix:?}: allowed: a key path starting with `/`, not ending with one, e.g. \"/sluice/edge-1\""),
-        ));
-    }
-    let host = r.host.unwrap_or_default();
-    let name_ok = |s: &str| {
-        !s.is_empty()
-            && s.len() <= 63
-            && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
-    };
-    if !name_ok(&host) {
-        errs.push((
-            "host",
-            format!(
-                "{host:?}: allowed: this host's unique name in the fleet, 1 to 63 of \
-                 [A-Za-z0-9._-] (required)"
-            ),
-        ));
-    }
-    let mut dur = |key: &'static str, v: Option<String>, d: Duration, lo: u64, hi: u64| {
-        let Some(s) = v else { return d };
-        match humantime::parse_duration(&s) {
-            Ok(t) if t >= Duration::from_millis(lo) && t <= Duration::from_millis(hi) => t,
-            Ok(_) => {
-                errs.push((
-                    key,
-                    format!("{s:?} is out of range; allowed: {lo}ms to {hi}ms"),
-                ));
-                d
-            }
-            Err(e) => {
-                errs.push((key, format!("{s:?}: {e}; allowed: e.g. \"5s\"")));
-                d
-            }
-        }
-    };
-    let lease_ttl = dur("lease_ttl", r.lease_ttl, DEFAULT_LEASE_TTL, 2_000, 60_000);
-    let request_timeout = dur(
-        "request_timeout",
-        r.request_timeout,
-        DEFAULT_REQUEST_TIMEOUT,
-        100,
-        10_000,
+    let prefix_ok = c.rule(
+        &p.key("prefix"),
+        if prefix.starts_with('/') && !prefix.ends_with('/') && prefix.len() >= 2 {
+            Ok(())
+        } else {
+            Err(format!(
+                "{prefix:?}: allowed: a key path starting with `/`, not ending with one, e.g. \
+                 \"/sluice/edge-1\""
+            ))
+        },
     );
-    if request_timeout * 2 > lease_ttl {
-        errs.push((
-            "request_timeout",
-            format!(
-                "{} is more than half of lease_ttl ({}): a leader could lose its lease while \
-                 one request waits; allowed: at most lease_ttl / 2",
-                humantime::format_duration(request_timeout),
-                humantime::format_duration(lease_ttl)
-            ),
-        ));
+    let host = r.host.unwrap_or_default();
+    let host_ok = c.rule(&p.key("host"), host_name(&host));
+    let lease_ttl = c.duration_in(
+        &p.key("lease_ttl"),
+        r.lease_ttl.as_deref(),
+        DEFAULT_LEASE_TTL,
+        Duration::from_secs(2)..=Duration::from_secs(60),
+        "5s",
+    );
+    let request_timeout = c.duration_in(
+        &p.key("request_timeout"),
+        r.request_timeout.as_deref(),
+        DEFAULT_REQUEST_TIMEOUT,
+        Duration::from_millis(100)..=Duration::from_secs(10),
+        "1s",
+    );
+    if let (Some(timeout), Some(ttl)) = (request_timeout, lease_ttl) {
+        if timeout * 2 > ttl {
+            c.err(
+                &p.key("request_timeout"),
+                format!(
+                    "{} is more than half of lease_ttl ({}): a leader could lose its lease while \
+                     one request waits; allowed: at most lease_ttl / 2",
+                    humantime::format_duration(timeout),
+                    humantime::format_duration(ttl)
+                ),
+            );
+            return None;
+        }
     }
-    if !errs.is_empty() {
-        return Err(errs);
-    }
-    Ok(FleetConfig {
-        endpoints,
+    (prefix_ok && host_ok).then_some(())?;
+    Some(FleetConfig {
+        endpoints: endpoints?,
         prefix,
         host,
-        lease_ttl,
-        request_timeout,
+        lease_ttl: lease_ttl?,
+        request_timeout: request_timeout?,
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn raw(host: &str) -> RawFleet {
-        RawFleet {
-            endpoints: Some(vec!["http://127.0.0.1:2379".into()]),
-            host: Some(host.into()),
-            ..Default::default()
-        }
+/// etcd's client URLs: at least one, each an http:// URL.
+fn endpoints(c: &mut Checker, p: &KeyPath, list: Vec<String>) -> Option<Vec<HttpUrl>> {
+    const ETCD: UrlUse = UrlUse {
+        client: "the fleet's etcd client",
+        server: "etcd's",
+        example: "http://10.0.0.1:2379",
+    };
+    if list.is_empty() {
+        c.missing(
+            p,
+            &format!("a list of etcd client URLs such as [{:?}]", ETCD.example),
+        );
+        return None;
     }
+    let urls: Vec<Option<HttpUrl>> = list
+        .iter()
+        .enumerate()
+        .map(|(i, e)| c.url(&p.idx(i), Some(e), &ETCD))
+        .collect();
+    urls.into_iter().collect()
+}
 
-    #[test]
-    fn defaults_and_errors() {
-        let c = validate(raw("lb-1")).unwrap();
-        assert_eq!(c.prefix, "/sluice");
-        assert_eq!(c.lease_ttl, Duration::from_secs(5));
-        let e = validate(RawFleet {
-            endpoints: Some(vec!["https://x:1".into()]),
-            prefix: Some("sluice/".into()),
-            host: Some("a b".into()),
-            lease_ttl: Some("1s".into()),
-            request_timeout: None,
-        })
-        .unwrap_err();
-        let keys: Vec<&str> = e.iter().map(|(k, _)| *k).collect();
-        assert_eq!(keys, ["endpoints", "prefix", "host", "lease_ttl"], "{e:?}");
-        let e = validate(RawFleet {
-            request_timeout: Some("3s".into()),
-            ..raw("lb-1")
-        })
-        .unwrap_err();
-        assert_eq!(e[0].0, "request_timeout");
-        assert!(e[0].1.contains("at most lease_ttl / 2"), "{e:?}");
+/// This host's name in the fleet: it names its report and its leadership.
+fn host_name(host: &str) -> Result<(), String> {
+    let ok = !host.is_empty()
+        && host.len() <= 63
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{host:?}: allowed: this host's unique name in the fleet, 1 to 63 of [A-Za-z0-9._-] \
+             (required)"
+        ))
     }
 }

@@ -1,7 +1,9 @@
 //! The `http://` URLs of exporters and of etcd's gateway, parsed once when the configuration is
 //! read.
 
-use std::fmt;
+use std::{fmt, net::Ipv6Addr};
+
+use serde::{Serialize, Serializer};
 
 /// An `http://` URL split for a plain HTTP/1.1 client.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -15,18 +17,37 @@ pub struct HttpUrl {
     pub path: String,
 }
 
+/// Why a string is not an [`HttpUrl`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UrlError {
+    /// `https://`: Sluice speaks plain HTTP to exporters and to etcd's gateway.
+    Https,
+    /// Not `http://` followed by a host (name, IPv4, or IPv6 in brackets), an optional port
+    /// 1..=65535, and no credentials, whitespace or control characters.
+    Invalid,
+}
+
+impl fmt::Display for UrlError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            UrlError::Https => {
+                "https is not supported: Sluice speaks plain HTTP; use an http:// endpoint (the \
+                 plain-HTTP port, or a local proxy in front of a TLS one)"
+            }
+            UrlError::Invalid => "not an http:// URL with a valid host[:port]",
+        })
+    }
+}
+
 impl HttpUrl {
-    pub fn parse(url: &str) -> Result<HttpUrl, String> {
+    pub fn parse(url: &str) -> Result<HttpUrl, UrlError> {
         if url.starts_with("https://") {
-            return Err(format!(
-                "{url:?}: https is not supported: Sluice speaks plain HTTP to exporters and to \
-                 etcd's gateway; use an http:// endpoint (the plain-HTTP port, or a local proxy \
-                 in front of a TLS one)"
-            ));
+            return Err(UrlError::Https);
         }
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or_else(|| format!("{url:?} is not an http:// URL"))?;
+        let rest = url.strip_prefix("http://").ok_or(UrlError::Invalid)?;
+        if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(UrlError::Invalid);
+        }
         let rest = rest.split('#').next().unwrap_or_default();
         let split = rest.find(['/', '?']).unwrap_or(rest.len());
         let (authority, path) = rest.split_at(split);
@@ -35,10 +56,12 @@ impl HttpUrl {
             p if p.starts_with('?') => format!("/{p}"),
             p => p.to_owned(),
         };
-        let bad = || format!("{url:?} has no valid host[:port]");
         let (host, port) = match authority.strip_prefix('[') {
             Some(v6) => {
-                let (h, after) = v6.split_once(']').ok_or_else(bad)?;
+                let (h, after) = v6.split_once(']').ok_or(UrlError::Invalid)?;
+                if h.parse::<Ipv6Addr>().is_err() {
+                    return Err(UrlError::Invalid);
+                }
                 (h, after.strip_prefix(':'))
             }
             None => match authority.rsplit_once(':') {
@@ -48,10 +71,14 @@ impl HttpUrl {
         };
         let port = match port {
             None => 80,
-            Some(p) => p.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(bad)?,
+            Some(p) => p
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p > 0)
+                .ok_or(UrlError::Invalid)?,
         };
-        if host.is_empty() || authority.contains('@') || url.contains(char::is_whitespace) {
-            return Err(bad());
+        if host.is_empty() || authority.contains('@') {
+            return Err(UrlError::Invalid);
         }
         Ok(HttpUrl {
             host: host.to_owned(),
@@ -59,6 +86,14 @@ impl HttpUrl {
             authority: authority.to_owned(),
             path,
         })
+    }
+}
+
+/// Written back as the URL it was parsed from (less any fragment), so a configuration
+/// serialises to one that parses again.
+impl Serialize for HttpUrl {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
     }
 }
 
@@ -104,11 +139,12 @@ mod tests {
             "http://h:x/",
             "http://u@h/",
             "ftp://h/",
+            "http://[not-v6]/",
+            "http://h/a\tb",
+            "http://h/\u{7f}",
         ] {
             assert!(HttpUrl::parse(bad).is_err(), "{bad}");
         }
-        assert!(HttpUrl::parse("https://h/metrics")
-            .unwrap_err()
-            .contains("https is not supported"));
+        assert_eq!(HttpUrl::parse("https://h/metrics"), Err(UrlError::Https));
     }
 }

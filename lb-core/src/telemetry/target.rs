@@ -63,36 +63,32 @@ impl fmt::Display for Endpoint {
     }
 }
 
-/// Every telemetry target of the configuration. Fails, naming each offending key, when an
-/// endpoint is https (the scraper speaks plain HTTP only) or not a usable URL.
-pub fn targets(config: &Config) -> Result<Vec<Target>, String> {
+/// Every telemetry target of the configuration (its URLs were checked when it was read).
+pub fn targets(config: &Config) -> Vec<Target> {
     let mut out = Vec::new();
-    let mut errors = Vec::new();
-    for (vi, vip) in config.vips.iter().enumerate() {
-        for (bi, b) in vip.backends.iter().enumerate() {
+    for vip in &config.vips {
+        for b in &vip.backends {
             let key: BackendKey = (vip.name.clone(), b.address);
-            let mut add = |what: &str, endpoint: Result<Endpoint, String>, reader| match endpoint {
-                Ok(endpoint) => out.push(Target {
+            let mut add = |endpoint, reader| {
+                out.push(Target {
                     key: key.clone(),
                     endpoint,
                     reader,
-                }),
-                Err(e) => errors.push(format!("vip[{vi}].backend[{bi}].{what}.url: {e}")),
+                })
             };
-            let http = |url: &str| HttpUrl::parse(url).map(Endpoint::Http);
             if let Some(d) = &b.dcgm {
                 let reader = Reader::Dcgm {
                     gpus: d.gpus.clone(),
                     uuids: d.uuids.clone(),
                 };
-                add("dcgm", http(&d.url), reader);
+                add(Endpoint::Http(d.url.clone()), reader);
             }
             if let Some(e) = &b.engine {
                 let reader = Reader::Engine {
                     kind: e.kind,
                     model: e.model.clone(),
                 };
-                add("engine", http(&e.url), reader);
+                add(Endpoint::Http(e.url.clone()), reader);
             }
             match &b.roce {
                 Some(RoceConfig::Exporter { url, device, port }) => {
@@ -100,22 +96,16 @@ pub fn targets(config: &Config) -> Result<Vec<Target>, String> {
                         device: device.clone(),
                         port: port.clone(),
                     };
-                    add("roce", http(url), reader);
+                    add(Endpoint::Http(url.clone()), reader);
                 }
-                Some(RoceConfig::Sysfs { sysfs }) => add(
-                    "roce",
-                    Ok(Endpoint::Sysfs(sysfs.clone())),
-                    Reader::RoceSysfs,
-                ),
+                Some(RoceConfig::Sysfs { sysfs }) => {
+                    add(Endpoint::Sysfs(sysfs.clone()), Reader::RoceSysfs)
+                }
                 None => {}
             }
         }
     }
-    if errors.is_empty() {
-        Ok(out)
-    } else {
-        Err(errors.join("\n"))
-    }
+    out
 }
 
 /// The sources each backend of the configuration expects, for [`super::Hub::configure`];
@@ -168,7 +158,7 @@ port = 443
   address = "10.1.0.3"
 "#,
         );
-        let t = targets(&cfg).unwrap();
+        let t = targets(&cfg);
         let k1 = ("chat".to_owned(), "10.1.0.1".parse().unwrap());
         let k2 = ("chat".to_owned(), "10.1.0.2".parse().unwrap());
         let k3 = ("chat".to_owned(), "10.1.0.3".parse().unwrap());
@@ -242,7 +232,7 @@ port = 443
     fn the_example_configuration() {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/sluice.toml");
         let cfg = config::load(std::path::Path::new(path)).unwrap();
-        let t = targets(&cfg).unwrap();
+        let t = targets(&cfg);
         assert!(t.iter().any(|t| t.source() == Source::Roce));
         let s = sources(&cfg);
         assert_eq!(

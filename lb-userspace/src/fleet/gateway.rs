@@ -22,14 +22,11 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    pub fn new(endpoints: &[String], timeout: Duration) -> Result<Gateway, String> {
-        Ok(Gateway {
-            endpoints: endpoints
-                .iter()
-                .map(|e| HttpUrl::parse(e))
-                .collect::<Result<_, _>>()?,
+    pub fn new(endpoints: &[HttpUrl], timeout: Duration) -> Gateway {
+        Gateway {
+            endpoints: endpoints.to_vec(),
             timeout,
-        })
+        }
     }
 
     /// POSTs `body` to the first endpoint that answers; the response's JSON.
