@@ -9,7 +9,6 @@ use crate::{
     daemon::specs,
     private_file,
     state::{Limits, State},
-    telemetry,
 };
 
 /// A configuration that `sluice run` accepts.
@@ -46,8 +45,8 @@ pub fn check_file(path: &Path) -> Result<Checked, Refused> {
 }
 
 /// Validates `text` (from `origin`, which prefixes every message): the file's syntax and
-/// keys, the VIPs and backends as the daemon's state takes them, and every telemetry
-/// endpoint as the scraper takes it.
+/// keys (telemetry URLs included), the VIPs and backends as the daemon's state takes them,
+/// and the directories of the files the daemon writes.
 pub fn check(text: &str, origin: &str) -> Result<Checked, Refused> {
     let (config, warnings) =
         config::parse_with_warnings(text, origin).map_err(|e| Refused(e.messages()))?;
@@ -57,9 +56,6 @@ pub fn check(text: &str, origin: &str) -> Result<Checked, Refused> {
     };
     if let Err(e) = State::default().with_specs(&specs(&config), &limits) {
         problems.push(format!("{origin}: vip: {e}"));
-    }
-    if let Err(e) = telemetry::target::targets(&config) {
-        problems.extend(e.lines().map(|l| format!("{origin}: {l}")));
     }
     // The daemon writes these as root: a directory another user can write would let that
     // user redirect the writes (`private_file`).

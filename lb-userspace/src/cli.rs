@@ -872,7 +872,7 @@ mod tests {
         let srv = TestServer::start();
         let fixture = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/telemetry/dcgm-exporter.prom"
+            "/../lb-core/tests/fixtures/telemetry/dcgm-exporter.prom"
         );
         let out = sluice(&srv, &["telemetry", "dcgm", fixture, "--gpu", "0"]).unwrap();
         assert!(

@@ -353,24 +353,19 @@ fn prepare(config_path: &Path) -> Result<Prepared> {
         int: tokio::signal::unix::signal(SignalKind::interrupt())?,
         hup: tokio::signal::unix::signal(SignalKind::hangup())?,
     };
-    let targets = telemetry::target::targets(&cfg).map_err(|e| anyhow!("telemetry: {e}"))?;
-    let fleet = cfg
-        .fleet
-        .as_ref()
-        .map(|f| {
-            let store = fleet::gateway::Gateway::new(&f.endpoints, f.request_timeout)
-                .map_err(|e| anyhow!("fleet.endpoints: {e}"))?;
-            let limits = Limits {
-                max_vips: cfg.dataplane.max_vips,
-            };
-            Ok::<_, anyhow::Error>(Arc::new(fleet::Fleet::new(
-                store,
-                f.clone(),
-                limits,
-                cfg.dataplane.hash_seed,
-            )))
-        })
-        .transpose()?;
+    let targets = telemetry::target::targets(&cfg);
+    let fleet = cfg.fleet.as_ref().map(|f| {
+        let store = fleet::gateway::Gateway::new(&f.endpoints, f.request_timeout);
+        let limits = Limits {
+            max_vips: cfg.dataplane.max_vips,
+        };
+        Arc::new(fleet::Fleet::new(
+            store,
+            f.clone(),
+            limits,
+            cfg.dataplane.hash_seed,
+        ))
+    });
     let fds = limits::raise_nofile(&cfg).context("raising the open-file limit")?;
     tracing::info!(limit = fds, "open-file limit");
     let hash = config_hash(&text);
@@ -835,13 +830,7 @@ async fn reload(
             return live;
         }
     };
-    let targets = match telemetry::target::targets(&new) {
-        Ok(t) => t,
-        Err(e) => {
-            tracing::error!(error = %e, "reload: telemetry rejected, nothing changed");
-            return live;
-        }
-    };
+    let targets = telemetry::target::targets(&new);
     let old = &live.cfg;
     let restart = restart_keys(old, &new);
     // What runs: the new file, but the running values of what needs a restart.

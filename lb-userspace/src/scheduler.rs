@@ -19,6 +19,7 @@ use crate::{
     config::{Config, FlowState, HealthCheck, HealthConfig, Protocol},
     controller::{self, Controller, HealthChange, Overlay, Plane},
     policy::{self, health, BackendDecision, BackendInput, Decisions, Handshakes, Policy},
+    probe,
     state::Vip,
     telemetry::{inband::Tracker, BackendKey, Hub, Source},
 };
@@ -82,11 +83,7 @@ async fn probe_round(
         tasks.spawn(async move {
             tokio::time::sleep_until(at).await;
             let _slot = slots.acquire_owned().await;
-            (
-                i,
-                health::check(addr, &check, timeout).await,
-                Instant::now(),
-            )
+            (i, probe::check(addr, &check, timeout).await, Instant::now())
         });
     }
     let mut results: Vec<Option<(Result<(), health::CheckError>, Instant)>> =

@@ -242,7 +242,7 @@ impl Default for FakeTelemetry {
 
 impl FakeTelemetry {
     /// The exporter page, in the exporters' formats (see the fixtures under
-    /// lb-userspace/tests/fixtures/telemetry/).
+    /// lb-core/tests/fixtures/telemetry/).
     pub fn page(&self) -> String {
         let gpu = r#"gpu="0",UUID="GPU-1d3b8c4a-9f62-4e0b-a7c5-2b81e0f3d6a9",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",Hostname="lab""#;
         let model = r#"model_name="meta-llama/Llama-3.1-8B-Instruct",engine="0""#;
@@ -343,7 +343,7 @@ fn mtime(p: &Path) -> Result<SystemTime> {
         .with_context(|| format!("reading {}", p.display()))
 }
 
-/// `bin` if it exists and is not older than the daemon's sources; otherwise what to do
+/// `bin` if it exists and is not older than the daemon's sources (both userspace crates); otherwise what to do
 /// (`rebuild`).
 fn check_fresh(bin: PathBuf, rebuild: &str) -> Result<PathBuf> {
     let built = fs::metadata(&bin).and_then(|m| m.modified()).map_err(|_| {
@@ -352,8 +352,12 @@ fn check_fresh(bin: PathBuf, rebuild: &str) -> Result<PathBuf> {
             bin.display()
         )
     })?;
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../lb-userspace/src");
-    if let Some((newer, _)) = newest_file(&src).filter(|(_, t)| *t > built) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let newest = ["lb-userspace/src", "lb-core/src"]
+        .iter()
+        .filter_map(|dir| newest_file(&root.join(dir)))
+        .max_by_key(|(_, t)| *t);
+    if let Some((newer, _)) = newest.filter(|(_, t)| *t > built) {
         bail!(
             "the sluice binary {} is older than {}: rebuild it with {rebuild}",
             bin.display(),

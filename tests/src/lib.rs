@@ -7,6 +7,7 @@ pub mod etcd;
 pub mod fleet_lab;
 pub mod frames;
 pub mod fuzz;
+pub mod net_lab;
 pub mod netns;
 pub mod openai;
 pub mod pinned;

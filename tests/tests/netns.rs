@@ -14,9 +14,8 @@ use std::{
 
 use lb_common::{stat, PROTO_TCP};
 use sluice_tests::{
-    netns::{
-        lab_namespaces, Counters, LabOptions, NetLab, TopologySpec, TCP_PORT, UDP_PORT, VIP4, VIP6,
-    },
+    net_lab::{Counters, LabOptions, NetLab},
+    netns::{lab_namespaces, TopologySpec, TCP_PORT, UDP_PORT, VIP4, VIP6},
     stream::{udp_ask, udp_flow_key, udp_socket_in, TokenStream},
 };
 

@@ -33,7 +33,8 @@ use sluice::{
 };
 use sluice_tests::{
     daemon_lab::{DaemonLab, DaemonLabOptions, Running, VipDef},
-    netns::{attach_native, backend_id, LabOptions, NetLab, Topology, RING, SEED, TCP_PORT, VIP4},
+    net_lab::{backend_id, LabOptions, NetLab},
+    netns::{attach_native, Topology, RING, SEED, TCP_PORT, VIP4},
     stream::TokenStream,
 };
 

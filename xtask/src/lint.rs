@@ -1,12 +1,26 @@
 //! `cargo xtask lint`: rustfmt and clippy (warnings are errors) for the workspace and for the
-//! eBPF crate, which is outside the workspace and needs its own runs.
+//! eBPF crate, which is outside the workspace and needs its own runs; no import cycle between
+//! the modules of a crate.
 
 use anyhow::{bail, Result};
 
 use crate::{
     build::{self, EBPF_HOST_TARGET, EBPF_RUSTFLAGS},
     cmd::{self, step},
+    modgraph,
 };
+
+/// The source directories whose modules must not import each other in a cycle.
+const CRATES: &[&str] = &[
+    "lb-core/src",
+    "lb-userspace/src",
+    "lb-common/src",
+    "lb-ebpf/src",
+    "bench/src",
+    "accel-sim/src",
+    "tests/src",
+    "xtask/src",
+];
 
 pub fn run() -> Result<()> {
     let root = cmd::workspace_root();
@@ -67,6 +81,9 @@ pub fn run() -> Result<()> {
                 .args(["--", "-D", "warnings"]),
         ),
     );
+
+    step("module graph");
+    check("module graph", modgraph::check(&root, CRATES));
 
     if !failed.is_empty() {
         bail!("lint failed: {}", failed.join(", "));

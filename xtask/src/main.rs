@@ -8,13 +8,12 @@ mod demo;
 mod exports;
 mod fuzz;
 mod lint;
+mod modgraph;
 mod package;
 mod setup;
 mod test;
-// One source for a test's temporary directory: xtask cannot depend on the daemon's crate.
 #[cfg(test)]
-#[path = "../../lb-userspace/src/test_dir.rs"]
-mod test_dir;
+use sluice_core::test_dir;
 mod verify;
 
 use std::process::ExitCode;

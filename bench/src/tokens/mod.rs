@@ -40,7 +40,7 @@ use clap::Parser;
 use rand::{rngs::StdRng, RngExt, SeedableRng};
 use serde::Serialize;
 use serde_json::json;
-use sluice::telemetry::{http::Client as PageClient, target::HttpUrl};
+use sluice::{config::HttpUrl, scrape::http::Client as PageClient};
 use tokio::{sync::mpsc, task::JoinSet, time::Instant};
 
 use self::{

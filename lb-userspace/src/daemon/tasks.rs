@@ -15,7 +15,7 @@ use crate::{
     config::{self, Config},
     controller::Controller,
     policy::Policy,
-    scheduler,
+    scheduler, scrape,
     telemetry::{self, Hub},
 };
 
@@ -79,7 +79,7 @@ pub(super) fn start_scraper(
         }
     }
     let (hub, tcfg) = (hub.clone(), cfg.telemetry.clone());
-    Restartable::spawn(move |stop| telemetry::scrape::run(targets, hub, tcfg, epoch, stop))
+    Restartable::spawn(move |stop| scrape::run(targets, hub, tcfg, epoch, stop))
 }
 
 pub(super) fn start_health(
@@ -106,14 +106,14 @@ pub(super) fn start_ticker(
         let mut policy = Policy::new(cfg.policy.clone());
         let mut inband = telemetry::inband::Tracker::default();
         let mut rst = cfg.policy.shed == Some(config::ShedMode::Rst);
-        // Steps tick with the scrape rounds ([`telemetry::scrape::rounds`]) and each waits
+        // Steps tick with the scrape rounds ([`scrape::rounds`]) and each waits
         // for its round to report (at most scrape_timeout), so the policy decides on
         // telemetry milliseconds old. Stepping on a tick of its own would race the round's
         // scrapes and lose, deciding every time on telemetry a whole period old. The first
         // step is on the first round after the start, not at once: stepping before any round
         // would see every scraped backend as stale ("never scraped") and move half of each
         // pool away for a cooldown and a slow start at every daemon start.
-        let rounds = |period| telemetry::scrape::rounds(epoch, period);
+        let rounds = |period| scrape::rounds(epoch, period);
         let mut period = cfg.telemetry.scrape_interval;
         let mut timeout = cfg.telemetry.scrape_timeout;
         let mut every = rounds(period);
@@ -133,7 +133,7 @@ pub(super) fn start_ticker(
                 }
             }
             tokio::select! {
-                _ = telemetry::scrape::round_in(&hub, round, round + timeout) => {}
+                _ = scrape::round_in(&hub, round, round + timeout) => {}
                 _ = &mut stop => break,
             }
             let started = Instant::now();

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use tokio::{net::TcpStream, sync::mpsc};
 
 use super::store::{Kv, Range, Store, StoreError, Watch, WatchEvent};
-use crate::telemetry::target::HttpUrl;
+use crate::config::HttpUrl;
 
 /// Largest unary answer read (etcd's own request limit is 1.5 MiB; base64 adds a third).
 const MAX_ANSWER: usize = 4 << 20;
@@ -22,14 +22,11 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    pub fn new(endpoints: &[String], timeout: Duration) -> Result<Gateway, String> {
-        Ok(Gateway {
-            endpoints: endpoints
-                .iter()
-                .map(|e| HttpUrl::parse(e))
-                .collect::<Result<_, _>>()?,
+    pub fn new(endpoints: &[HttpUrl], timeout: Duration) -> Gateway {
+        Gateway {
+            endpoints: endpoints.to_vec(),
             timeout,
-        })
+        }
     }
 
     /// POSTs `body` to the first endpoint that answers; the response's JSON.

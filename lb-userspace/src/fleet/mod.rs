@@ -476,16 +476,27 @@ pub fn metrics(reg: &mut prometheus_client::registry::Registry, s: &FleetStatus)
     );
 }
 
+/// A valid `[fleet]` with one etcd endpoint, for tests.
+#[cfg(test)]
+pub(crate) fn config_for_tests(
+    endpoint: &str,
+    host: &str,
+    lease_ttl: std::time::Duration,
+) -> FleetConfig {
+    FleetConfig {
+        endpoints: vec![crate::config::HttpUrl::parse(endpoint).expect("a valid URL")],
+        prefix: config::DEFAULT_PREFIX.into(),
+        host: host.into(),
+        lease_ttl,
+        request_timeout: config::DEFAULT_REQUEST_TIMEOUT,
+    }
+}
+
 /// A fleet whose status has one of everything, for the metrics and dashboard tests.
 #[cfg(test)]
 pub(crate) fn sample() -> Fleet<gateway::Gateway> {
-    let cfg = config::validate(config::RawFleet {
-        endpoints: Some(vec!["http://127.0.0.1:9".into()]),
-        host: Some("lb-1".into()),
-        ..Default::default()
-    })
-    .expect("a valid [fleet]");
-    let store = gateway::Gateway::new(&cfg.endpoints, cfg.request_timeout).expect("endpoints");
+    let cfg = config_for_tests("http://127.0.0.1:9", "lb-1", config::DEFAULT_LEASE_TTL);
+    let store = gateway::Gateway::new(&cfg.endpoints, cfg.request_timeout);
     let f = Fleet::new(store, cfg, Limits { max_vips: 4 }, 1);
     f.with_status(|s| {
         s.etcd_up = true;

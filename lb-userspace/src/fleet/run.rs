@@ -21,9 +21,9 @@ use crate::{
     clock::now_ms,
     controller::{Controller, Event, Peer, Plane},
     policy::Policy,
-    scheduler,
+    scheduler, scrape,
     state::Op,
-    telemetry::{self, inband::Tracker, Hub},
+    telemetry::{inband::Tracker, Hub},
 };
 
 /// Wait between two attempts to reach etcd after a failure.
@@ -225,13 +225,13 @@ pub async fn steer<S: Store, P: Plane>(
         }
     };
     let steps = async {
-        let mut every = telemetry::scrape::rounds(s.epoch, s.scrape_interval);
+        let mut every = scrape::rounds(s.epoch, s.scrape_interval);
         loop {
             let round = every.tick().await.into_std();
             if !fleet.status().is_leader {
                 continue;
             }
-            telemetry::scrape::round_in(&s.hub, round, round + s.scrape_timeout).await;
+            scrape::round_in(&s.hub, round, round + s.scrape_timeout).await;
             let (now, mut events) = (now_ms(), vec![]);
             let r = step(&fleet, &mut s, now, &mut events).await;
             observed(&fleet, &s.ctl, r, now, events).await;

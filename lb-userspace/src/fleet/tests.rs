@@ -33,13 +33,7 @@ impl Drop for Host {
 }
 
 fn cfg(host: &str) -> FleetConfig {
-    config::validate(config::RawFleet {
-        endpoints: Some(vec!["http://127.0.0.1:2379".into()]),
-        host: Some(host.into()),
-        lease_ttl: Some("3s".into()),
-        ..Default::default()
-    })
-    .unwrap()
+    config_for_tests("http://127.0.0.1:2379", host, Duration::from_secs(3))
 }
 
 /// A host that follows the fleet's table set (the daemon's `follow` task).

@@ -98,11 +98,7 @@ async fn every_metric_the_dashboard_queries_is_exported() {
     info.fleet = Some(std::sync::Arc::new(crate::fleet::sample()));
     info.policy_step_ns
         .store(1_000_000, std::sync::atomic::Ordering::Relaxed);
-    let announcer = crate::announce::Announcer::new(
-        crate::announce::config::RawBgp::default()
-            .validate()
-            .unwrap(),
-    );
+    let announcer = crate::announce::Announcer::new(crate::announce::config::BgpConfig::default());
     let d = &crate::announce::decide::decide(&crate::announce::decide::inputs(
         snap.state
             .vips

@@ -21,15 +21,19 @@ use tokio::{
 };
 use tracing::{debug, info, warn};
 
-use super::{
-    dcgm, engine,
-    http::Client,
-    prom::{self, Page},
-    roce::{self, Counters, RateTracker},
-    target::{Endpoint, Reader, Target},
-    Hub, Sample,
+use self::http::Client;
+use crate::{
+    config::TelemetryConfig,
+    telemetry::{
+        dcgm, engine,
+        prom::{self, Page},
+        roce::{self, Counters, RateTracker},
+        target::{Endpoint, Reader, Target},
+        Hub, Sample,
+    },
 };
-use crate::config::TelemetryConfig;
+
+pub mod http;
 
 /// The first scrape round at or after `now`: rounds start at `epoch` + a whole number of
 /// `period`s, so a restarted scraper (a reload) keeps the schedule the ticker steps on.
@@ -244,20 +248,21 @@ mod tests {
     use super::*;
     use crate::{
         config::EngineKind,
-        telemetry::{target::HttpUrl, BackendKey, BackendTelemetry, Source},
+        config::HttpUrl,
+        telemetry::{BackendKey, BackendTelemetry, Source},
     };
 
     const DCGM: &str = include_str!(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/telemetry/dcgm-exporter.prom"
+        "/../lb-core/tests/fixtures/telemetry/dcgm-exporter.prom"
     ));
     const VLLM: &str = include_str!(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/telemetry/vllm.prom"
+        "/../lb-core/tests/fixtures/telemetry/vllm.prom"
     ));
     const NODE: &str = include_str!(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/telemetry/node-exporter-roce.prom"
+        "/../lb-core/tests/fixtures/telemetry/node-exporter-roce.prom"
     ));
 
     /// What the test server answers for a path: status, body, delay.
@@ -277,7 +282,7 @@ mod tests {
         }
     }
 
-    const MAX_BODY: usize = crate::telemetry::http::MAX_BODY_BYTES;
+    const MAX_BODY: usize = super::http::MAX_BODY_BYTES;
 
     #[derive(Default)]
     struct Stats {

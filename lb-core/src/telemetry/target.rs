@@ -7,7 +7,7 @@ use std::{
 };
 
 use super::{BackendKey, Source};
-use crate::config::{Config, EngineKind, RoceConfig};
+use crate::config::{Config, EngineKind, HttpUrl, RoceConfig};
 
 /// One source of one backend.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -54,71 +54,6 @@ impl Target {
     }
 }
 
-/// An `http://` URL split for a plain HTTP/1.1 client.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct HttpUrl {
-    /// Host name or address, without IPv6 brackets (for connecting).
-    pub host: String,
-    pub port: u16,
-    /// `host[:port]` as written (the Host header).
-    pub authority: String,
-    /// Path and query; `/` when the URL has none.
-    pub path: String,
-}
-
-impl HttpUrl {
-    pub fn parse(url: &str) -> Result<HttpUrl, String> {
-        if url.starts_with("https://") {
-            return Err(format!(
-                "{url:?}: https is not supported: Sluice speaks plain HTTP to exporters and to \
-                 etcd's gateway; use an http:// endpoint (the plain-HTTP port, or a local proxy \
-                 in front of a TLS one)"
-            ));
-        }
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or_else(|| format!("{url:?} is not an http:// URL"))?;
-        let rest = rest.split('#').next().unwrap_or_default();
-        let split = rest.find(['/', '?']).unwrap_or(rest.len());
-        let (authority, path) = rest.split_at(split);
-        let path = match path {
-            "" => "/".to_owned(),
-            p if p.starts_with('?') => format!("/{p}"),
-            p => p.to_owned(),
-        };
-        let bad = || format!("{url:?} has no valid host[:port]");
-        let (host, port) = match authority.strip_prefix('[') {
-            Some(v6) => {
-                let (h, after) = v6.split_once(']').ok_or_else(bad)?;
-                (h, after.strip_prefix(':'))
-            }
-            None => match authority.rsplit_once(':') {
-                Some((h, p)) => (h, Some(p)),
-                None => (authority, None),
-            },
-        };
-        let port = match port {
-            None => 80,
-            Some(p) => p.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(bad)?,
-        };
-        if host.is_empty() || authority.contains('@') || url.contains(char::is_whitespace) {
-            return Err(bad());
-        }
-        Ok(HttpUrl {
-            host: host.to_owned(),
-            port,
-            authority: authority.to_owned(),
-            path,
-        })
-    }
-}
-
-impl fmt::Display for HttpUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "http://{}{}", self.authority, self.path)
-    }
-}
-
 impl fmt::Display for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -128,36 +63,32 @@ impl fmt::Display for Endpoint {
     }
 }
 
-/// Every telemetry target of the configuration. Fails, naming each offending key, when an
-/// endpoint is https (the scraper speaks plain HTTP only) or not a usable URL.
-pub fn targets(config: &Config) -> Result<Vec<Target>, String> {
+/// Every telemetry target of the configuration (its URLs were checked when it was read).
+pub fn targets(config: &Config) -> Vec<Target> {
     let mut out = Vec::new();
-    let mut errors = Vec::new();
-    for (vi, vip) in config.vips.iter().enumerate() {
-        for (bi, b) in vip.backends.iter().enumerate() {
+    for vip in &config.vips {
+        for b in &vip.backends {
             let key: BackendKey = (vip.name.clone(), b.address);
-            let mut add = |what: &str, endpoint: Result<Endpoint, String>, reader| match endpoint {
-                Ok(endpoint) => out.push(Target {
+            let mut add = |endpoint, reader| {
+                out.push(Target {
                     key: key.clone(),
                     endpoint,
                     reader,
-                }),
-                Err(e) => errors.push(format!("vip[{vi}].backend[{bi}].{what}.url: {e}")),
+                })
             };
-            let http = |url: &str| HttpUrl::parse(url).map(Endpoint::Http);
             if let Some(d) = &b.dcgm {
                 let reader = Reader::Dcgm {
                     gpus: d.gpus.clone(),
                     uuids: d.uuids.clone(),
                 };
-                add("dcgm", http(&d.url), reader);
+                add(Endpoint::Http(d.url.clone()), reader);
             }
             if let Some(e) = &b.engine {
                 let reader = Reader::Engine {
                     kind: e.kind,
                     model: e.model.clone(),
                 };
-                add("engine", http(&e.url), reader);
+                add(Endpoint::Http(e.url.clone()), reader);
             }
             match &b.roce {
                 Some(RoceConfig::Exporter { url, device, port }) => {
@@ -165,22 +96,16 @@ pub fn targets(config: &Config) -> Result<Vec<Target>, String> {
                         device: device.clone(),
                         port: port.clone(),
                     };
-                    add("roce", http(url), reader);
+                    add(Endpoint::Http(url.clone()), reader);
                 }
-                Some(RoceConfig::Sysfs { sysfs }) => add(
-                    "roce",
-                    Ok(Endpoint::Sysfs(sysfs.clone())),
-                    Reader::RoceSysfs,
-                ),
+                Some(RoceConfig::Sysfs { sysfs }) => {
+                    add(Endpoint::Sysfs(sysfs.clone()), Reader::RoceSysfs)
+                }
                 None => {}
             }
         }
     }
-    if errors.is_empty() {
-        Ok(out)
-    } else {
-        Err(errors.join("\n"))
-    }
+    out
 }
 
 /// The sources each backend of the configuration expects, for [`super::Hub::configure`];
@@ -215,46 +140,6 @@ encap_source_v6 = "fd00:5:1::/96"
     }
 
     #[test]
-    fn urls() {
-        let u = HttpUrl::parse("http://10.1.0.1:9400/metrics").unwrap();
-        assert_eq!(
-            u,
-            HttpUrl {
-                host: "10.1.0.1".into(),
-                port: 9400,
-                authority: "10.1.0.1:9400".into(),
-                path: "/metrics".into(),
-            }
-        );
-        assert_eq!(u.to_string(), "http://10.1.0.1:9400/metrics");
-        let u = HttpUrl::parse("http://[2001:db8:1::11]:30000/metrics?x=1#frag").unwrap();
-        assert_eq!((u.host.as_str(), u.port), ("2001:db8:1::11", 30000));
-        assert_eq!(
-            (u.authority.as_str(), u.path.as_str()),
-            ("[2001:db8:1::11]:30000", "/metrics?x=1")
-        );
-        let u = HttpUrl::parse("http://gpu-node-01").unwrap();
-        assert_eq!(
-            (u.host.as_str(), u.port, u.path.as_str()),
-            ("gpu-node-01", 80, "/")
-        );
-        assert_eq!(HttpUrl::parse("http://h?q").unwrap().path, "/?q");
-        for bad in [
-            "http://",
-            "http://:80/",
-            "http://h:0/",
-            "http://h:x/",
-            "http://u@h/",
-            "ftp://h/",
-        ] {
-            assert!(HttpUrl::parse(bad).is_err(), "{bad}");
-        }
-        assert!(HttpUrl::parse("https://h/metrics")
-            .unwrap_err()
-            .contains("https is not supported"));
-    }
-
-    #[test]
     fn targets_and_sources_from_config() {
         let cfg = parse(
             r#"[[vip]]
@@ -273,7 +158,7 @@ port = 443
   address = "10.1.0.3"
 "#,
         );
-        let t = targets(&cfg).unwrap();
+        let t = targets(&cfg);
         let k1 = ("chat".to_owned(), "10.1.0.1".parse().unwrap());
         let k2 = ("chat".to_owned(), "10.1.0.2".parse().unwrap());
         let k3 = ("chat".to_owned(), "10.1.0.3".parse().unwrap());
@@ -347,7 +232,7 @@ port = 443
     fn the_example_configuration() {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/sluice.toml");
         let cfg = config::load(std::path::Path::new(path)).unwrap();
-        let t = targets(&cfg).unwrap();
+        let t = targets(&cfg);
         assert!(t.iter().any(|t| t.source() == Source::Roce));
         let s = sources(&cfg);
         assert_eq!(

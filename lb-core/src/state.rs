@@ -538,13 +538,14 @@ impl State {
     }
 }
 
-/// Specs for the library's tests.
-#[cfg(test)]
-pub(crate) mod testing {
+/// Specs for tests, here and in the shells' crate (compiled always: a `cfg(test)` item is
+/// invisible to another crate's tests).
+#[doc(hidden)]
+pub mod testing {
     use super::*;
 
     /// A TCP/443 five-tuple VIP.
-    pub(crate) fn vip(name: &str, addr: &str) -> VipSpec {
+    pub fn vip(name: &str, addr: &str) -> VipSpec {
         VipSpec {
             name: name.into(),
             address: addr.parse().unwrap(),
@@ -560,7 +561,7 @@ pub(crate) mod testing {
     }
 
     /// A backend of weight 100 without labels or session cap.
-    pub(crate) fn be(addr: &str) -> BackendSpec {
+    pub fn be(addr: &str) -> BackendSpec {
         BackendSpec {
             address: addr.parse().unwrap(),
             weight: 100,

@@ -249,7 +249,7 @@ impl BackendConfig {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct DcgmConfig {
     /// http:// URL of the exporter's metrics.
-    pub url: String,
+    pub url: HttpUrl,
     /// Values of the `gpu` label to select (empty: every GPU the exporter reports).
     pub gpus: Vec<String>,
     /// Values of the `UUID` label to select (empty: no UUID filter).
@@ -260,7 +260,7 @@ pub struct DcgmConfig {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct EngineConfig {
     /// http:// URL of the engine's Prometheus metrics.
-    pub url: String,
+    pub url: HttpUrl,
     pub kind: EngineKind,
     /// Value of the `model_name` label to select; `None` = all models.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -275,7 +275,7 @@ pub enum RoceConfig {
     Sysfs { sysfs: PathBuf },
     /// Scraped from an exporter, selecting one device and port.
     Exporter {
-        url: String,
+        url: HttpUrl,
         device: String,
         port: String,
     },

@@ -59,6 +59,7 @@ use crate::{
 pub mod bgp;
 pub mod fleet;
 pub mod rules;
+mod url;
 
 mod errors;
 mod positions;
@@ -66,7 +67,11 @@ mod semantics;
 mod shape;
 mod types;
 
-pub use self::{errors::*, types::*};
+pub use self::{
+    errors::*,
+    types::*,
+    url::{HttpUrl, UrlError},
+};
 use self::{positions::*, semantics::*, shape::*};
 
 // ------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ use hyper::{body::Bytes, client::conn::http1, header, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::{net::TcpStream, task::JoinHandle};
 
-use super::{prom::MAX_PAGE_BYTES, target::HttpUrl};
+use crate::{config::HttpUrl, telemetry::prom::MAX_PAGE_BYTES};
 
 /// Largest body read; a page the parser would refuse is not worth reading.
 pub const MAX_BODY_BYTES: usize = MAX_PAGE_BYTES;

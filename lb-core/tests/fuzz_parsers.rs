@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use proptest::prelude::*;
-use sluice::{
+use sluice_core::{
     config::{self, rules, EngineKind},
     telemetry::{dcgm, engine, prom, Sample},
 };

@@ -15,9 +15,9 @@ use std::{
 };
 
 use lb_common::{FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, VIP_F_SRC_HASH};
-use sluice::config::{
+use sluice_core::config::{
     self, AttachMode, BackendConfig, Cidr, CidrError, Config, DataplaneConfig, EngineKind,
-    HashMode, HealthCheck, InterfaceConfig, Mac, Protocol, RoceConfig, SocketMode,
+    HashMode, HealthCheck, HttpUrl, InterfaceConfig, Mac, Protocol, RoceConfig, SocketMode,
 };
 
 /// Prepended to cases with `base: true`: the smallest valid file with both encapsulation
@@ -1378,7 +1378,7 @@ fn config_sluice_example_contents() {
     assert_eq!(
         chat.backends[1].roce,
         Some(RoceConfig::Exporter {
-            url: "http://10.1.0.2:9401/metrics".into(),
+            url: HttpUrl::parse("http://10.1.0.2:9401/metrics").unwrap(),
             device: "mlx5_0".into(),
             port: "1".into(),
         })
@@ -1665,14 +1665,16 @@ fn config_bgp_section_is_checked_with_key_paths() {
     assert_eq!(
         e.messages(),
         [
-            "t.toml:7:18: bgp.control_socket: \"bird.ctl\" is not an absolute path; allowed: an absolute path, e.g. \"/run/bird/bird.ctl\"",
-            "t.toml:8:12: bgp.interval: \"2m\" is out of range; allowed: 10ms..=60s, e.g. \"1s\"",
+            "t.toml:7:18: bgp.control_socket: \"bird.ctl\" is not an absolute path; allowed: a path starting with \"/\"",
+            "t.toml:8:12: bgp.interval: \"2m\" is out of range; allowed: 10ms..=1m, e.g. \"1s\"",
         ]
     );
     let cfg = config::parse(&format!("{BASE}[bgp]\ninterval = \"200ms\"\n"), "t.toml").unwrap();
     let bgp = cfg.bgp.as_ref().unwrap();
     assert_eq!(bgp.interval, Duration::from_millis(200));
     assert_eq!(bgp.routes_file, Path::new("/var/lib/sluice/bird-vips.conf"));
+    let empty = config::parse(&format!("{BASE}[bgp]\n"), "t.toml").unwrap();
+    assert_eq!(empty.bgp, Some(config::bgp::BgpConfig::default()));
     let back = config::parse(&toml::to_string(&cfg).unwrap(), "again.toml").unwrap();
     assert_eq!(back, cfg);
 }
@@ -1680,18 +1682,40 @@ fn config_bgp_section_is_checked_with_key_paths() {
 #[test]
 fn fleet_section_is_validated_with_its_key_paths() {
     let text = format!(
-        "{BASE}[fleet]\nendpoints = [\"https://etcd:2379\"]\nhost = \"\"\nlease_ttl = \"2s\"\nrequest_timeout = \"1500ms\"\n"
+        "{BASE}[fleet]\nendpoints = [\"https://etcd:2379\", \"http://[x]:1\"]\nhost = \"\"\n\
+         prefix = \"sluice/\"\nlease_ttl = \"2s\"\nrequest_timeout = \"1500ms\"\n"
     );
     let e = config::parse(&text, "t.toml").unwrap_err().messages();
-    let keys: Vec<bool> = ["fleet.endpoints", "fleet.host", "fleet.request_timeout"]
-        .iter()
-        .map(|k| e.iter().any(|m| m.contains(k)))
-        .collect();
-    assert_eq!(keys, [true, true, true], "{e:#?}");
+    assert_eq!(
+        e,
+        [
+            "t.toml:7:14: fleet.endpoints[0]: \"https://etcd:2379\" is https, which the fleet's etcd client does not speak; allowed: an http:// URL such as \"http://10.0.0.1:2379\" (etcd's plain-HTTP port, or a local proxy in front of a TLS one)",
+            "t.toml:7:35: fleet.endpoints[1]: \"http://[x]:1\" is not a valid URL; allowed: an http:// URL such as \"http://10.0.0.1:2379\"",
+            "t.toml:8:8: fleet.host: \"\": allowed: this host's unique name in the fleet, 1 to 63 of [A-Za-z0-9._-] (required)",
+            "t.toml:9:10: fleet.prefix: \"sluice/\": allowed: a key path starting with `/`, not ending with one, e.g. \"/sluice/edge-1\"",
+            "t.toml:11:19: fleet.request_timeout: 1s 500ms is more than half of lease_ttl (2s): a leader could lose its lease while one request waits; allowed: at most lease_ttl / 2",
+        ],
+        "{e:#?}"
+    );
+    let short = format!("{BASE}[fleet]\nendpoints = []\nhost = \"lb-1\"\nlease_ttl = \"1s\"\n");
+    let e = config::parse(&short, "t.toml").unwrap_err().messages();
+    assert_eq!(
+        e,
+        [
+            "t.toml:7:13: fleet.endpoints: missing (required); allowed: a list of etcd client URLs such as [\"http://10.0.0.1:2379\"]",
+            "t.toml:9:13: fleet.lease_ttl: \"1s\" is out of range; allowed: 2s..=1m, e.g. \"5s\"",
+        ],
+        "{e:#?}"
+    );
     let ok = format!("{BASE}[fleet]\nendpoints = [\"http://10.0.0.1:2379\"]\nhost = \"lb-1\"\n");
     let cfg = config::parse(&ok, "t.toml").unwrap();
     let f = cfg.fleet.unwrap();
     assert_eq!((f.host.as_str(), f.prefix.as_str()), ("lb-1", "/sluice"));
+    assert_eq!(
+        (f.lease_ttl, f.request_timeout),
+        (Duration::from_secs(5), Duration::from_secs(1))
+    );
+    assert_eq!(f.endpoints[0].to_string(), "http://10.0.0.1:2379/");
     assert_eq!(config::parse(BASE, "t.toml").unwrap().fleet, None);
 }
 

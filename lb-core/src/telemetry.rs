@@ -9,25 +9,23 @@
 //! - [`inband`]: time to first byte and delivery rate from the data plane (in-band VIPs);
 //! - push: samples posted through the admin API ([`Hub::update`] with [`Source::Push`]).
 //!
-//! Everything that interprets data is pure and takes the time as a parameter: [`prom`] parses
-//! the text exposition format, the extractors turn a page into a partial [`Sample`], [`Hub`]
-//! merges the parts and judges staleness. The I/O shell is small: [`http`] fetches a page,
-//! [`scrape::run`] polls every [`Target`] built by [`targets`] and feeds the hub.
+//! Everything here interprets data and takes the time as a parameter: [`prom`] parses the text
+//! exposition format, the extractors turn a page into a partial [`Sample`], [`Hub`] merges the
+//! parts and judges staleness. The I/O shell is the `sluice` crate's `scrape` module: it fetches
+//! each [`Target`] built by [`targets`] and feeds the hub.
 //!
 //! The daemon wires it up in `daemon::start_scraper`: the hub is told each backend's sources
-//! ([`Hub::configure`], [`Hub::retain`]) and its staleness limit, then [`run`] starts. A
-//! configuration reload stops `run`, does the same for the new file and starts it again; the
-//! hub, and so each backend's last samples, lives on. The steering tick reads
+//! ([`Hub::configure`], [`Hub::retain`]) and its staleness limit, then the scrape loop starts.
+//! A configuration reload stops the loop, does the same for the new file and starts it again;
+//! the hub, and so each backend's last samples, lives on. The steering tick reads
 //! [`Hub::view`]; the admin API's `POST .../telemetry` pushes samples ([`Hub::push`]).
 
 pub mod dcgm;
 pub mod engine;
-pub mod http;
 pub mod hub;
 pub mod inband;
 pub mod prom;
 pub mod roce;
-pub mod scrape;
 pub mod target;
 
 use std::{fmt, net::IpAddr};
@@ -35,7 +33,6 @@ use std::{fmt, net::IpAddr};
 use serde::{Deserialize, Serialize};
 
 pub use hub::{BackendTelemetry, Hub};
-pub use scrape::run;
 pub use target::{sources, targets, Target};
 
 /// A backend: (VIP name, backend address).
