@@ -15,7 +15,8 @@
 //! - policy: [`policy`] (pure adaptive steering: weights, move-aways, admission) and
 //!   [`scheduler`] (the shell that runs health checks and policy steps);
 //! - telemetry: [`telemetry`] (accelerator, engine and in-band signals per backend), [`flowwalk`]
-//!   (connection-table counts), [`metrics`] (Prometheus), [`trace`] (decision traces);
+//!   (connection-table counts), [`metrics`] (Prometheus; the exposition helpers every page
+//!   shares are in [`prom_text`]), [`trace`] (decision traces);
 //! - configuration: [`config`], [`check`]; the daemon shell: [`daemon`], [`clock`],
 //!   [`notify`], [`private_file`];
 //! - the API: [`admin`] over [`http_server`] (shared with [`metrics`]), [`client`],
@@ -47,6 +48,7 @@ pub mod notify;
 pub mod object;
 pub mod policy;
 pub mod private_file;
+pub mod prom_text;
 pub mod ring_history;
 pub mod ring_store;
 pub mod scheduler;
