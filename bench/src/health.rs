@@ -23,10 +23,9 @@ use std::{
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use sluice::{
-    check,
+    check::{self, specs},
     config::HealthConfig,
     controller::{Controller, Counters, FlowEntry, Overlay, Plane, Settings},
-    daemon::specs,
     scheduler::run_health,
     state::{Limits, State},
 };

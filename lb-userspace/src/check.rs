@@ -6,9 +6,8 @@ use std::{io::Write, path::Path};
 
 use crate::{
     config::{self, Config},
-    daemon::specs,
     private_file,
-    state::{Limits, State},
+    state::{BackendSpec, Limits, State, VipSpec},
     telemetry,
 };
 
@@ -79,6 +78,38 @@ pub fn check(text: &str, origin: &str) -> Result<Checked, Refused> {
         text: text.to_owned(),
         warnings,
     })
+}
+
+/// The VIPs and backends a configuration asks for.
+pub fn specs(cfg: &Config) -> Vec<(VipSpec, Vec<BackendSpec>)> {
+    cfg.vips
+        .iter()
+        .map(|v| {
+            let spec = VipSpec {
+                name: v.name.clone(),
+                address: v.address,
+                port: v.port,
+                protocol: v.protocol,
+                hash: v.hash,
+                affinity_secs: v.affinity_secs(),
+                priority: v.priority.into(),
+                ring_size: v.ring_size,
+                flow_state: v.flow_state,
+                inband: v.inband,
+            };
+            let backends = v
+                .backends
+                .iter()
+                .map(|b| BackendSpec {
+                    address: b.address,
+                    weight: b.weight,
+                    labels: b.labels.clone(),
+                    max_sessions: b.max_sessions,
+                })
+                .collect();
+            (spec, backends)
+        })
+        .collect()
 }
 
 /// `sluice check`: prints the verdict (warnings go to stderr); a refused file is the error.
