@@ -22,8 +22,6 @@ use clap::{
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
-pub(crate) mod escape;
-
 use self::print::{
     cell, event_row, host_port, items, print_backends, print_events, print_flows, print_sample,
     print_stats, print_status, print_vips, table, timestamp, EVENT_COLUMNS,
@@ -33,6 +31,7 @@ use crate::{
     admin::{DrainRequest, NewVip, WeightChange},
     client::{path_segment, Client},
     config::EngineKind,
+    escape,
     state::{BackendSpec, FlowState, HashMode, Protocol, VipSpec},
 };
 

@@ -20,7 +20,8 @@
 //! - configuration: [`config`], [`check`]; the daemon shell: [`daemon`], [`clock`],
 //!   [`notify`], [`private_file`];
 //! - the API: [`admin`] over [`http_server`] (shared with [`metrics`]), [`client`],
-//!   [`cli`] and its [`manpages`], [`limits`]; the backend side: [`backend_host`].
+//!   [`cli`] and its [`manpages`], [`escape`] (the daemon's text made safe for a terminal),
+//!   [`limits`]; the backend side: [`backend_host`].
 //! - the fleet: [`announce`] (VIP routes through BIRD, `sluice lb drain`) and [`fleet`] (one
 //!   versioned table set in etcd, the steering leader, static stability).
 
@@ -37,6 +38,7 @@ pub mod config;
 pub mod controller;
 pub mod daemon;
 pub mod dataplane;
+pub mod escape;
 pub mod fleet;
 pub mod flowwalk;
 pub mod http_server;
