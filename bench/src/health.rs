@@ -26,9 +26,8 @@ use sluice::{
     check,
     config::HealthConfig,
     controller::{Controller, Counters, FlowEntry, Overlay, Plane, Settings},
-    daemon::specs,
     scheduler::run_health,
-    state::{Limits, State},
+    state::{specs, Limits, State},
 };
 use tokio::sync::{oneshot, Mutex};
 

@@ -8,7 +8,10 @@ use std::{collections::BTreeMap, net::IpAddr, time::Duration};
 use lb_common::MAX_BACKENDS;
 use serde::{Deserialize, Serialize};
 
-use crate::{config::rules, maglev};
+use crate::{
+    config::{self, rules},
+    maglev,
+};
 
 // One model of a VIP's keywords: the configuration file's, with its spellings and words.
 pub use crate::config::{FlowState, HashMode, Protocol};
@@ -536,6 +539,38 @@ impl State {
         }
         Ok(s)
     }
+}
+
+/// The VIPs and backends a configuration asks for.
+pub fn specs(cfg: &config::Config) -> Vec<(VipSpec, Vec<BackendSpec>)> {
+    cfg.vips
+        .iter()
+        .map(|v| {
+            let spec = VipSpec {
+                name: v.name.clone(),
+                address: v.address,
+                port: v.port,
+                protocol: v.protocol,
+                hash: v.hash,
+                affinity_secs: v.affinity_secs(),
+                priority: v.priority.into(),
+                ring_size: v.ring_size,
+                flow_state: v.flow_state,
+                inband: v.inband,
+            };
+            let backends = v
+                .backends
+                .iter()
+                .map(|b| BackendSpec {
+                    address: b.address,
+                    weight: b.weight,
+                    labels: b.labels.clone(),
+                    max_sessions: b.max_sessions,
+                })
+                .collect();
+            (spec, backends)
+        })
+        .collect()
 }
 
 /// Specs for tests, here and in the shells' crate (compiled always: a `cfg(test)` item is

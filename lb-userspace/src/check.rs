@@ -6,9 +6,8 @@ use std::{io::Write, path::Path};
 
 use crate::{
     config::{self, Config},
-    daemon::specs,
     private_file,
-    state::{Limits, State},
+    state::{specs, Limits, State},
 };
 
 /// A configuration that `sluice run` accepts.

@@ -92,7 +92,7 @@ impl Client {
                 || format!("the daemon answered {status}: {value}"),
                 str::to_owned,
             );
-            bail!(crate::cli::escape::text(&message).into_owned());
+            bail!(crate::escape::text(&message).into_owned());
         }
         Ok(value)
     }
@@ -250,7 +250,7 @@ fn parse_response(raw: &[u8]) -> Result<(u16, Value, bool)> {
         .with_context(|| {
             format!(
                 "the daemon's status line {} is not HTTP",
-                crate::cli::escape::text(&format!("{status_line:?}"))
+                crate::escape::text(&format!("{status_line:?}"))
             )
         })?;
     let mut length = None;
@@ -273,7 +273,7 @@ fn parse_response(raw: &[u8]) -> Result<(u16, Value, bool)> {
             if !value.eq_ignore_ascii_case("chunked") {
                 bail!(
                     "the daemon answered with Transfer-Encoding {}, which this client does not read",
-                    crate::cli::escape::text(value)
+                    crate::escape::text(value)
                 );
             }
             chunked = true;
@@ -310,7 +310,7 @@ fn parse_response(raw: &[u8]) -> Result<(u16, Value, bool)> {
     let value = serde_json::from_slice(&body).with_context(|| {
         format!(
             "the daemon's answer ({status}) is not JSON: {}",
-            crate::cli::escape::text(&String::from_utf8_lossy(&body))
+            crate::escape::text(&String::from_utf8_lossy(&body))
         )
     })?;
     Ok((status, value, retry))

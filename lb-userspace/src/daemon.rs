@@ -34,41 +34,9 @@ use crate::{
     object::BPF_OBJECT,
     policy::Policy,
     ring_store,
-    state::{BackendSpec, Limits, State, VipSpec},
+    state::{specs, Limits, State},
     telemetry::{self, Hub},
 };
-
-/// The VIPs and backends a configuration asks for.
-pub fn specs(cfg: &Config) -> Vec<(VipSpec, Vec<BackendSpec>)> {
-    cfg.vips
-        .iter()
-        .map(|v| {
-            let spec = VipSpec {
-                name: v.name.clone(),
-                address: v.address,
-                port: v.port,
-                protocol: v.protocol,
-                hash: v.hash,
-                affinity_secs: v.affinity_secs(),
-                priority: v.priority.into(),
-                ring_size: v.ring_size,
-                flow_state: v.flow_state,
-                inband: v.inband,
-            };
-            let backends = v
-                .backends
-                .iter()
-                .map(|b| BackendSpec {
-                    address: b.address,
-                    weight: b.weight,
-                    labels: b.labels.clone(),
-                    max_sessions: b.max_sessions,
-                })
-                .collect();
-            (spec, backends)
-        })
-        .collect()
-}
 
 /// 64-bit FNV-1a over the configuration's bytes: a fixed function, so a state file written
 /// by one build is recognised by the next (Rust's `DefaultHasher` makes no such promise).

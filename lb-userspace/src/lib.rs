@@ -16,11 +16,13 @@
 //!   can read at any moment;
 //! - steering: [`scheduler`] runs health [`probe`]s and the policy's steps;
 //! - telemetry: [`scrape`] (the exporter scrape loop and its HTTP client), [`flowwalk`]
-//!   (connection-table counts), [`metrics`] (Prometheus), [`trace`] (decision traces);
+//!   (connection-table counts), [`metrics`] (Prometheus; the exposition helpers every page
+//!   shares are in [`prom_text`]), [`trace`] (decision traces);
 //! - configuration checks: [`check`]; the daemon shell: [`daemon`], [`notify`],
 //!   [`private_file`];
 //! - the API: [`admin`] over [`http_server`] (shared with [`metrics`]), [`client`],
-//!   [`cli`] and its [`manpages`], [`limits`]; the backend side: [`backend_host`].
+//!   [`cli`] and its [`manpages`], [`escape`] (the daemon's text made safe for a terminal),
+//!   [`limits`]; the backend side: [`backend_host`].
 //! - the fleet: [`announce`] (VIP routes through BIRD, `sluice lb drain`) and [`fleet`] (one
 //!   versioned table set in etcd, the steering leader, static stability).
 
@@ -38,6 +40,7 @@ pub mod client;
 pub mod controller;
 pub mod daemon;
 pub mod dataplane;
+pub mod escape;
 pub mod fleet;
 pub mod flowwalk;
 pub mod http_server;
@@ -48,6 +51,7 @@ pub mod notify;
 pub mod object;
 pub mod private_file;
 pub mod probe;
+pub mod prom_text;
 pub mod ring_store;
 pub mod scheduler;
 pub mod scrape;

@@ -13,10 +13,10 @@ use std::{
 use anyhow::{Context, Result};
 use http_body_util::Full;
 use hyper::{body::Bytes, header, service::service_fn, Method, Request, Response, StatusCode};
-use lb_common::stat::{self, Kind};
+use lb_common::stat;
 use prometheus_client::{
     encoding::prometheus_text,
-    metrics::{counter::Counter, family::Family, gauge::Gauge, info::Info},
+    metrics::{gauge::Gauge, info::Info},
     registry::{Registry, Unit},
 };
 use tokio::{net::TcpListener, sync::Mutex};
@@ -27,10 +27,9 @@ use crate::{
     http_server::{serve_connections, serve_http, within},
     limits::{ScrapePeer, METRICS},
     policy::BackendDecision,
+    prom_text::{counters, dataplane_counters, float_gauges, gauges, Labels},
     state::{Backend, FlowState, PlaneState, Vip},
 };
-
-pub(crate) type Labels = Vec<(&'static str, String)>;
 
 /// Binds the metrics address; done at start, before anything is served, so a port in use
 /// stops the start (and rolls back the data plane) instead of failing later in a task.
@@ -140,92 +139,6 @@ fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     let mut r = Response::new(Full::new(Bytes::from(body)));
     *r.status_mut() = status;
     r
-}
-
-pub(crate) fn counters(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, u64)>) {
-    let family = Family::<Labels, Counter>::default();
-    for (labels, v) in samples {
-        family.get_or_create(&labels).inc_by(v);
-    }
-    reg.register(name, help, family);
-}
-
-pub(crate) fn gauges(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, i64)>) {
-    let family = Family::<Labels, Gauge>::default();
-    for (labels, v) in samples {
-        family.get_or_create(&labels).set(v);
-    }
-    reg.register(name, help, family);
-}
-
-fn float_gauges(reg: &mut Registry, name: &str, help: &str, samples: Vec<(Labels, f64)>) {
-    let family = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
-    for (labels, v) in samples {
-        family.get_or_create(&labels).set(v);
-    }
-    reg.register(name, help, family);
-}
-
-/// The family a global data-plane counter is exported in.
-#[derive(Debug, PartialEq, Eq)]
-enum Dataplane {
-    /// `sluice_dataplane_drops_total{reason}`
-    Drops,
-    /// `sluice_dataplane_passes_total{reason}`: packets handed to the kernel.
-    Passes,
-    /// `sluice_dataplane_events_total{event}`
-    Events,
-}
-
-/// The family of a global counter comes from the kind it is declared with in
-/// `lb_common::stat`; the label drops the word the family already says
-/// (`decap_pass_not_encap` → "decap_not_encap").
-fn dataplane_family(name: &str, kind: Kind) -> (Dataplane, String) {
-    let (family, word) = match kind {
-        Kind::Drop => (Dataplane::Drops, "drop_"),
-        Kind::Pass => (Dataplane::Passes, "pass_"),
-        Kind::Received | Kind::Sent | Kind::Event => return (Dataplane::Events, name.to_string()),
-    };
-    let label = match name.strip_prefix(word) {
-        Some(reason) => reason.to_string(),
-        None => name.replacen(&format!("_{word}"), "_", 1),
-    };
-    (family, label)
-}
-
-/// `sluice_dataplane_{drops,passes,events}_total` from (counter, value) pairs.
-pub(crate) fn dataplane_counters(
-    reg: &mut Registry,
-    values: impl Iterator<Item = (stat::Counter, u64)>,
-) {
-    let mut drops = vec![];
-    let mut passes = vec![];
-    let mut events = vec![];
-    for (c, v) in values {
-        match dataplane_family(c.name(), c.kind()) {
-            (Dataplane::Drops, r) => drops.push((vec![("reason", r)], v)),
-            (Dataplane::Passes, r) => passes.push((vec![("reason", r)], v)),
-            (Dataplane::Events, e) => events.push((vec![("event", e)], v)),
-        }
-    }
-    counters(
-        reg,
-        "dataplane_drops",
-        "Packets the data plane dropped, by reason",
-        drops,
-    );
-    counters(
-        reg,
-        "dataplane_passes",
-        "Packets the data plane passed to the kernel, by reason",
-        passes,
-    );
-    counters(
-        reg,
-        "dataplane_events",
-        "Data-plane steering events",
-        events,
-    );
 }
 
 /// The exposition text of `snap`: the families in the order a scrape lists them.
@@ -712,65 +625,6 @@ mod tests {
         assert!(text
             .lines()
             .any(|l| l.starts_with("sluice_uptime_seconds ")));
-    }
-
-    #[test]
-    fn dataplane_counters_are_sorted_into_families() {
-        let f = |n: &str| {
-            let i = stat::NAMES.iter().position(|&m| m == n).unwrap();
-            dataplane_family(n, stat::KINDS[i])
-        };
-        assert_eq!(
-            f("drop_no_nexthop"),
-            (Dataplane::Drops, "no_nexthop".into())
-        );
-        assert_eq!(f("pass_fragment"), (Dataplane::Passes, "fragment".into()));
-        assert_eq!(
-            f("decap_pass_not_encap"),
-            (Dataplane::Passes, "decap_not_encap".into())
-        );
-        assert_eq!(
-            f("flood_bypass"),
-            (Dataplane::Events, "flood_bypass".into())
-        );
-        assert_eq!(
-            f("pass_short_ip_len"),
-            (Dataplane::Passes, "short_ip_len".into())
-        );
-        assert_eq!(
-            f("decap_pass_bad_len"),
-            (Dataplane::Passes, "decap_bad_len".into())
-        );
-        assert_eq!(
-            f("padding_trimmed"),
-            (Dataplane::Events, "padding_trimmed".into())
-        );
-        assert_eq!(
-            f("affinity_hit_saturated"),
-            (Dataplane::Events, "affinity_hit_saturated".into())
-        );
-        // A shed session is an event (why) followed by one outcome: a drop, or a RST sent.
-        // Its drops are in the drops family, where a dashboard of drops finds them.
-        assert_eq!(f("drop_shed"), (Dataplane::Drops, "shed".into()));
-        assert_eq!(
-            f("shed_priority"),
-            (Dataplane::Events, "shed_priority".into())
-        );
-        assert_eq!(f("shed_full"), (Dataplane::Events, "shed_full".into()));
-        assert_eq!(
-            f("shed_rst_sent"),
-            (Dataplane::Events, "shed_rst_sent".into())
-        );
-        // Every pass or drop loses its word in the label, so no label repeats the family.
-        for (name, kind) in stat::NAMES.into_iter().zip(stat::KINDS) {
-            let (_, label) = dataplane_family(name, kind);
-            if matches!(kind, Kind::Pass | Kind::Drop) {
-                assert!(
-                    !label.contains("pass_") && !label.contains("drop_"),
-                    "{name}"
-                );
-            }
-        }
     }
 
     #[tokio::test]

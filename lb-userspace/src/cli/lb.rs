@@ -153,7 +153,7 @@ pub fn rows(v: &Value) -> Vec<(&'static str, String)> {
 
 fn print(out: &mut dyn Write, v: &Value) -> Result<()> {
     for (k, val) in rows(v) {
-        writeln!(out, "{k:<12}{}", super::escape::text(&val))?;
+        writeln!(out, "{k:<12}{}", crate::escape::text(&val))?;
     }
     Ok(())
 }

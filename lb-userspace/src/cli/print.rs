@@ -9,8 +9,8 @@ use std::{
 use anyhow::Result;
 use serde_json::Value;
 
-use super::escape;
 use crate::clock::now_ms;
+use crate::escape;
 
 pub(super) fn print_sample(out: &mut dyn Write, v: &Value) -> Result<()> {
     for (k, v) in v.as_object().into_iter().flatten() {

@@ -35,9 +35,9 @@ use self::{config::HostConfig, dsr::Finding};
 use crate::{
     daemon::{attach_interfaces, ifindex, init_logging, undo},
     dataplane::{remove_pinned, Dataplane, LoadOptions, PROG_DECAP},
-    metrics::{counters as counters_family, dataplane_counters, gauges},
     notify,
     object::BPF_OBJECT,
+    prom_text::{counters as counters_family, dataplane_counters, gauges},
 };
 
 /// The counters of `sluice_decap` (the rest of `lb_common::stat` belongs to the LB).

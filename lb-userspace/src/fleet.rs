@@ -439,7 +439,7 @@ pub fn status_rows(f: &serde_json::Value) -> Vec<(&'static str, String)> {
 
 /// The fleet's metrics: etcd reachability, the applied version, leadership, ring digests.
 pub fn metrics(reg: &mut prometheus_client::registry::Registry, s: &FleetStatus) {
-    use crate::metrics::gauges;
+    use crate::prom_text::gauges;
     let host = || vec![("host", s.host.clone())];
     gauges(
         reg,
@@ -459,7 +459,7 @@ pub fn metrics(reg: &mut prometheus_client::registry::Registry, s: &FleetStatus)
         "1 on the fleet's steering leader",
         vec![(host(), i64::from(s.is_leader))],
     );
-    crate::metrics::counters(
+    crate::prom_text::counters(
         reg,
         "fleet_etcd_outages",
         "Times etcd became unreachable since the daemon started",

@@ -236,7 +236,7 @@ impl Announcer {
 /// The announcement's metrics: per VIP whether it is announced, maintenance, BIRD's BGP
 /// sessions that are up, and failed attempts to reach BIRD.
 pub(crate) fn register_metrics(reg: &mut prometheus_client::registry::Registry, s: &Status) {
-    use crate::metrics::{counters, gauges};
+    use crate::prom_text::{counters, gauges};
     gauges(
         reg,
         "bgp_vip_announced",

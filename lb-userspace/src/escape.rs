@@ -1,4 +1,4 @@
-//! Everything the CLI prints of what the daemon sent goes through here. The daemon refuses
+//! Everything the CLI and its client print of what the daemon sent goes through here. The daemon refuses
 //! control characters in what it stores, but a terminal must never take a byte of a listing
 //! or an error for a command: an escape sequence that recolours or retitles root's terminal,
 //! a newline that forges a table row, a bidi override that reorders one.
