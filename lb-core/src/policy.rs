@@ -2,9 +2,8 @@
 //!
 //! A pure engine: [`Policy::step`] takes the time (`now`, since any fixed epoch) and a view of
 //! every backend, and returns the weights and flags to write plus audit events. It reads no
-//! clock and does no I/O, so the daemon drives it and tests script it. The one I/O function
-//! here is the probe [`health::check`], which the daemon's health loop runs and whose result
-//! it feeds to the pure [`health::Health::record`].
+//! clock and does no I/O, so the daemon drives it and tests script it. Health probes run in
+//! the daemon's crate; their results feed the pure [`health::Health::record`].
 //!
 //! Per step and backend (see the submodules for each rule):
 //! - the load score (an EWMA of the largest normalised load signal), compared with the mean
