@@ -91,6 +91,10 @@ pub struct Sample {
     /// In-band: server bytes acknowledged per second of streaming, per stream ([`inband`]).
     #[serde(default)]
     pub delivery_bps: Option<f64>,
+    /// In-band: server bytes acknowledged per second over the window, all streams together:
+    /// the work the backend carries, at which its in-band readings are judged ([`inband`]).
+    #[serde(default)]
+    pub load_bps: Option<f64>,
     /// In-band: requests whose flow stalled within the window ([`inband`]).
     #[serde(default)]
     pub stalls: Option<f64>,
@@ -121,6 +125,7 @@ impl Sample {
             ("cnp_rate", self.cnp_rate),
             ("ttfb_s", self.ttfb_s),
             ("delivery_bps", self.delivery_bps),
+            ("load_bps", self.load_bps),
             ("stalls", self.stalls),
         ];
         let mut bad = Vec::new();
@@ -169,6 +174,7 @@ impl Sample {
         put(&mut self.cnp_rate, top.cnp_rate);
         put(&mut self.ttfb_s, top.ttfb_s);
         put(&mut self.delivery_bps, top.delivery_bps);
+        put(&mut self.load_bps, top.load_bps);
         put(&mut self.stalls, top.stalls);
     }
 }

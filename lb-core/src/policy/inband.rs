@@ -4,6 +4,14 @@
 //! reason. Peers, not thresholds: what a "slow" first byte is depends on the model and the
 //! load, but a backend answering much later than the others under the same steering is slow.
 //!
+//! Compared at equal load: a continuous-batching engine streams each answer slower, and
+//! answers later, the more streams it batches, and a source-hashed VIP gives backends
+//! different shares. So a backend is only compared with the peers that carry at least as
+//! much work as it does (in-band bytes per second, all streams: [`LOAD_SLACK`]). A backend
+//! slower than peers that carry more is slow whatever its load; one slower than peers that
+//! carry less may only be busier. Work, not streams in flight, is the measure: a slow
+//! backend holds more streams for the same work, and would otherwise excuse itself.
+//!
 //! Slowness its load explains is not `slow`: a backend whose fresh load pressure is at a
 //! threshold (a full KV cache preempts streams, a queue delays first bytes) is as slow as its
 //! load makes it, and moving it away for that is saturation's business, with saturation's
@@ -26,6 +34,9 @@ pub const TTFB_FACTOR: f64 = 1.8;
 pub const TTFB_MARGIN_S: f64 = 0.2;
 /// Slow when the per-stream delivery rate is under the peers' median divided by this.
 pub const DELIVERY_FACTOR: f64 = 1.8;
+/// A peer is compared when it carries at least this fraction less work than the backend
+/// judged: loads within it are equal (the windows' own noise).
+pub const LOAD_SLACK: f64 = 0.1;
 
 /// The median of `v`; None when empty.
 pub(super) fn median(mut v: Vec<f64>) -> Option<f64> {
@@ -41,16 +52,24 @@ pub(super) fn median(mut v: Vec<f64>) -> Option<f64> {
     })
 }
 
-/// Why `i` departs from its peers, if it does; needs two peers with in-band readings.
+/// Why `i` departs from its peers, if it does; needs two peers with in-band readings that
+/// carry at least as much work.
 fn departs(work: &[Work], i: usize) -> Option<String> {
     let me = &work[i];
     let sample = |w: &Work| w.input.telemetry.map(|t| t.sample.clone());
     let s = sample(me)?;
+    // Where either load is unknown (a pushed sample without it) the peer is compared.
+    let load = |w: &Work| w.input.telemetry.and_then(|t| t.sample.load_bps);
+    let carries_as_much = |w: &Work| match (load(w), load(me)) {
+        (Some(peer), Some(mine)) => peer >= (1.0 - LOAD_SLACK) * mine,
+        _ => true,
+    };
     let peers: Vec<&Work> = work
         .iter()
         .enumerate()
         .filter(|(j, w)| *j != i && w.input.vip == me.input.vip && w.eligible)
         .map(|(_, w)| w)
+        .filter(|w| carries_as_much(w))
         .collect();
     let of = |f: fn(&crate::telemetry::Sample) -> Option<f64>| -> Vec<f64> {
         peers
@@ -145,6 +164,53 @@ mod tests {
             stale: false,
             errors: Vec::new(),
         }
+    }
+
+    /// In-band readings of a backend carrying `load_bps`.
+    fn loaded(ttfb_s: f64, delivery_bps: f64, load_bps: f64) -> BackendTelemetry {
+        let mut v = view(Some(ttfb_s), Some(delivery_bps));
+        v.sample.load_bps = Some(load_bps);
+        v
+    }
+
+    /// A source-hashed VIP gives its backends uneven shares, and a batching engine streams
+    /// each answer slower and later the more it carries: the busiest backend reads 2x slower
+    /// than its peers' median, and is not slow. The same reading at equal load is.
+    #[test]
+    fn slowness_is_judged_against_peers_carrying_as_much() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let uneven = [
+            loaded(1.2, 4000.0, 300_000.0),
+            loaded(0.6, 7000.0, 200_000.0),
+            loaded(0.5, 8000.0, 150_000.0),
+            loaded(0.4, 10_000.0, 100_000.0),
+        ];
+        for t in 0..30 {
+            let d = step(&mut p, t * S, &uneven);
+            assert!(
+                d.backends.iter().all(|b| b.reason.is_none()),
+                "at {t} s: {:?}",
+                d.events
+            );
+        }
+        let gray = [
+            loaded(1.2, 4000.0, 195_000.0),
+            loaded(0.6, 7000.0, 200_000.0),
+            loaded(0.5, 8000.0, 205_000.0),
+            loaded(0.4, 10_000.0, 190_000.0),
+        ];
+        let d = step(&mut p, 30 * S, &gray);
+        assert_eq!(
+            (d.backends[0].state, d.backends[0].reason),
+            (SteerState::MovedAway, Some(Reason::Slow))
+        );
+        assert!(
+            d.events.iter().any(|e| e
+                .reason
+                .contains("in-band time to first byte 1.200s, peers' median 0.500s")),
+            "{:?}",
+            d.events
+        );
     }
 
     fn step(p: &mut Policy, now: Duration, views: &[BackendTelemetry]) -> super::super::Decisions {

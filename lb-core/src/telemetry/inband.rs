@@ -104,6 +104,7 @@ impl Tracker {
         (ttfb_s.is_some() || delivery_bps.is_some()).then(|| Sample {
             ttfb_s,
             delivery_bps,
+            load_bps: Some(w.acked_bytes as f64 / WINDOW.as_secs_f64()),
             stalls: Some(w.stalls as f64),
             ..Sample::default()
         })
@@ -152,6 +153,8 @@ mod tests {
         assert_eq!(s.ttfb_s, Some(0.536_870_912));
         // 4096 bytes over 1024 units (1.073741824 s).
         assert_eq!(s.delivery_bps, Some(4096.0 / 1.073_741_824));
+        // The work carried: every byte acknowledged in the window, per second of it.
+        assert_eq!(s.load_bps, Some(4096.0 / 8.0));
         assert_eq!(s.stalls, Some(0.0));
     }
 
