@@ -319,8 +319,23 @@ impl Policy {
         let mut work: Vec<Work> = inputs.iter().map(|i| self.observe(now, i)).collect();
         self.headroom(&mut work);
         let mut events = Vec::new();
-        inband::slow(now, &mut work, &mut self.mismatched, &mut events);
         let backends = &self.backends;
+        let moved_slow = |id| {
+            matches!(
+                backends[&id].move_away.phase,
+                Phase::MovedAway {
+                    reason: Reason::Slow,
+                    ..
+                }
+            )
+        };
+        inband::slow(
+            now,
+            &mut work,
+            moved_slow,
+            &mut self.mismatched,
+            &mut events,
+        );
         refusing::refusing(&mut work, |id| {
             matches!(backends[&id].move_away.phase, Phase::InRotation { .. })
         });

@@ -54,7 +54,8 @@ pub(super) fn median(mut v: Vec<f64>) -> Option<f64> {
 
 /// Why `i` departs from its peers, if it does; needs two peers with in-band readings that
 /// carry at least as much work.
-fn departs(work: &[Work], i: usize) -> Option<String> {
+/// How far: the factor by which it is slower than the median.
+fn departs(work: &[Work], i: usize) -> Option<(f64, String)> {
     let me = &work[i];
     let sample = |w: &Work| w.input.telemetry.map(|t| t.sample.clone());
     let s = sample(me)?;
@@ -81,8 +82,9 @@ fn departs(work: &[Work], i: usize) -> Option<String> {
     if let (Some(t), true) = (s.ttfb_s, ttfbs.len() >= 2) {
         let m = median(ttfbs)?;
         if t > TTFB_FACTOR * m && t - m > TTFB_MARGIN_S {
-            return Some(format!(
-                "in-band time to first byte {t:.3}s, peers' median {m:.3}s"
+            return Some((
+                t / m,
+                format!("in-band time to first byte {t:.3}s, peers' median {m:.3}s"),
             ));
         }
     }
@@ -90,28 +92,33 @@ fn departs(work: &[Work], i: usize) -> Option<String> {
     if let (Some(r), true) = (s.delivery_bps, rates.len() >= 2) {
         let m = median(rates)?;
         if r * DELIVERY_FACTOR < m {
-            return Some(format!(
-                "in-band delivery {r:.0} B/s per stream, peers' median {m:.0} B/s"
+            return Some((
+                m / r,
+                format!("in-band delivery {r:.0} B/s per stream, peers' median {m:.0} B/s"),
             ));
         }
     }
     None
 }
 
-/// Adds the `Slow` triggers; records a mismatch event for each newly slow backend whose
-/// exporters explain nothing (`mismatched` holds the backends flagged in this episode).
+/// Adds the `Slow` triggers, at most one per VIP (see [`one_per_vip`]); records a mismatch
+/// event for each newly slow backend whose exporters explain nothing (`mismatched` holds the
+/// backends flagged in this episode). `moved_slow` says whether a backend is moved away as
+/// slow now.
 pub(super) fn slow(
     now: Duration,
     work: &mut [Work],
+    moved_slow: impl Fn(u32) -> bool,
     mismatched: &mut BTreeSet<u32>,
     events: &mut Vec<PolicyEvent>,
 ) {
     // Pressure is capped at 1: at 1 some load signal is at its threshold.
     let loaded = |w: &Work| w.pressure.is_some_and(|p| p >= 1.0);
-    let found: Vec<(usize, String)> = (0..work.len())
+    let departing: Vec<(usize, f64, String)> = (0..work.len())
         .filter(|&i| !loaded(&work[i]))
-        .filter_map(|i| departs(work, i).map(|d| (i, d)))
+        .filter_map(|i| departs(work, i).map(|(far, d)| (i, far, d)))
         .collect();
+    let found = one_per_vip(work, departing, moved_slow);
     let slow_ids: BTreeSet<u32> = found.iter().map(|(i, _)| work[*i].input.id).collect();
     mismatched.retain(|id| slow_ids.contains(id));
     for (i, detail) in found {
@@ -134,6 +141,34 @@ pub(super) fn slow(
             detail,
         });
     }
+}
+
+/// In-band compares peers with each other, so it can be wrong about several at once (load it
+/// misreads, a client population that moved): it takes at most one backend of a VIP out at a
+/// time. The one already out as slow keeps its trigger while it departs; otherwise the one
+/// departing furthest gets it.
+fn one_per_vip(
+    work: &[Work],
+    mut departing: Vec<(usize, f64, String)>,
+    moved_slow: impl Fn(u32) -> bool,
+) -> Vec<(usize, String)> {
+    let out = |i: usize| moved_slow(work[i].input.id);
+    departing.sort_by(|a, b| out(b.0).cmp(&out(a.0)).then(b.1.total_cmp(&a.1)));
+    let mut vips = BTreeSet::new();
+    let mut found = Vec::new();
+    for (i, _, detail) in departing {
+        if vips.insert(work[i].input.vip) {
+            found.push((i, detail));
+        }
+    }
+    // A VIP whose slow backend is out but no longer departs (its streams ended) stays
+    // budgeted until it is back: the others are judged while its share is on them.
+    found.retain(|&(i, _)| {
+        let vip = work[i].input.vip;
+        out(i) || !(0..work.len()).any(|j| j != i && work[j].input.vip == vip && out(j))
+    });
+    found.sort_by_key(|&(i, _)| i);
+    found
 }
 
 #[cfg(test)]
@@ -210,6 +245,51 @@ mod tests {
                 .contains("in-band time to first byte 1.200s, peers' median 0.500s")),
             "{:?}",
             d.events
+        );
+    }
+
+    /// Two backends read slow at once: the furthest goes, and the other stays in while it is
+    /// out (in-band takes one backend of a VIP out at a time); the second goes only once the
+    /// first is back.
+    #[test]
+    fn in_band_takes_one_backend_of_a_vip_out_at_a_time() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let two_slow = [
+            loaded(0.4, 2500.0, 200_000.0),
+            loaded(0.4, 3500.0, 200_000.0),
+            loaded(0.4, 8000.0, 200_000.0),
+            loaded(0.4, 8000.0, 200_000.0),
+        ];
+        let out = |d: &super::super::Decisions| -> Vec<usize> {
+            (0..4)
+                .filter(|&i| d.backends[i].state == SteerState::MovedAway)
+                .collect()
+        };
+        for t in 0..20 {
+            let d = step(&mut p, t * S, &two_slow);
+            assert_eq!(out(&d), [0], "at {t} s");
+        }
+        // The first one's streams end (no reading): it returns (its cooldown is over), and
+        // then the second one may go.
+        let first_quiet = [
+            view(None, None),
+            loaded(0.4, 3500.0, 200_000.0),
+            loaded(0.4, 8000.0, 200_000.0),
+            loaded(0.4, 8000.0, 200_000.0),
+        ];
+        let mut seen = Vec::new();
+        for t in 20..60 {
+            let d = step(&mut p, t * S, &first_quiet);
+            let o = out(&d);
+            assert!(o.len() <= 1, "at {t} s: {o:?}");
+            if seen.last() != Some(&o) {
+                seen.push(o);
+            }
+        }
+        assert_eq!(
+            seen,
+            [vec![], vec![1]],
+            "the first back, then the second out"
         );
     }
 
