@@ -31,10 +31,10 @@
 //!
 //! Guard: telemetry alone never empties a VIP. When every healthy backend of positive weight
 //! would be moved away, half of them (rounded up) stay in at their score weight, and
-//! admission control deals with real overload. They are ranked first by why they are out
-//! (refusing > throttled, slow > congested > saturated > stale: [`Reason::severity`]), then
-//! by score: a throttled backend that was emptied has a low score because it carries
-//! nothing, not because it would serve well.
+//! admission control deals with real overload. They are ranked first by what holds now, then
+//! by why they went out (refusing > throttled > congested > slow > saturated > stale:
+//! [`Reason::severity`]), then by score: a throttled backend that was emptied has a low score
+//! because it carries nothing, not because it would serve well.
 
 mod admission;
 mod cooldown;
@@ -657,19 +657,20 @@ impl Policy {
             if !pool.iter().all(|&i| work[i].wants_out) {
                 continue;
             }
+            // What holds now first, then why it went out: a backend whose trigger has passed
+            // goes back before one whose exporters still say so.
             let load = |i: usize| {
                 let m = &self.backends[&work[i].input.id];
-                let reason = match &m.move_away.phase {
-                    Phase::MovedAway { reason, .. } => Some(*reason),
+                let went = match &m.move_away.phase {
+                    Phase::MovedAway { reason, .. } => Some(reason.severity()),
                     Phase::InRotation { .. } => None,
                 };
-                let why = work[i].trigger.as_ref().map(|t| t.reason).into_iter();
-                let severity = why.chain(reason).map(Reason::severity).max();
-                (severity, m.score.value())
+                let now = work[i].trigger.as_ref().map(|t| t.reason.severity());
+                (now, went, m.score.value())
             };
             pool.sort_by(|&a, &b| {
                 let (a, b) = (load(a), load(b));
-                a.0.cmp(&b.0).then(a.1.total_cmp(&b.1))
+                (a.0, a.1).cmp(&(b.0, b.1)).then(a.2.total_cmp(&b.2))
             });
             kept.extend(pool.iter().take(pool.len().div_ceil(2)));
         }

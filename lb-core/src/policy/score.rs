@@ -66,17 +66,17 @@ impl Reason {
 
     /// How strongly the reason argues against new sessions: a refusing backend fails the
     /// sessions it gets; a throttled accelerator is slow whatever its load; congestion slows
-    /// its collectives; saturation passes as load moves elsewhere; stale telemetry is no
-    /// evidence at all.
+    /// its collectives; slowness is a comparison with peers, which load and client mix can
+    /// mislead; saturation passes as load moves elsewhere; stale telemetry is no evidence at
+    /// all.
     pub fn severity(self) -> u8 {
         match self {
             Reason::Stale => 0,
             Reason::Saturation => 1,
-            Reason::Congestion => 2,
-            Reason::Throttling => 3,
-            // What the clients see, whatever the exporters say.
-            Reason::Slow => 3,
-            Reason::Refusing => 4,
+            Reason::Slow => 2,
+            Reason::Congestion => 3,
+            Reason::Throttling => 4,
+            Reason::Refusing => 5,
         }
     }
 }

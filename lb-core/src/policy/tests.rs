@@ -640,6 +640,41 @@ fn guard_keeps_the_saturated_in_and_the_throttled_out() {
     }
 }
 
+/// When every backend of a VIP would be out, the guard keeps in first those whose trigger is
+/// softest: a backend its peers' in-band readings call slow goes back before a congested one,
+/// and a throttled one, whose exporters still say so, stays out. An emptied throttled
+/// backend has the lowest score, so by score alone it would be the first kept in.
+#[test]
+fn guard_keeps_the_slow_in_before_the_throttled() {
+    let mut sim = Sim::new(PolicyConfig::default(), 3);
+    for i in 0..3 {
+        let s = sim.sample(i);
+        s.kv_cache = Some(0.3);
+        s.ttfb_s = Some(0.4);
+        s.delivery_bps = Some(8000.0);
+        s.load_bps = Some(200_000.0);
+    }
+    sim.run_until(10 * S);
+    sim.sample(1).delivery_bps = Some(2000.0);
+    assert_eq!(sim.step().backends[1].reason, Some(Reason::Slow));
+    sim.sample(0).throttle = Some(0x20);
+    sim.sample(0).kv_cache = Some(0.0);
+    sim.sample(2).ecn_rate = Some(5000.0);
+    sim.step();
+    for d in sim.run_until(30 * S) {
+        let states: Vec<SteerState> = d.backends.iter().map(|b| b.state).collect();
+        assert_eq!(
+            states,
+            [
+                SteerState::MovedAway,
+                SteerState::Guarded,
+                SteerState::Guarded
+            ],
+            "{d:?}"
+        );
+    }
+}
+
 /// Every loaded batching engine reports ~100% utilisation, so the weights must tell the more
 /// loaded backend from the others by queue and KV use.
 #[test]
