@@ -38,6 +38,7 @@
 
 mod admission;
 mod cooldown;
+mod harm;
 pub mod health;
 mod inband;
 mod refusing;
@@ -269,6 +270,8 @@ pub struct Policy {
     started: bool,
     /// Backends flagged for a telemetry mismatch in their current slow episode.
     mismatched: BTreeSet<u32>,
+    /// The checks of in-band moves against their effect ([`harm`]).
+    harm: harm::Checks,
     /// VIPs without headroom at the last step ([`HEADROOM`]).
     crowded: BTreeSet<String>,
 }
@@ -298,6 +301,7 @@ impl Policy {
             shedders: BTreeMap::new(),
             started: false,
             mismatched: BTreeSet::new(),
+            harm: harm::Checks::default(),
             crowded: BTreeSet::new(),
         }
     }
@@ -319,16 +323,21 @@ impl Policy {
         let mut work: Vec<Work> = inputs.iter().map(|i| self.observe(now, i)).collect();
         self.headroom(&mut work);
         let mut events = Vec::new();
-        let backends = &self.backends;
-        let moved_slow = |id| {
-            matches!(
-                backends[&id].move_away.phase,
-                Phase::MovedAway {
-                    reason: Reason::Slow,
-                    ..
-                }
-            )
-        };
+        let slow_out: BTreeSet<u32> = self
+            .backends
+            .iter()
+            .filter(|(_, m)| {
+                matches!(
+                    m.move_away.phase,
+                    Phase::MovedAway {
+                        reason: Reason::Slow,
+                        ..
+                    }
+                )
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        let moved_slow = |id| slow_out.contains(&id);
         inband::slow(
             now,
             &mut work,
@@ -336,6 +345,15 @@ impl Policy {
             &mut self.mismatched,
             &mut events,
         );
+        for i in self
+            .harm
+            .judge(now, &work, moved_slow, &self.cfg, &mut events)
+        {
+            let m = self.backends.get_mut(&work[i].input.id).expect("observed");
+            m.move_away.end_early(now, Reason::Slow);
+        }
+        self.harm.hold(now, &mut work);
+        let backends = &self.backends;
         refusing::refusing(&mut work, |id| {
             matches!(backends[&id].move_away.phase, Phase::InRotation { .. })
         });
@@ -353,6 +371,10 @@ impl Policy {
         for (i, w) in work.iter().enumerate() {
             let cap = caps.get(w.input.vip).copied();
             let d = self.decide(now, w, kept.contains(&i), cap, &mut out.events);
+            if d.state == SteerState::MovedAway && d.reason == Some(Reason::Slow) {
+                let before = harm::vip_delivery(&work, w.input.vip);
+                self.harm.moved(now, w.input.id, before);
+            }
             out.backends.push(d);
         }
         let mut done = BTreeSet::new();
@@ -501,7 +523,7 @@ impl Policy {
                 && w.pressure
                     .is_some_and(|p| sum.is_none_or(|(sum, n)| p <= sum / f64::from(n)));
             if cooled {
-                m.move_away.end_saturation(now);
+                m.move_away.end_early(now, Reason::Saturation);
             }
             m.saturated = if saturated { m.saturated + 1 } else { 0 };
             let act = m.saturated >= SATURATION_STEPS;

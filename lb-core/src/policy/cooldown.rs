@@ -5,7 +5,7 @@
 //! capped at `cooldown_max`. The previous cooldown decays back to `cooldown_base` once the
 //! backend has stayed in rotation for `stable_period`. A backend returns only when its
 //! cooldown is over (a saturation move's ends early once its load has passed:
-//! [`MoveAway::end_saturation`]) and no condition holds, and then ramps up over `slow_start`,
+//! [`MoveAway::end_early`]) and no condition holds, and then ramps up over `slow_start`,
 //! unless it was out for saturation: its hardware is fine and its queue has drained, and a
 //! 30-second ramp after a saturation move keeps a loaded fleet short of capacity until the
 //! others saturate in turn.
@@ -139,17 +139,16 @@ impl MoveAway {
         }
     }
 
-    /// A saturation move whose load has passed: its cooldown ends now, so the next update
-    /// returns it (see [`Policy::trigger`](super::Policy) for when). A move for any other
+    /// Ends the cooldown of a move for `why` now, so the next update returns the backend: a
+    /// saturation move whose load has passed (see [`Policy::trigger`](super::Policy) for
+    /// when), an in-band move that did not help ([`super::harm`]). A move for any other
     /// reason keeps its cooldown: a fault's clear reading from an emptied backend is no
     /// evidence.
-    pub fn end_saturation(&mut self, now: Duration) {
-        if let Phase::MovedAway {
-            until,
-            reason: Reason::Saturation,
-        } = &mut self.phase
-        {
-            *until = (*until).min(now);
+    pub fn end_early(&mut self, now: Duration, why: Reason) {
+        if let Phase::MovedAway { until, reason } = &mut self.phase {
+            if *reason == why {
+                *until = (*until).min(now);
+            }
         }
     }
 

@@ -675,6 +675,78 @@ fn guard_keeps_the_slow_in_before_the_throttled() {
     }
 }
 
+/// In-band readings at equal load, backend `slow` (index) streaming at `slow_bps` and the
+/// others at 8000 B/s.
+fn in_band(sim: &mut Sim, slow: usize, slow_bps: f64) {
+    for i in 0..sim.backends.len() {
+        let s = sim.sample(i);
+        s.kv_cache = Some(0.3);
+        s.ttfb_s = Some(0.4);
+        s.delivery_bps = Some(if i == slow { slow_bps } else { 8000.0 });
+        s.load_bps = Some(200_000.0);
+    }
+}
+
+/// The times of `id`'s moves away and of its undone moves.
+fn moves_and_undos(ds: &[Decisions], id: u32) -> (Vec<u64>, Vec<u64>) {
+    let (mut moves, mut undos) = (Vec::new(), Vec::new());
+    for e in ds.iter().flat_map(|d| &d.events) {
+        if e.backend != Some(addr(id)) {
+            continue;
+        }
+        match e.kind {
+            EventKind::Reroute => moves.push(e.at.as_secs()),
+            EventKind::Recover if e.reason.contains("did not help") => undos.push(e.at.as_secs()),
+            _ => {}
+        }
+    }
+    (moves, undos)
+}
+
+/// Moving a backend away as slow must raise its VIP's delivery rate; here nothing changes
+/// when it goes (as when its share only slows the peers that take it). The move is undone
+/// after 20 s, before its cooldown ends, and the backend is not moved as slow again for 60 s,
+/// then 120 s.
+#[test]
+fn an_in_band_move_that_does_not_help_is_undone_and_held() {
+    // A cooldown longer than the verdict's wait: the undo ends it early.
+    let cfg = PolicyConfig {
+        cooldown_base: 30 * S,
+        ..PolicyConfig::default()
+    };
+    let mut sim = Sim::new(cfg, 4);
+    in_band(&mut sim, 0, 3000.0);
+    let ds = sim.run_until(300 * S);
+    let (moves, undos) = moves_and_undos(&ds, 1);
+    assert_eq!(moves, [0, 80, 220]);
+    assert_eq!(undos, [20, 100, 240]);
+    let undo = ds[20]
+        .events
+        .iter()
+        .find(|e| e.kind == EventKind::Recover)
+        .unwrap();
+    assert_eq!(
+        undo.reason,
+        "moving it away as slow did not help: its VIP delivered 5647 B/s per stream before, \
+         5647 B/s after; back now, and not moved as slow again for 60s"
+    );
+}
+
+/// A move that does help stands: the slow backend's streams end once it is out, and the
+/// VIP's rate rises with them.
+#[test]
+fn an_in_band_move_that_helps_stands() {
+    let mut sim = Sim::new(PolicyConfig::default(), 4);
+    in_band(&mut sim, 0, 3000.0);
+    let mut ds = sim.run_until(5 * S);
+    // Its last streams: a tenth of its work left.
+    sim.sample(0).load_bps = Some(20_000.0);
+    ds.extend(sim.run_until(60 * S));
+    let (moves, undos) = moves_and_undos(&ds, 1);
+    assert_eq!((moves, undos), (vec![0], vec![]));
+    assert!(ds.last().unwrap().backends[0].state == SteerState::MovedAway);
+}
+
 /// Every loaded batching engine reports ~100% utilisation, so the weights must tell the more
 /// loaded backend from the others by queue and KV use.
 #[test]
