@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use sluice_accel::model::Params;
 
 use super::{
-    run_cell,
+    cell::run_cell,
     scenario::{list, Policy, Scenario},
     Args, Tools,
 };
