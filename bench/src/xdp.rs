@@ -42,11 +42,13 @@ use sluice::{
 };
 use sluice_tests::frames::Mac;
 
+use self::{
+    cases::{case, CaseId, Dp, Variant, CASES},
+    lab::{backend_frames, check_paths, mtu_check, populate, Lab},
+    measure::{case_results, case_sources, measure_rounds, warm_up},
+    traffic::TestFrames,
+};
 use crate::{out, sys};
-use cases::{case, CaseId, Dp, Variant, CASES};
-use lab::{backend_frames, check_paths, mtu_check, populate, Lab};
-use measure::{case_results, case_sources, measure_rounds, warm_up};
-use traffic::TestFrames;
 
 const XDP_PASS: u32 = 2;
 const XDP_TX: u32 = 3;
