@@ -100,12 +100,12 @@ pub(super) fn run_cell(
 
 /// One cell's daemon lab, and how its backends are named.
 struct CellLab {
-    pub(super) lab: DaemonLab,
-    pub(super) names: Vec<String>,
+    lab: DaemonLab,
+    names: Vec<String>,
     /// The backends' addresses on the VIP's port (how the admin API names them).
-    pub(super) addrs: Vec<String>,
+    addrs: Vec<String>,
     /// How the daemon's events name the backends.
-    pub(super) ips: Vec<String>,
+    ips: Vec<String>,
 }
 
 /// Starts the lab of a cell: the VIP set for `policy`, one simulated accelerator per
@@ -177,13 +177,13 @@ fn start_cell_lab(
 
 /// The load generator's files in a cell's scratch directory.
 struct GenFiles {
-    pub(super) sources: PathBuf,
-    pub(super) summary: PathBuf,
-    pub(super) records: PathBuf,
+    sources: PathBuf,
+    summary: PathBuf,
+    records: PathBuf,
 }
 
 impl GenFiles {
-    pub(super) fn in_dir(dir: &Path) -> GenFiles {
+    fn in_dir(dir: &Path) -> GenFiles {
         GenFiles {
             sources: dir.join("sources.txt"),
             summary: dir.join("summary.json"),

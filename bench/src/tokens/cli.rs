@@ -23,72 +23,72 @@ use super::{client, workload::Shape, Config, Load};
 pub(super) struct Cli {
     /// Server or VIP to send to (ADDR:PORT); repeatable, conversations are dealt round robin.
     #[arg(long = "target", required = true)]
-    pub(super) targets: Vec<SocketAddr>,
+    targets: Vec<SocketAddr>,
     /// Open loop: requests per second (Poisson).
     #[arg(long, conflicts_with = "users", required_unless_present = "users")]
-    pub(super) rate: Option<f64>,
+    rate: Option<f64>,
     /// Closed loop: concurrent users.
     #[arg(long)]
-    pub(super) users: Option<u32>,
+    users: Option<u32>,
     /// Seconds during which requests start.
     #[arg(long)]
-    pub(super) duration: f64,
+    duration: f64,
     /// Most requests started.
     #[arg(long)]
-    pub(super) max_requests: u64,
+    max_requests: u64,
     #[arg(long, default_value_t = 1)]
-    pub(super) seed: u64,
+    seed: u64,
     /// Client source address (bound before connecting); repeatable.
     #[arg(long = "source")]
-    pub(super) sources: Vec<IpAddr>,
+    sources: Vec<IpAddr>,
     /// File of source addresses, one per line (# comments).
     #[arg(long)]
-    pub(super) sources_file: Option<PathBuf>,
+    sources_file: Option<PathBuf>,
     /// Median turns per conversation (geometric); the default is a mean of 2.0 (LMSYS-Chat-1M).
     #[arg(long, conflicts_with = "turns_mean")]
-    pub(super) turns_median: Option<f64>,
+    turns_median: Option<f64>,
     /// Mean turns per conversation (geometric).
     #[arg(long)]
-    pub(super) turns_mean: Option<f64>,
+    turns_mean: Option<f64>,
     /// Mean think time between turns, ms (exponential).
     #[arg(long, default_value_t = Shape::default().think_ms)]
-    pub(super) think_ms: f64,
+    think_ms: f64,
     /// Median new prompt tokens per turn (log-normal).
     #[arg(long, default_value_t = Shape::default().prompt_median)]
-    pub(super) prompt_median: f64,
+    prompt_median: f64,
     #[arg(long, default_value_t = Shape::default().prompt_sigma)]
-    pub(super) prompt_sigma: f64,
+    prompt_sigma: f64,
     /// Median answer tokens (log-normal).
     #[arg(long, default_value_t = Shape::default().output_median)]
-    pub(super) output_median: f64,
+    output_median: f64,
     #[arg(long, default_value_t = Shape::default().output_sigma)]
-    pub(super) output_sigma: f64,
+    output_sigma: f64,
     /// Largest prompt + answer of one request, tokens.
     #[arg(long, default_value_t = Shape::default().max_context)]
-    pub(super) max_context: u32,
+    max_context: u32,
     /// Largest answer, tokens (draws above are cut to it).
     #[arg(long, default_value_t = Shape::default().max_output)]
-    pub(super) max_output: u32,
+    max_output: u32,
     /// Seconds a request may take in all before it counts as broken (timeout): bounds the run.
     #[arg(long, default_value_t = 60.0)]
-    pub(super) timeout_s: f64,
+    timeout_s: f64,
     /// Seconds a request may wait for its next step (the connection, the response head, the
     /// next chunk) before it counts as broken (timeout), as an HTTP client's read timeout
     /// (the OpenAI SDK's is 600 s); at most --timeout-s.
     #[arg(long, default_value_t = 60.0)]
-    pub(super) stall_s: f64,
+    stall_s: f64,
     /// Retries of a connection refused or reset before any response byte, from the same
     /// source address, with the OpenAI Python SDK's backoff (0.5 s doubling, x0.75-1 jitter);
     /// the default is the SDK's. 0: a refusal breaks the request.
     #[arg(long, default_value_t = client::DEFAULT_RETRIES)]
-    pub(super) retries: u32,
+    retries: u32,
     /// API path.
     #[arg(long, default_value = "/v1/chat/completions")]
-    pub(super) path: String,
+    path: String,
     /// An accelerator's control listener (ADDR:PORT) whose GET /state is sampled for the KV
     /// imbalance; repeatable.
     #[arg(long = "state")]
-    pub(super) states: Vec<SocketAddr>,
+    states: Vec<SocketAddr>,
     /// Summary JSON file.
     #[arg(long)]
     pub(super) json: PathBuf,
@@ -97,12 +97,12 @@ pub(super) struct Cli {
     pub(super) records: Option<PathBuf>,
     /// Draw a progress bar (drawn only when stderr is a terminal, which also turns it on).
     #[arg(long)]
-    pub(super) progress: bool,
+    progress: bool,
     /// Report, per backend, the streams in flight at this moment (ms from the start) and
     /// the p99 inter-token latency their later gaps alone set (the steer benchmark passes
     /// its first fault's start).
     #[arg(long)]
-    pub(super) mark_ms: Option<f64>,
+    mark_ms: Option<f64>,
 }
 
 pub(super) fn config(cli: &Cli) -> Result<Config> {

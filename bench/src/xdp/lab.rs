@@ -219,10 +219,10 @@ fn run_once(dp: &mut Dataplane, prog: &str, frame: &[u8], out: &mut [u8]) -> Res
 
 /// The namespaces of the measured variants and the four data planes.
 pub(super) struct Lab {
-    pub(super) netns: Vec<(Variant, OwnedFd)>,
+    netns: Vec<(Variant, OwnedFd)>,
     /// Held for the whole run: the namespace the thread returns to after writing the devmap.
-    pub(super) _ns_fallback: OwnedFd,
-    pub(super) ns_fib: OwnedFd,
+    _ns_fallback: OwnedFd,
+    ns_fib: OwnedFd,
     pub(super) dps: [Dataplane; 4],
     pub(super) new_conns: BpfHashMap<MapData, FlowKey, ConnEntry>,
 }
@@ -427,7 +427,7 @@ fn mtu_row(mtu: u32, dp: &mut Dataplane, data1500: &[u8], out: &mut [u8]) -> Res
 pub(super) struct BackendFrames {
     pub(super) here: Vec<u8>,
     pub(super) elsewhere: Vec<u8>,
-    pub(super) _sockets: (
+    _sockets: (
         std::net::TcpListener,
         std::net::TcpStream,
         std::net::TcpStream,
