@@ -18,11 +18,10 @@ use sluice_tests::{
 };
 
 use super::{
-    plot::{self, Sample},
-    results::{backends_json, cell_json, sample, steering, CellFacts},
+    plot,
+    results::{backends_json, cell_json, sample, steering, CellFacts, Gathered, Observed},
     scenario::{self, Policy, Scenario},
-    stats::{self, Record},
-    Args, Tools, AFFINITY_SECS, REQUEST_LIMIT, STALL, VIP,
+    stats, Args, Tools, AFFINITY_SECS, REQUEST_LIMIT, STALL, VIP,
 };
 use crate::sys;
 
@@ -241,18 +240,6 @@ fn generator_args(
     gen_args
 }
 
-/// What was seen while the load ran.
-pub(super) struct Observed {
-    /// The faults fired: seconds into the cell, and the label.
-    pub(super) fired: Vec<(f64, String)>,
-    /// One sample a second.
-    pub(super) timeline: Vec<Sample>,
-    /// The steering flags at every tick (the samples among them).
-    pub(super) flags: Vec<Sample>,
-    /// The accelerators' KV use at each sample.
-    pub(super) kv_samples: Vec<Vec<f64>>,
-}
-
 /// Runs the cell until the load generator `gen` ends: fires the scenario's faults on time,
 /// samples the backends every tick and once a second; stops the generator when
 /// interrupted or late.
@@ -319,16 +306,6 @@ fn drive(
         bail!("the load generator failed ({status})");
     }
     Ok(seen)
-}
-
-/// What the daemon, the load generator and the accelerators report after the load.
-pub(super) struct Gathered {
-    pub(super) events: Vec<Value>,
-    pub(super) summary: Value,
-    pub(super) records: Vec<Record>,
-    pub(super) shed_counters: BTreeMap<String, u64>,
-    pub(super) cache_queries: u64,
-    pub(super) cache_hits: u64,
 }
 
 /// Reads the cell's reports; keeps the per-request records under `--records` when given.

@@ -1,4 +1,5 @@
-//! A cell's result document and the aims judged over the cells of a run.
+//! A cell's result: what it saw and gathered, its result document, and the aims judged over
+//! the cells of a run.
 
 use std::collections::BTreeMap;
 
@@ -7,12 +8,33 @@ use serde_json::{json, Value};
 use sluice_tests::daemon_lab::DaemonLab;
 
 use super::{
-    cell::{Gathered, Observed},
     plot::{Point, Sample},
     scenario::{self, Policy, Scenario},
     stats::{self, Record},
     AFFINITY_SECS, AVOID_BOUND_MS, VIP,
 };
+
+/// What was seen while the load ran.
+pub(super) struct Observed {
+    /// The faults fired: seconds into the cell, and the label.
+    pub(super) fired: Vec<(f64, String)>,
+    /// One sample a second.
+    pub(super) timeline: Vec<Sample>,
+    /// The steering flags at every tick (the samples among them).
+    pub(super) flags: Vec<Sample>,
+    /// The accelerators' KV use at each sample.
+    pub(super) kv_samples: Vec<Vec<f64>>,
+}
+
+/// What the daemon, the load generator and the accelerators report after the load.
+pub(super) struct Gathered {
+    pub(super) events: Vec<Value>,
+    pub(super) summary: Value,
+    pub(super) records: Vec<Record>,
+    pub(super) shed_counters: BTreeMap<String, u64>,
+    pub(super) cache_queries: u64,
+    pub(super) cache_hits: u64,
+}
 
 /// What a cell's result needs besides what it saw and gathered.
 pub(super) struct CellFacts<'a> {

@@ -25,7 +25,6 @@ use sluice_tests::{
 
 use super::{
     cases::{Dp, Variant},
-    measure::stats_delta,
     traffic::{patch_v4, v4_tcp_frame, TestFrames},
     Opts, BACKENDS4, BACKENDS6, BACKENDS_INBAND, BLOCK_MANY, BLOCK_SYN_FULL, FIB_DEV_MAC, FIB_MTU,
     FULL_TABLE_PER_CPU, INBAND_PORT, VIP4, VIP6, VIP_PORT, XDP_PASS, XDP_REDIRECT, XDP_TX,
@@ -172,6 +171,14 @@ pub(super) fn counters(dp: &mut Dataplane) -> Result<Vec<u64>> {
     let n = data.info()?.max_entries().min(stat::COUNT);
     let a: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(data))?;
     (0..n).map(|i| Ok(a.get(&i, 0)?.iter().sum())).collect()
+}
+
+pub(super) fn stats_delta(before: &[u64], after: &[u64], into: &mut BTreeMap<&'static str, u64>) {
+    for (i, (a, b)) in after.iter().zip(before).enumerate() {
+        if a > b {
+            *into.entry(stat::NAMES[i]).or_default() += a - b;
+        }
+    }
 }
 
 /// Configures the `fib` namespace (this thread must be in it): a veth whose segment holds

@@ -10,11 +10,11 @@ use aya::{
     maps::{HashMap as BpfHashMap, MapData},
     programs::{TestRun, TestRunOptions, Xdp},
 };
-use lb_common::{stat, ConnEntry, FlowKey};
+use lb_common::{ConnEntry, FlowKey};
 
 use super::{
     cases::{case, expected_action, fib_only, CaseId, Dp, Variant},
-    lab::{counters, BackendFrames, Lab},
+    lab::{counters, stats_delta, BackendFrames, Lab},
     traffic::{gen_key, Frames, TestFrames},
     Opts, BLOCK_MANY, BLOCK_SYN, BLOCK_SYN_FULL,
 };
@@ -94,14 +94,6 @@ fn shuffle<T>(v: &mut [T], seed: u64) {
         s ^= s >> 27;
         let r = s.wrapping_mul(0x2545_f491_4f6c_dd1d);
         v.swap(i, (r % (i as u64 + 1)) as usize);
-    }
-}
-
-pub(super) fn stats_delta(before: &[u64], after: &[u64], into: &mut BTreeMap<&'static str, u64>) {
-    for (i, (a, b)) in after.iter().zip(before).enumerate() {
-        if a > b {
-            *into.entry(stat::NAMES[i]).or_default() += a - b;
-        }
     }
 }
 
