@@ -8,7 +8,7 @@
 //! - `failover`: time from a backend's death to the data plane steering around it.
 //! - `health`: the health checker's CPU, time to mark a mass failure and time to stop at
 //!   100 to 4,095 backends (`health.rs`).
-//! - `tokens`: a load generator of OpenAI-style token streams (see `tokens/mod.rs`;
+//! - `tokens`: a load generator of OpenAI-style token streams (see `tokens.rs`;
 //!   `sluice-bench tokens --help`); needs no root.
 //! - `reads`: `sluice backend list`, a `/metrics` scrape and a policy step with a full
 //!   connection table, and the daemon's CPU use at one scrape per second.

@@ -14,7 +14,10 @@ use std::{
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Map, Value};
 
-use super::{aims, cells_by_key, stats};
+use super::{
+    results::{aims, cells_by_key},
+    stats,
+};
 use crate::{out, sys};
 
 /// `sluice-bench steer-pool --help`.

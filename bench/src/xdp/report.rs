@@ -6,7 +6,10 @@ use serde_json::{json, Value};
 
 use crate::{
     summary::{r1, Summary},
-    xdp::{case, CaseDef, CaseId, CaseResult, Variant, CASES},
+    xdp::{
+        cases::{case, CaseDef, CaseId, Variant, CASES},
+        measure::{Batch, CaseResult},
+    },
 };
 
 fn r3(x: f64) -> f64 {
@@ -97,7 +100,7 @@ impl Report {
                 nk = Some(kernel.median - bk.median);
                 ns = Some(syscall.median - bs.median);
                 // Per-round ratios (batches of one round ran close together in time).
-                let per = |f: fn(&crate::xdp::Batch) -> f64| {
+                let per = |f: fn(&Batch) -> f64| {
                     let v: Vec<f64> = r
                         .batches
                         .iter()

@@ -286,6 +286,39 @@ fn wait_settled(lab: &DaemonLab) -> bool {
 
 /// Runs the demo; Ok(false) when some stream failed.
 fn run(opts: &Opts) -> Result<bool> {
+    let lab = start_lab(opts)?;
+    if STOP.load(Ordering::SeqCst) {
+        println!("interrupted");
+        return Ok(true);
+    }
+    if !wait_settled(&lab) {
+        println!("(the daemon had not seen every backend's telemetry within 10 s)");
+    }
+    let tty = unsafe { libc::isatty(1) } == 1;
+    let mut seen = HashSet::new();
+    let mut events = Vec::new();
+    poll_events(&lab, &mut seen, &mut events, Duration::ZERO, tty);
+
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(opts.seconds);
+    let shared = Arc::new(Mutex::new(Shared {
+        slots: vec![Slot::default(); opts.streams],
+        ..Default::default()
+    }));
+    let actions = live(&lab, opts, &shared, start, &mut seen, &mut events, tty)?;
+    poll_events(&lab, &mut seen, &mut events, start.elapsed(), tty);
+
+    let s = shared.lock().unwrap();
+    let interrupted = STOP.load(Ordering::SeqCst) && Instant::now() < deadline;
+    let ok = print_summary(&s, &actions, &events, interrupted);
+    drop(s);
+    println!("\nstopping the daemon and tearing the lab down...");
+    drop(lab);
+    Ok(ok)
+}
+
+/// Starts the daemon lab with the simulated accelerators and prints its topology.
+fn start_lab(opts: &Opts) -> Result<DaemonLab> {
     if !opts.accel.is_file() {
         bail!(
             "the simulated accelerator {} is missing: build the workspace (`cargo xtask build`)",
@@ -320,24 +353,22 @@ fn run(opts: &Opts) -> Result<bool> {
     });
     let lab = DaemonLab::start(lo).context("starting the daemon lab")?;
     print_topology(&lab, t0.elapsed());
-    if STOP.load(Ordering::SeqCst) {
-        println!("interrupted");
-        return Ok(true);
-    }
-    if !wait_settled(&lab) {
-        println!("(the daemon had not seen every backend's telemetry within 10 s)");
-    }
-    let tty = unsafe { libc::isatty(1) } == 1;
-    let mut seen = HashSet::new();
-    let mut events = Vec::new();
-    poll_events(&lab, &mut seen, &mut events, Duration::ZERO, tty);
+    Ok(lab)
+}
 
-    let start = Instant::now();
+/// The run itself: the stream slots from `start` until every one has ended, the drain and
+/// the throttle on schedule, the daemon's events and the live view; returns the actions
+/// taken, as shown.
+fn live(
+    lab: &DaemonLab,
+    opts: &Opts,
+    shared: &Arc<Mutex<Shared>>,
+    start: Instant,
+    seen: &mut HashSet<String>,
+    events: &mut Vec<String>,
+    tty: bool,
+) -> Result<Vec<String>> {
     let deadline = start + Duration::from_secs(opts.seconds);
-    let shared = Arc::new(Mutex::new(Shared {
-        slots: vec![Slot::default(); opts.streams],
-        ..Default::default()
-    }));
     let handles: Vec<_> = (0..opts.streams)
         .map(|k| {
             let client = lab.topo.client.ns.clone();
@@ -363,54 +394,37 @@ fn run(opts: &Opts) -> Result<bool> {
         let now = Instant::now();
         let t = start.elapsed();
         if PHASE.load(Ordering::SeqCst) == 0 && now >= drain_at {
-            let gpu0 = &lab.topo.backends[0];
-            for (vip, v6) in VIPS {
-                let addr = gpu0.addr(v6).to_string();
-                let line = match lab.cli_output(&["backend", "drain", vip, &addr]) {
-                    Ok(o) if o.status.success() => o.stdout.trim().to_string(),
-                    Ok(o) => format!("failed: {}{}", o.stderr.trim(), o.stdout.trim()),
-                    Err(e) => format!("failed: {e:#}"),
-                };
-                actions.push(format!(
-                    "t={:>5.1} s  $ sluice backend drain {vip} {addr}  ->  {line}",
-                    t.as_secs_f64()
-                ));
+            for line in drain_gpu0(lab, t) {
                 if !tty {
-                    println!("{}", actions.last().unwrap());
+                    println!("{line}");
                 }
+                actions.push(line);
             }
             PHASE.store(1, Ordering::SeqCst);
         }
         if PHASE.load(Ordering::SeqCst) == 1 && now >= congest_at {
-            let fault = serde_json::json!({"kind": "throttle", "factor": 0.4});
-            let line = match lab.accel_request(1, "POST", "/fault", Some(&fault)) {
-                Ok((200, _)) => "gpu1 throttled to 0.4x (its DCGM page now sets clock-throttle \
-                                 reasons; POST /fault on its control listener)"
-                    .to_string(),
-                Ok((code, body)) => format!("gpu1 refused the fault: {code} {body}"),
-                Err(e) => format!("could not throttle gpu1: {e:#}"),
-            };
-            actions.push(format!("t={:>5.1} s  {line}", t.as_secs_f64()));
+            let line = throttle_gpu1(lab, t);
             if !tty {
-                println!("{}", actions.last().unwrap());
+                println!("{line}");
             }
+            actions.push(line);
             PHASE.store(2, Ordering::SeqCst);
         }
         if now >= next_events {
-            poll_events(&lab, &mut seen, &mut events, t, tty);
+            poll_events(lab, seen, events, t, tty);
             next_events = now + Duration::from_millis(500);
         }
         let done = handles.iter().all(|h| h.is_finished());
         if done || now >= next_frame {
-            let view = daemon_view(&lab);
-            let rates = token_rates(&shared, &mut last_tokens);
+            let view = daemon_view(lab);
+            let rates = token_rates(shared, &mut last_tokens);
             let text = render(
-                &lab,
-                &shared,
+                lab,
+                shared,
                 &view,
                 &rates,
                 &actions,
-                &events,
+                events,
                 t,
                 opts.seconds,
                 tty,
@@ -434,19 +448,53 @@ fn run(opts: &Opts) -> Result<bool> {
     for h in handles {
         let _ = h.join();
     }
-    poll_events(&lab, &mut seen, &mut events, start.elapsed(), tty);
+    Ok(actions)
+}
 
-    let s = shared.lock().unwrap();
+/// Drains gpu0 from every VIP through the CLI, `t` into the run; one action line per VIP.
+fn drain_gpu0(lab: &DaemonLab, t: Duration) -> Vec<String> {
+    let gpu0 = &lab.topo.backends[0];
+    let mut lines = Vec::new();
+    for (vip, v6) in VIPS {
+        let addr = gpu0.addr(v6).to_string();
+        let line = match lab.cli_output(&["backend", "drain", vip, &addr]) {
+            Ok(o) if o.status.success() => o.stdout.trim().to_string(),
+            Ok(o) => format!("failed: {}{}", o.stderr.trim(), o.stdout.trim()),
+            Err(e) => format!("failed: {e:#}"),
+        };
+        lines.push(format!(
+            "t={:>5.1} s  $ sluice backend drain {vip} {addr}  ->  {line}",
+            t.as_secs_f64()
+        ));
+    }
+    lines
+}
+
+/// Throttles gpu1 to 0.4x through its control listener, `t` into the run; the action line.
+fn throttle_gpu1(lab: &DaemonLab, t: Duration) -> String {
+    let fault = serde_json::json!({"kind": "throttle", "factor": 0.4});
+    let line = match lab.accel_request(1, "POST", "/fault", Some(&fault)) {
+        Ok((200, _)) => "gpu1 throttled to 0.4x (its DCGM page now sets clock-throttle \
+                         reasons; POST /fault on its control listener)"
+            .to_string(),
+        Ok((code, body)) => format!("gpu1 refused the fault: {code} {body}"),
+        Err(e) => format!("could not throttle gpu1: {e:#}"),
+    };
+    format!("t={:>5.1} s  {line}", t.as_secs_f64())
+}
+
+/// Prints the actions, the daemon's events and the summary of the streams; true when none
+/// broke.
+fn print_summary(s: &Shared, actions: &[String], events: &[String], interrupted: bool) -> bool {
     let completed: u32 = s.slots.iter().map(|x| x.completed).sum();
     let errors: u32 = s.slots.iter().map(|x| x.errors).sum();
     let tokens: u64 = s.by_backend.values().map(|v| v.1).sum();
-    let interrupted = STOP.load(Ordering::SeqCst) && Instant::now() < deadline;
     println!("actions:");
-    for a in &actions {
+    for a in actions {
         println!("  {a}");
     }
     println!("the daemon's events during the run:");
-    for e in &events {
+    for e in events {
         println!("  {e}");
     }
     let all: Vec<f64> = s.ttfts.values().flatten().copied().collect();
@@ -485,11 +533,7 @@ fn run(opts: &Opts) -> Result<bool> {
             println!("  stream slot {}: last error: {e}", i + 1);
         }
     }
-    let ok = errors == 0;
-    drop(s);
-    println!("\nstopping the daemon and tearing the lab down...");
-    drop(lab);
-    Ok(ok)
+    errors == 0
 }
 
 fn print_topology(lab: &DaemonLab, took: Duration) {

@@ -19,15 +19,16 @@
 //! Output: `--json` the summary ([`stats::Summary`] plus the configuration and, with
 //! `--state`, the KV imbalance), `--records` one JSON line per request ([`Record`]).
 
+mod cli;
 pub mod client;
 pub mod stats;
+mod turns;
 pub mod workload;
 
 use std::{
     collections::BTreeMap,
     io::{IsTerminal, Write as _},
     net::{IpAddr, SocketAddr},
-    path::PathBuf,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
@@ -36,17 +37,16 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use clap::Parser;
-use rand::{rngs::StdRng, RngExt, SeedableRng};
 use serde::Serialize;
 use serde_json::json;
 use sluice::{config::HttpUrl, scrape::http::Client as PageClient};
 use tokio::{sync::mpsc, task::JoinSet, time::Instant};
 
 use self::{
-    client::{Ask, Outcome},
-    stats::{nearest_rank, r3, Summary},
-    workload::{Generator, Shape, Turn},
+    cli::{config, Cli},
+    stats::{r3, Summary},
+    turns::conversation,
+    workload::{Generator, Shape},
 };
 
 /// One request, as `--records` writes it.
@@ -286,110 +286,6 @@ fn sub_seed(seed: u64, n: u64) -> u64 {
     seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
-/// Words of the users' messages: a stream of its own per conversation (apart from the
-/// workload's and the backoff's streams, so that the text changes neither).
-const WORDS_STREAM: u64 = 0x776f_7264;
-
-/// A user message of `n` words (one token each to the simulator's tokenizer), drawn from
-/// `rng`: random 32-bit hex words, so conversations share no prefix.
-fn message(rng: &mut StdRng, n: u32) -> impl Iterator<Item = String> + '_ {
-    (0..n).map(|_| format!("{:08x}", rng.random::<u32>()))
-}
-
-async fn conversation(run: Arc<Run>, id: u64, turns: Vec<Turn>) {
-    let cfg = &run.cfg;
-    let source = (!cfg.sources.is_empty()).then(|| cfg.sources[id as usize % cfg.sources.len()]);
-    let target = cfg.targets[id as usize % cfg.targets.len()];
-    let mut words = StdRng::seed_from_u64(sub_seed(cfg.seed ^ WORDS_STREAM, id));
-    // The conversation so far, as a chat client resends it: the previous turn's prompt,
-    // then the answer's text as received.
-    let mut history: Vec<String> = Vec::new();
-    for (k, turn) in turns.iter().enumerate() {
-        if turn.think_ms > 0.0 {
-            let wake = Instant::now() + Duration::from_secs_f64(turn.think_ms / 1000.0);
-            if wake >= run.stop_at {
-                return;
-            }
-            tokio::time::sleep_until(wake).await;
-        }
-        if !run.claim() {
-            return;
-        }
-        // History plus the new message, the oldest words dropped past the workload's cap:
-        // then the prefix changes and hits nothing, as when a front end truncates.
-        let mut prompt = std::mem::take(&mut history);
-        prompt.extend(message(&mut words, turn.message_tokens));
-        let cut = prompt.len().saturating_sub(turn.prompt_tokens as usize);
-        prompt.drain(..cut);
-        let text = prompt.join(" ");
-        let start_ms = run.ms_since_start();
-        let mut body = json!({
-            "model": "sluice-sim",
-            "max_tokens": turn.max_tokens,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        });
-        if cfg.path.ends_with("/chat/completions") {
-            body["messages"] = json!([{"role": "user", "content": text}]);
-        } else {
-            body["prompt"] = json!(text);
-        }
-        let body = body.to_string();
-        let ask = Ask {
-            target,
-            source,
-            path: &cfg.path,
-            body,
-            timeout: cfg.timeout,
-            stall: cfg.stall,
-            retries: cfg.retries,
-        };
-        // The backoff's jitter: one stream of draws per request, so that runs of a seed
-        // repeat whatever order the requests' tasks run in.
-        let mut rng = StdRng::seed_from_u64(sub_seed(cfg.seed, id) ^ (k as u64).rotate_left(32));
-        let out = client::stream(ask, &run.clock, &mut rng).await;
-        let broken = out.broken.is_some();
-        let record = Record {
-            prompt_tokens: turn.prompt_tokens,
-            max_tokens: turn.max_tokens,
-            ..record(start_ms, source, id, k as u32, &out)
-        };
-        run.done.fetch_add(1, Ordering::Relaxed);
-        run.broken.fetch_add(broken as u64, Ordering::Relaxed);
-        if broken {
-            let _ = run.tx.send((record, out.gaps_ms));
-            // A user whose answer broke does not go on with that conversation.
-            return;
-        }
-        history = prompt;
-        history.extend(out.text.split_whitespace().map(str::to_owned));
-        let _ = run.tx.send((record, out.gaps_ms));
-    }
-}
-
-fn record(start_ms: f64, source: Option<IpAddr>, conv: u64, turn: u32, out: &Outcome) -> Record {
-    let mut gaps = out.gaps_ms.clone();
-    gaps.sort_by(f64::total_cmp);
-    Record {
-        start_ms: r3(start_ms),
-        client: source.map(|s| s.to_string()).unwrap_or_default(),
-        conversation: conv,
-        turn,
-        backend: out.backend.clone(),
-        ttft_ms: out.ttft_ms.map(r3),
-        itl_ms_p50: nearest_rank(&gaps, 0.5).map(r3),
-        itl_ms_p99: nearest_rank(&gaps, 0.99).map(r3),
-        itl_ms_max: gaps.last().copied().map(r3),
-        e2e_ms: out.e2e_ms.map(r3),
-        tokens: out.tokens,
-        cached_tokens: out.cached_tokens,
-        broken: out.broken.map(str::to_owned),
-        attempts: out.attempts,
-        last_refused_ms: out.last_refused_ms.map(|t| r3(start_ms + t)),
-        ..Record::default()
-    }
-}
-
 /// Samples every accelerator's `/state` twice a second until aborted; an accelerator that
 /// does not answer (killed, say) counts as 0.
 async fn sample_kv(run: Arc<Run>) -> Vec<(f64, Vec<f64>)> {
@@ -450,184 +346,6 @@ fn progress_bar(run: &Arc<Run>) -> Option<indicatif::ProgressBar> {
         }
     });
     Some(bar)
-}
-
-/// `sluice-bench tokens --help`.
-#[derive(Parser, Debug)]
-#[command(
-    name = "sluice-bench tokens",
-    about = "Load generator of OpenAI-style token streams: Poisson or closed-loop conversations \
-             from many source addresses; TTFT, inter-token latency, goodput, broken streams, \
-             per-backend shares and affinity as JSON"
-)]
-struct Cli {
-    /// Server or VIP to send to (ADDR:PORT); repeatable, conversations are dealt round robin.
-    #[arg(long = "target", required = true)]
-    targets: Vec<SocketAddr>,
-    /// Open loop: requests per second (Poisson).
-    #[arg(long, conflicts_with = "users", required_unless_present = "users")]
-    rate: Option<f64>,
-    /// Closed loop: concurrent users.
-    #[arg(long)]
-    users: Option<u32>,
-    /// Seconds during which requests start.
-    #[arg(long)]
-    duration: f64,
-    /// Most requests started.
-    #[arg(long)]
-    max_requests: u64,
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
-    /// Client source address (bound before connecting); repeatable.
-    #[arg(long = "source")]
-    sources: Vec<IpAddr>,
-    /// File of source addresses, one per line (# comments).
-    #[arg(long)]
-    sources_file: Option<PathBuf>,
-    /// Median turns per conversation (geometric); the default is a mean of 2.0 (LMSYS-Chat-1M).
-    #[arg(long, conflicts_with = "turns_mean")]
-    turns_median: Option<f64>,
-    /// Mean turns per conversation (geometric).
-    #[arg(long)]
-    turns_mean: Option<f64>,
-    /// Mean think time between turns, ms (exponential).
-    #[arg(long, default_value_t = Shape::default().think_ms)]
-    think_ms: f64,
-    /// Median new prompt tokens per turn (log-normal).
-    #[arg(long, default_value_t = Shape::default().prompt_median)]
-    prompt_median: f64,
-    #[arg(long, default_value_t = Shape::default().prompt_sigma)]
-    prompt_sigma: f64,
-    /// Median answer tokens (log-normal).
-    #[arg(long, default_value_t = Shape::default().output_median)]
-    output_median: f64,
-    #[arg(long, default_value_t = Shape::default().output_sigma)]
-    output_sigma: f64,
-    /// Largest prompt + answer of one request, tokens.
-    #[arg(long, default_value_t = Shape::default().max_context)]
-    max_context: u32,
-    /// Largest answer, tokens (draws above are cut to it).
-    #[arg(long, default_value_t = Shape::default().max_output)]
-    max_output: u32,
-    /// Seconds a request may take in all before it counts as broken (timeout): bounds the run.
-    #[arg(long, default_value_t = 60.0)]
-    timeout_s: f64,
-    /// Seconds a request may wait for its next step (the connection, the response head, the
-    /// next chunk) before it counts as broken (timeout), as an HTTP client's read timeout
-    /// (the OpenAI SDK's is 600 s); at most --timeout-s.
-    #[arg(long, default_value_t = 60.0)]
-    stall_s: f64,
-    /// Retries of a connection refused or reset before any response byte, from the same
-    /// source address, with the OpenAI Python SDK's backoff (0.5 s doubling, x0.75-1 jitter);
-    /// the default is the SDK's. 0: a refusal breaks the request.
-    #[arg(long, default_value_t = client::DEFAULT_RETRIES)]
-    retries: u32,
-    /// API path.
-    #[arg(long, default_value = "/v1/chat/completions")]
-    path: String,
-    /// An accelerator's control listener (ADDR:PORT) whose GET /state is sampled for the KV
-    /// imbalance; repeatable.
-    #[arg(long = "state")]
-    states: Vec<SocketAddr>,
-    /// Summary JSON file.
-    #[arg(long)]
-    json: PathBuf,
-    /// Per-request JSON lines file.
-    #[arg(long)]
-    records: Option<PathBuf>,
-    /// Draw a progress bar (drawn only when stderr is a terminal, which also turns it on).
-    #[arg(long)]
-    progress: bool,
-    /// Report, per backend, the streams in flight at this moment (ms from the start) and
-    /// the p99 inter-token latency their later gaps alone set (the steer benchmark passes
-    /// its first fault's start).
-    #[arg(long)]
-    mark_ms: Option<f64>,
-}
-
-fn config(cli: &Cli) -> Result<Config> {
-    let load = match (cli.rate, cli.users) {
-        (Some(r), None) if r.is_finite() && r > 0.0 => Load::Rate(r),
-        (Some(r), None) => bail!("--rate {r} must be a number > 0 (requests per second)"),
-        (None, Some(n)) if n > 0 => Load::Users(n),
-        _ => bail!("give --rate REQ_PER_S (open loop) or --users N > 0 (closed loop)"),
-    };
-    if !(cli.duration.is_finite() && cli.duration > 0.0 && cli.duration <= 86_400.0) {
-        bail!("--duration {} must be in (0, 86400] seconds", cli.duration);
-    }
-    if !(cli.timeout_s.is_finite() && cli.timeout_s > 0.0 && cli.timeout_s <= 3600.0) {
-        bail!("--timeout-s {} must be in (0, 3600] seconds", cli.timeout_s);
-    }
-    if !(cli.stall_s.is_finite() && cli.stall_s > 0.0 && cli.stall_s <= cli.timeout_s) {
-        bail!(
-            "--stall-s {} must be in (0, --timeout-s = {}] seconds",
-            cli.stall_s,
-            cli.timeout_s
-        );
-    }
-    if cli.max_requests == 0 {
-        bail!("--max-requests must be at least 1");
-    }
-    let mut sources = cli.sources.clone();
-    if let Some(path) = &cli.sources_file {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading --sources-file {}", path.display()))?;
-        for (i, line) in text.lines().enumerate() {
-            let line = line.split('#').next().unwrap_or_default().trim();
-            if line.is_empty() {
-                continue;
-            }
-            sources.push(line.parse().with_context(|| {
-                format!(
-                    "{}:{}: {line:?} is not an IP address",
-                    path.display(),
-                    i + 1
-                )
-            })?);
-        }
-    }
-    let turns_mean = match (cli.turns_median, cli.turns_mean) {
-        (Some(m), _) if m.is_finite() && m >= 1.0 => Shape::turns_mean_from_median(m),
-        (Some(m), _) => bail!("--turns-median {m} must be >= 1"),
-        (None, Some(m)) => m,
-        (None, None) => Shape::default().turns_mean,
-    };
-    let shape = Shape {
-        prompt_median: cli.prompt_median,
-        prompt_sigma: cli.prompt_sigma,
-        output_median: cli.output_median,
-        output_sigma: cli.output_sigma,
-        turns_mean,
-        think_ms: cli.think_ms,
-        max_context: cli.max_context,
-        max_output: cli.max_output,
-        ..Shape::default()
-    };
-    shape.validate().map_err(anyhow::Error::msg)?;
-    if let Some(m) = cli.mark_ms.filter(|m| !(m.is_finite() && *m >= 0.0)) {
-        bail!("--mark-ms {m} must be a time >= 0 ms from the run's start");
-    }
-    let state_urls = cli
-        .states
-        .iter()
-        .map(|a| HttpUrl::parse(&format!("http://{a}/state")).map_err(anyhow::Error::msg))
-        .collect::<Result<_>>()?;
-    Ok(Config {
-        targets: cli.targets.clone(),
-        load,
-        duration: Duration::from_secs_f64(cli.duration),
-        max_requests: cli.max_requests,
-        seed: cli.seed,
-        sources,
-        shape,
-        timeout: Duration::from_secs_f64(cli.timeout_s),
-        stall: Duration::from_secs_f64(cli.stall_s),
-        retries: cli.retries,
-        path: cli.path.clone(),
-        state_urls,
-        progress: cli.progress,
-        mark_ms: cli.mark_ms,
-    })
 }
 
 /// The summary document: the command line, the configuration, the run's figures.
@@ -732,8 +450,10 @@ pub fn main(args: &[String]) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use rand::{rngs::StdRng, SeedableRng};
     use sluice_accel::{model::Params, server};
+
+    use super::{client::Ask, turns::record, *};
 
     /// Starts a simulated accelerator in this runtime; returns its serving and control
     /// addresses. A fast model (1 ms steps) keeps the test short.
