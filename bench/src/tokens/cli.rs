@@ -8,7 +8,7 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use sluice::telemetry::target::HttpUrl;
+use sluice::config::HttpUrl;
 
 use super::{client, workload::Shape, Config, Load};
 
