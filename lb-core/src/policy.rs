@@ -38,9 +38,11 @@
 
 mod admission;
 mod cooldown;
+mod event;
 mod harm;
 pub mod health;
 mod inband;
+mod pool;
 mod refusing;
 mod score;
 #[cfg(test)]
@@ -56,12 +58,15 @@ use serde::{Serialize, Serializer};
 
 pub use self::{
     admission::{Shed, LOWEST_CLASS},
+    event::{EventKind, PolicyEvent},
     refusing::Handshakes,
     score::Reason,
 };
 use self::{
     admission::{ShedChange, Shedder},
     cooldown::{Change, MoveAway, Phase, PROBATION},
+    event::backend_event,
+    pool::{pools, POOL_SEP},
     score::{Score, Speed, Trigger, LOAD_BAND},
 };
 use crate::{
@@ -154,52 +159,6 @@ impl Decisions {
     pub fn weights(&self) -> BTreeMap<u32, u32> {
         self.backends.iter().map(|b| (b.id, b.weight)).collect()
     }
-}
-
-/// `Down` and `Up` come from [`health::Health::record`], the rest from [`Policy::step`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum EventKind {
-    WeightChange,
-    Reroute,
-    CooldownStart,
-    CooldownExtend,
-    Recover,
-    Down,
-    Up,
-    ShedStart,
-    ShedStop,
-    /// An exporter says nothing is wrong while the in-band signals say slow.
-    TelemetryMismatch,
-}
-
-impl EventKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EventKind::WeightChange => "weight-change",
-            EventKind::Reroute => "reroute",
-            EventKind::CooldownStart => "cooldown-start",
-            EventKind::CooldownExtend => "cooldown-extend",
-            EventKind::Recover => "recover",
-            EventKind::Down => "down",
-            EventKind::Up => "up",
-            EventKind::ShedStart => "shed-start",
-            EventKind::ShedStop => "shed-stop",
-            EventKind::TelemetryMismatch => "telemetry-mismatch",
-        }
-    }
-}
-
-/// An audit event; `telemetry` is the backend's telemetry view at the time, as JSON.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct PolicyEvent {
-    #[serde(rename = "at_s", serialize_with = "secs")]
-    pub at: Duration,
-    pub kind: EventKind,
-    pub vip: String,
-    pub backend: Option<IpAddr>,
-    pub reason: String,
-    pub telemetry: Option<serde_json::Value>,
 }
 
 fn secs<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -938,75 +897,9 @@ fn move_away_or_back(
     }
 }
 
-/// An event about `input`'s backend, with its telemetry at the time.
-fn backend_event(
-    now: Duration,
-    input: &BackendInput,
-    kind: EventKind,
-    reason: String,
-) -> PolicyEvent {
-    PolicyEvent {
-        at: now,
-        kind,
-        vip: input.vip.to_owned(),
-        backend: Some(input.address),
-        reason,
-        telemetry: input.telemetry.and_then(|t| serde_json::to_value(t).ok()),
-    }
-}
-
 /// Fresh telemetry says requests wait in the engine's queue.
 fn queued(t: Option<&BackendTelemetry>) -> bool {
     t.filter(|t| !t.stale)
         .and_then(|t| t.sample.queue_depth)
         .is_some_and(|q| q >= 1.0)
-}
-
-/// Joins the names of a pool's VIPs (VIP names cannot contain it).
-const POOL_SEP: char = '+';
-
-/// Each VIP's pool: the VIPs connected by sharing a backend address (the same accelerator
-/// host serves them all), named by their sorted names.
-fn pools(inputs: &[BackendInput]) -> BTreeMap<String, String> {
-    let mut pool_of: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
-    for i in inputs {
-        pool_of
-            .entry(i.vip)
-            .or_insert_with(|| BTreeSet::from([i.vip]));
-    }
-    // Merge until stable: VIP counts are small (at most MAX_VIPS).
-    let mut hosts: BTreeMap<IpAddr, BTreeSet<&str>> = BTreeMap::new();
-    for i in inputs {
-        hosts.entry(i.address).or_default().insert(i.vip);
-    }
-    loop {
-        let mut changed = false;
-        for shared in hosts.values() {
-            let union: BTreeSet<&str> = shared
-                .iter()
-                .flat_map(|v| pool_of[v].iter().copied())
-                .collect();
-            for v in &union {
-                let p = pool_of.get_mut(v).expect("every VIP has a pool");
-                if p.len() != union.len() {
-                    *p = union.clone();
-                    changed = true;
-                }
-            }
-        }
-        if !changed {
-            break;
-        }
-    }
-    pool_of
-        .into_iter()
-        .map(|(v, p)| {
-            (
-                v.to_owned(),
-                p.into_iter()
-                    .collect::<Vec<_>>()
-                    .join(&POOL_SEP.to_string()),
-            )
-        })
-        .collect()
 }
