@@ -338,7 +338,7 @@ pub fn record(s: &Summary, path: &std::path::Path) -> Result<()> {
     ]
     .into();
     let v = serde_json::json!({
-        "what": "sluice_xdp under fuzzed frames through BPF_PROG_TEST_RUN, every frame checked by the oracle in tests/src/fuzz.rs",
+        "what": "sluice_xdp under fuzzed frames through BPF_PROG_TEST_RUN, every frame checked by the oracle in tests/src/fuzz/oracle.rs",
         "command": std::env::var("SLUICE_FUZZ_COMMAND").unwrap_or_default(),
         "frames": s.frames,
         "seed": format!("{:#x}", s.seed),
