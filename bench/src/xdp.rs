@@ -99,7 +99,9 @@ struct Opts {
     flows: usize,
     batch_secs: f64,
     max_secs: f64,
-    cpu: usize,
+    /// The CPUs that run every batch at once, each pinned; the thread itself runs on the
+    /// first.
+    cpus: Vec<usize>,
     out: PathBuf,
     svg: PathBuf,
     variants: Vec<Variant>,
@@ -137,6 +139,11 @@ struct Args {
     /// CPU to pin to (default: the last online CPU).
     #[arg(long)]
     cpu: Option<usize>,
+    /// CPUs that run every batch at once, each with its own flows (the second is the lowest
+    /// other online CPU): with 2, new flows insert into the connection table from two CPUs,
+    /// which a one-CPU figure does not show.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
+    cpus: u8,
     /// Next-hop variants, comma separated.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Variant::Fallback, Variant::Fib])]
     variants: Vec<Variant>,
@@ -196,9 +203,7 @@ fn parse_opts(args: &[String]) -> Result<Option<Opts>> {
         flows: a.flows.unwrap_or(if a.quick { 20_000 } else { 200_000 }),
         batch_secs: a.batch_secs,
         max_secs: a.max_secs,
-        cpu: a
-            .cpu
-            .unwrap_or_else(|| sys::online_cpus().saturating_sub(1)),
+        cpus: cpus(a.cpu, a.cpus)?,
         svg: a.svg.unwrap_or_else(|| out_path.with_extension("svg")),
         out: out_path,
         variants: a.variants,
@@ -215,6 +220,18 @@ fn parse_opts(args: &[String]) -> Result<Option<Opts>> {
     Ok(Some(o))
 }
 
+/// The CPUs of a run: `--cpu` (default the last online one), then as many others as asked.
+fn cpus(cpu: Option<usize>, n: u8) -> Result<Vec<usize>> {
+    let online = sys::online_cpus();
+    let first = cpu.unwrap_or_else(|| online.saturating_sub(1));
+    let mut cpus = vec![first];
+    cpus.extend((0..online).filter(|&c| c != first).take(usize::from(n) - 1));
+    if cpus.len() < usize::from(n) {
+        bail!("--cpus {n}: this machine has {online} online CPUs");
+    }
+    Ok(cpus)
+}
+
 pub fn main(args: &[String]) -> Result<()> {
     let Some(opts) = parse_opts(args)? else {
         return Ok(());
@@ -222,12 +239,12 @@ pub fn main(args: &[String]) -> Result<()> {
     sys::require_root()?;
     let started = Instant::now();
     let command_line = std::env::args().collect::<Vec<_>>().join(" ");
-    sys::pin_cpu(opts.cpu)?;
+    sys::pin_cpu(opts.cpus[0])?;
     let possible = sys::possible_cpus();
     check_fit(&opts, possible)?;
     println!(
-        "sluice-bench xdp: pinned to CPU {}, {} possible CPUs",
-        opts.cpu, possible
+        "sluice-bench xdp: batches on CPU {:?} at once, {} possible CPUs",
+        opts.cpus, possible
     );
 
     let external = match &opts.object {
@@ -252,7 +269,13 @@ pub fn main(args: &[String]) -> Result<()> {
         None
     };
 
-    let mut sources = case_sources(&frames, full_next, opts.flows, backend.as_ref());
+    let mut sources = case_sources(
+        &frames,
+        full_next,
+        opts.flows,
+        backend.as_ref(),
+        opts.cpus.len(),
+    );
     if let Some(only) = &opts.cases {
         sources.retain(|(id, _)| case(*id).baseline.is_none() || only.contains(id));
     }
@@ -361,7 +384,8 @@ fn run_meta(lab: &mut Lab, opts: &Opts, run: RunFacts) -> Result<Value> {
         "cpu_model": sys::cpu_model(),
         "online_cpus": sys::online_cpus(),
         "possible_cpus": possible,
-        "pinned_cpu": opts.cpu,
+        "pinned_cpu": opts.cpus[0],
+        "cpus_at_once": opts.cpus,
         "clocksource": sys::clocksource(),
         "git_head": git_head,
         "dataplane_sources_differ_from_head": dirty,
@@ -380,6 +404,7 @@ fn run_meta(lab: &mut Lab, opts: &Opts, run: RunFacts) -> Result<Value> {
             "calls_per_batch": opts.calls,
             "batch_time_limit_s": opts.batch_secs,
             "order": "each round runs every (variant, case) batch once, in an order shuffled per round; one unrecorded warm-up batch per case first",
+            "cpus_at_once": "with more than one CPU, every batch runs on each at once (threads pinned, started together), each with its own generated flows; a batch's figures are over the calls of all of them (syscall_ns: the mean of each CPU's wall clock per call); established_inband runs on one CPU only",
             "conn_table": format!("LRU hash, BPF_F_NO_COMMON_LRU, {} entries ({} per possible CPU) for the established and new-flow cases; the new-flow case deletes the flows each batch inserted after the batch (table always has room); the full-table case uses {FULL_TABLE_PER_CPU} entries per CPU kept full, so every insert evicts", opts.conn_table, opts.conn_table as usize / possible),
             "many_flows": opts.flows,
             "conn_entries_main_after_run": conns_main,

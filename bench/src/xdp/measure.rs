@@ -2,6 +2,7 @@
 
 use std::{
     collections::BTreeMap,
+    sync::Barrier,
     time::{Duration, Instant},
 };
 
@@ -18,6 +19,18 @@ use super::{
     traffic::{gen_key, Frames, TestFrames},
     Opts, BLOCK_MANY, BLOCK_SYN, BLOCK_SYN_FULL,
 };
+use crate::sys;
+
+/// Each case's frames, one source per CPU that runs its batches.
+pub(super) type Sources = Vec<(CaseId, Vec<Frames>)>;
+
+/// How a batch runs: on these CPUs at once, up to `calls` calls on each, for at most `limit`.
+#[derive(Clone, Copy)]
+struct Run<'a> {
+    cpus: &'a [usize],
+    calls: usize,
+    limit: Duration,
+}
 
 #[derive(Clone, Debug)]
 pub struct Batch {
@@ -32,7 +45,7 @@ pub struct Batch {
     pub wrong_actions: BTreeMap<u32, usize>,
 }
 
-fn measure(
+fn measure_on(
     prog: &Xdp,
     frames: &mut Frames,
     calls: usize,
@@ -76,6 +89,81 @@ fn measure(
     })
 }
 
+/// One batch on every CPU of `cpus` at once, each sending its own `frames` (the thread
+/// itself is pinned to the first): the calls of all of them make the batch.
+fn measure(
+    prog: &Xdp,
+    frames: &mut [Frames],
+    run: Run,
+    expect: u32,
+    out: &mut [u8],
+    kern: &mut Vec<u32>,
+) -> Result<Batch> {
+    let Run { cpus, calls, limit } = run;
+    let [first, others @ ..] = frames else {
+        bail!("a case without frames");
+    };
+    if others.is_empty() {
+        return measure_on(prog, first, calls, limit, expect, out, kern);
+    }
+    let start = Barrier::new(1 + others.len());
+    let (own, theirs) = std::thread::scope(|s| {
+        let threads: Vec<_> = others
+            .iter_mut()
+            .zip(&cpus[1..])
+            .map(|(f, &cpu)| {
+                let start = &start;
+                let out_len = out.len();
+                // The thread starts in this thread's network namespace (the variant's).
+                s.spawn(move || -> Result<(Batch, Vec<u32>)> {
+                    let pinned = sys::pin_cpu(cpu);
+                    start.wait();
+                    pinned?;
+                    let (mut out, mut kern) = (vec![0u8; out_len], Vec::with_capacity(calls));
+                    let b = measure_on(prog, f, calls, limit, expect, &mut out, &mut kern)?;
+                    Ok((b, kern))
+                })
+            })
+            .collect();
+        start.wait();
+        let own = measure_on(prog, first, calls, limit, expect, out, kern);
+        let theirs: Vec<_> = threads
+            .into_iter()
+            .map(|t| t.join().expect("a measuring thread panicked"))
+            .collect();
+        (own, theirs)
+    });
+    let mut batches = vec![own?];
+    for t in theirs {
+        let (b, k) = t?;
+        kern.extend(k);
+        batches.push(b);
+    }
+    Ok(merged(&batches, kern))
+}
+
+/// The batches of CPUs that ran at once as one: calls added, per-call figures over every
+/// call (`kern` holds all their kernel durations), wall clock per call averaged over CPUs.
+fn merged(batches: &[Batch], kern: &mut [u32]) -> Batch {
+    let calls: usize = batches.iter().map(|b| b.calls).sum();
+    let mut wrong: BTreeMap<u32, usize> = BTreeMap::new();
+    for b in batches {
+        for (a, n) in &b.wrong_actions {
+            *wrong.entry(*a).or_default() += n;
+        }
+    }
+    let mean = kern.iter().map(|&d| d as f64).sum::<f64>() / kern.len() as f64;
+    let mid = kern.len() / 2;
+    let (_, med, _) = kern.select_nth_unstable(mid);
+    Batch {
+        calls,
+        syscall_ns: batches.iter().map(|b| b.syscall_ns).sum::<f64>() / batches.len() as f64,
+        kernel_ns: mean,
+        kernel_call_median_ns: *med as f64,
+        wrong_actions: wrong,
+    }
+}
+
 pub struct CaseResult {
     pub variant: Variant,
     pub id: CaseId,
@@ -103,7 +191,8 @@ pub(super) fn case_sources(
     full_next: u64,
     flows: usize,
     backend: Option<&BackendFrames>,
-) -> Vec<(CaseId, Frames)> {
+    cpus: usize,
+) -> Sources {
     let fresh = |block, next| Frames::Fresh {
         frame: fr.syn_tpl.clone(),
         block,
@@ -142,11 +231,19 @@ pub(super) fn case_sources(
         sources.push((CaseId::BackendSocket, Frames::Fixed(b.here.clone())));
         sources.push((CaseId::BackendForward, Frames::Fixed(b.elsewhere.clone())));
     }
+    if cpus > 1 {
+        // Its acknowledgement numbers must advance one call after another: one CPU's case.
+        sources.retain(|(id, _)| *id != CaseId::EstablishedInband);
+    }
+    let n = cpus as u64;
     sources
+        .into_iter()
+        .map(|(id, f)| (id, (0..n).map(|k| f.for_cpu(k, n)).collect()))
+        .collect()
 }
 
 /// An empty result for every (variant, case) pair that is measured.
-pub(super) fn case_results(variants: &[Variant], sources: &[(CaseId, Frames)]) -> Vec<CaseResult> {
+pub(super) fn case_results(variants: &[Variant], sources: &Sources) -> Vec<CaseResult> {
     let mut results: Vec<CaseResult> = Vec::new();
     for &v in variants {
         for (id, f) in sources {
@@ -161,7 +258,7 @@ pub(super) fn case_results(variants: &[Variant], sources: &[(CaseId, Frames)]) -
             results.push(CaseResult {
                 variant: v,
                 id: *id,
-                frame_bytes: f.len(),
+                frame_bytes: f[0].len(),
                 batches: Vec::new(),
                 counters: BTreeMap::new(),
             });
@@ -174,7 +271,7 @@ pub(super) fn case_results(variants: &[Variant], sources: &[(CaseId, Frames)]) -
 pub(super) fn warm_up(
     lab: &mut Lab,
     results: &[CaseResult],
-    sources: &mut [(CaseId, Frames)],
+    sources: &mut Sources,
     opts: &Opts,
     out: &mut [u8],
     kern: &mut Vec<u32>,
@@ -183,7 +280,12 @@ pub(super) fn warm_up(
     let warm = (opts.calls / 10).clamp(1, 10_000);
     for r in results {
         let (_, frames) = sources.iter_mut().find(|(id, _)| *id == r.id).unwrap();
-        let (b, _, _) = run_batch(lab, r, frames, warm, limit, out, kern)?;
+        let run = Run {
+            cpus: &opts.cpus,
+            calls: warm,
+            limit,
+        };
+        let (b, _, _) = run_batch(lab, r, frames, run, out, kern)?;
         if !b.wrong_actions.is_empty() {
             bail!(
                 "warm-up of {} [{}]: unexpected actions {:?}",
@@ -201,7 +303,7 @@ pub(super) fn warm_up(
 pub(super) fn measure_rounds(
     lab: &mut Lab,
     results: &mut [CaseResult],
-    sources: &mut [(CaseId, Frames)],
+    sources: &mut Sources,
     opts: &Opts,
     out: &mut [u8],
     kern: &mut Vec<u32>,
@@ -227,7 +329,12 @@ pub(super) fn measure_rounds(
         for &i in &order {
             let r = &mut results[i];
             let (_, frames) = sources.iter_mut().find(|(id, _)| *id == r.id).unwrap();
-            measure_batch(lab, r, frames, opts.calls, limit, out, kern)?;
+            let run = Run {
+                cpus: &opts.cpus,
+                calls: opts.calls,
+                limit,
+            };
+            measure_batch(lab, r, frames, run, out, kern)?;
         }
         rounds_done += 1;
         eprint!(
@@ -246,29 +353,29 @@ pub(super) fn measure_rounds(
 fn run_batch(
     lab: &mut Lab,
     r: &CaseResult,
-    frames: &mut Frames,
-    calls: usize,
-    limit: Duration,
+    frames: &mut [Frames],
+    run: Run,
     out: &mut [u8],
     kern: &mut Vec<u32>,
 ) -> Result<(Batch, Vec<u64>, Vec<u64>)> {
     lab.enter(r.variant)?;
     let def = case(r.id);
-    let start = fresh_start(frames);
+    let starts: Vec<u64> = frames.iter().map(fresh_start).collect();
     let dp = lab.dp(def.dp);
     let before = counters(dp)?;
     let b = measure(
         dp.program(def.prog)?,
         frames,
-        calls,
-        limit,
+        run,
         expected_action(r.id, r.variant),
         out,
         kern,
     )?;
     let after = counters(dp)?;
     if def.dp == Dp::New {
-        delete_fresh(&mut lab.new_conns, frames, start)?;
+        for (f, start) in frames.iter().zip(starts) {
+            delete_fresh(&mut lab.new_conns, f, start)?;
+        }
     }
     Ok((b, before, after))
 }
@@ -277,13 +384,12 @@ fn run_batch(
 fn measure_batch(
     lab: &mut Lab,
     r: &mut CaseResult,
-    frames: &mut Frames,
-    calls: usize,
-    limit: Duration,
+    frames: &mut [Frames],
+    run: Run,
     out: &mut [u8],
     kern: &mut Vec<u32>,
 ) -> Result<()> {
-    let (b, before, after) = run_batch(lab, r, frames, calls, limit, out, kern)?;
+    let (b, before, after) = run_batch(lab, r, frames, run, out, kern)?;
     stats_delta(&before, &after, &mut r.counters);
     let wrong: usize = b.wrong_actions.values().sum();
     if wrong != 0 {

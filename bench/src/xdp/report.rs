@@ -167,11 +167,11 @@ impl Report {
         let m = &self.meta;
         println!();
         println!(
-            "sluice xdp benchmark  {}  kernel {}  {}  CPU {} pinned  rounds {}",
+            "sluice xdp benchmark  {}  kernel {}  {}  CPU {} at once  rounds {}",
             m["date_utc"].as_str().unwrap_or(""),
             m["kernel"].as_str().unwrap_or(""),
             m["cpu_model"].as_str().unwrap_or(""),
-            m["pinned_cpu"],
+            m["cpus_at_once"],
             m["method"]["rounds_completed"]
         );
         println!("per call, BPF_PROG_TEST_RUN repeat 1 on a fresh frame; median [min p90] over rounds; x = ratio to the sluice_pass baseline of the same frame size");

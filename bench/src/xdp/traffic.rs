@@ -30,6 +30,10 @@ fn v6_tcp_frame(src: &str, sport: u16, dst: &str, dport: u16, flags: u8) -> Vec<
     eth(LB_MAC, CLIENT_MAC, ETH_IPV6, &l3)
 }
 
+/// Source ports of each CPU's new flows when a case runs on several CPUs: up to this many
+/// times 2^BLOCK_BITS flows per CPU, more than any run sends.
+const FRESH_PER_CPU: u64 = 16_384;
+
 /// Client (address, port) of generated flow `n` in `block`.
 fn gen_flow(block: u32, n: u64) -> (u32, u16) {
     let addr = block + (n as u32 & ((1 << BLOCK_BITS) - 1));
@@ -111,6 +115,36 @@ impl Frames {
         }
     }
 
+    /// The frames the `k`th of `n` CPUs sends when a case runs on several at once: the same
+    /// fixed frame, or other flows of the same kind, so that no generated flow is sent from
+    /// two CPUs (a new flow stays new, and the many cycled flows are met at other points).
+    pub(super) fn for_cpu(&self, k: u64, n: u64) -> Frames {
+        match self {
+            Frames::Fixed(f) => Frames::Fixed(f.clone()),
+            Frames::Cycle {
+                frame,
+                block,
+                next,
+                count,
+            } => Frames::Cycle {
+                frame: frame.clone(),
+                block: *block,
+                next: next + k * count / n,
+                count: *count,
+            },
+            Frames::Fresh { frame, block, next } => Frames::Fresh {
+                frame: frame.clone(),
+                block: *block,
+                // Each CPU's flows get their own source ports (see `gen_flow`).
+                next: next + k * (FRESH_PER_CPU << BLOCK_BITS),
+            },
+            Frames::Acking { frame, ack } => Frames::Acking {
+                frame: frame.clone(),
+                ack: *ack,
+            },
+        }
+    }
+
     pub(super) fn len(&self) -> usize {
         match self {
             Frames::Fixed(f)
@@ -177,5 +211,38 @@ impl TestFrames {
             many_tpl: v4_tcp_frame("100.64.0.0", 1024, VIP4, VIP_PORT, ACK, b""),
             syn_tpl,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpus_running_a_case_at_once_send_different_flows() {
+        let fresh = Frames::Fresh {
+            frame: vec![0; 54],
+            block: BLOCK_SYN,
+            next: 7,
+        };
+        let (Frames::Fresh { next: a, .. }, Frames::Fresh { next: b, .. }) =
+            (fresh.for_cpu(0, 2), fresh.for_cpu(1, 2))
+        else {
+            panic!("fresh frames stay fresh");
+        };
+        assert_eq!(a, 7);
+        // A run's flows never reach the other CPU's: its first flow has another source port.
+        assert_ne!(gen_flow(BLOCK_SYN, a + 1_000_000), gen_flow(BLOCK_SYN, b));
+        assert!(gen_flow(BLOCK_SYN, b).1 > gen_flow(BLOCK_SYN, a + 10_000_000).1);
+        let cycle = Frames::Cycle {
+            frame: vec![0; 54],
+            block: BLOCK_SYN,
+            next: 0,
+            count: 200_000,
+        };
+        let Frames::Cycle { next, .. } = cycle.for_cpu(1, 2) else {
+            panic!("cycled frames stay cycled");
+        };
+        assert_eq!(next, 100_000);
     }
 }
