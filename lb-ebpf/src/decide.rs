@@ -329,10 +329,12 @@ fn choose(
     }
     // The backend that takes the flow, or else the first active (so full) one probed past,
     // with its ring slot's index. One exit reads the slot's history and computes the second
-    // hops: the verifier sees that code once, and no history array lives across the probes
-    // (LLVM spilled one through a stack slot another path left a packet pointer in).
+    // hops: the verifier sees that code once, and no history array lives across the probes.
+    // The full one is kept in plain integers (id 0: none), not an `Option` of a pair: LLVM
+    // selects between the old and new pair on every probe, reading the payload of a `None`,
+    // whose stack slot another path may have left a pointer in, which the verifier refuses.
     let mut taken: Option<(u32, BackendEntry, u32)> = None;
-    let mut first_full: Option<(u32, u32)> = None;
+    let (mut full_id, mut full_index) = (0u32, 0u32);
     let base = (vip.id * RINGS_PER_VIP + (vip.active_ring & 1)) * RING_SIZE_MAX;
     for i in 0..MAX_PROBES {
         let slot = hash::probe_slot(h, i, ring_size);
@@ -347,8 +349,8 @@ fn choose(
                 break;
             }
             Some(b) => {
-                if b.state == BACKEND_ACTIVE && first_full.is_none() {
-                    first_full = Some((id, index));
+                if b.state == BACKEND_ACTIVE && full_id == 0 {
+                    (full_id, full_index) = (id, index);
                 }
                 count(stat::PROBE_SKIP);
             }
@@ -358,15 +360,15 @@ fn choose(
     let (id, b, index) = match taken {
         Some(t) => t,
         None => {
-            let Some((id, index)) = first_full else {
+            if full_id == 0 {
                 return Err(stat::DROP_NO_BACKEND.into());
-            };
+            }
             if vip.flags & VIP_F_ADMISSION != 0 {
                 return Err(Refusal::Shed(stat::SHED_FULL));
             }
-            let b = backend(id, vip).ok_or(stat::DROP_NO_BACKEND)?;
+            let b = backend(full_id, vip).ok_or(stat::DROP_NO_BACKEND)?;
             count(stat::FULL_FALLBACK);
-            (id, b, index)
+            (full_id, b, full_index)
         }
     };
     let previous = match MAGLEV_RINGS.get(index) {
@@ -379,10 +381,12 @@ fn choose(
     Ok((id, b, second_hops(&b, previous, vip)))
 }
 
-/// Previous owners of a flow's slot that a GUE backend may pass it on to, most recent first,
-/// the named ones before any `None`.
-pub type SecondHops = [Option<&'static BackendEntry>; RING_HISTORY];
-pub const NO_SECOND_HOPS: SecondHops = [None; RING_HISTORY];
+/// The addresses of the previous owners of a flow's slot that a GUE backend may pass it on
+/// to, most recent first, the named ones before any all-zero one. Addresses, not pointers
+/// to the backends' entries: a slot holding a pointer or none would be a different state
+/// for the verifier on every path through the encapsulation, three slots eight of them.
+pub type SecondHops = [[u32; 4]; RING_HISTORY];
+pub const NO_SECOND_HOPS: SecondHops = [[0; 4]; RING_HISTORY];
 
 /// The slot's previous backends (`previous`, most recent first) that a GUE backend `b` may
 /// pass the flow on to: those that still serve this VIP (active or draining), also run the
@@ -391,6 +395,7 @@ pub const NO_SECOND_HOPS: SecondHops = [None; RING_HISTORY];
 #[inline(always)]
 fn second_hops(b: &BackendEntry, previous: [u16; RING_HISTORY], vip: &VipMeta) -> SecondHops {
     let mut out = NO_SECOND_HOPS;
+    let mut named = 0;
     if b.flags & BACKEND_F_GUE == 0 {
         return out;
     }
@@ -407,13 +412,14 @@ fn second_hops(b: &BackendEntry, previous: [u16; RING_HISTORY], vip: &VipMeta) -
             continue;
         }
         // Constant indexes: the verifier sees three stack slots, not a computed one.
-        if out[0].is_none() {
-            out[0] = Some(p);
-        } else if out[1].is_none() {
-            out[1] = Some(p);
+        if named == 0 {
+            out[0] = p.addr;
+        } else if named == 1 {
+            out[1] = p.addr;
         } else {
-            out[2] = Some(p);
+            out[2] = p.addr;
         }
+        named += 1;
     }
     out
 }

@@ -210,8 +210,7 @@ fn write_gue<const WORDS: usize>(
             [GUE_PRIV_KIND, 0, 0, 0],
         );
         let addrs = t + UDP_HLEN + GUE_HLEN + GUE_PRIV_HDR_LEN;
-        for (k, p) in previous.iter().enumerate() {
-            let addr = p.map_or([0; 4], |b| b.addr);
+        for (k, addr) in previous.iter().enumerate() {
             for (i, w) in addr.iter().take(WORDS).enumerate() {
                 core::ptr::write_unaligned((addrs + 4 * (WORDS * k + i)) as *mut u32, *w);
             }
