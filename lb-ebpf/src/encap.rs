@@ -37,10 +37,22 @@ const fn gue_len(words: usize) -> usize {
     UDP_HLEN + GUE_HLEN + GUE_PRIV_HDR_LEN + 4 * words * RING_HISTORY
 }
 
-/// Encapsulates the packet for the decided backend and returns the XDP action, or
-/// `Err(drop counter)`.
+/// What [`forward`] did with a packet it did not drop, and the XDP action for it.
+pub enum Forwarded {
+    /// Encapsulated and sent toward the backend.
+    ToBackend(u32),
+    /// Not sent: answered in its place (an ICMP too-big to the client) or aborted.
+    Answered(u32),
+}
+
+/// Encapsulates the packet for the decided backend, or `Err(drop counter)`.
 #[inline(always)]
-pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Result<u32, Counter> {
+pub fn forward(
+    ctx: &XdpContext,
+    p: &Parsed,
+    d: &Decision,
+    cfg: &LbConfig,
+) -> Result<Forwarded, Counter> {
     let b = &d.backend;
     let h = d.hash;
     let outer_v4 = b.family == FAMILY_V4;
@@ -78,7 +90,7 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
             return match icmp::too_big(ctx, p, fits) {
                 Some(action) => {
                     count(stat::ICMP_TOO_BIG_SENT);
-                    Ok(action)
+                    Ok(Forwarded::Answered(action))
                 }
                 None => Err(stat::DROP_FRAG_NEEDED),
             };
@@ -92,7 +104,7 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
     match trim_to(ctx, p.l3_off + p.l3_len) {
         Some(true) => count(stat::PADDING_TRIMMED),
         Some(false) => {}
-        None => return Ok(xdp_action::XDP_ABORTED),
+        None => return Ok(Forwarded::Answered(xdp_action::XDP_ABORTED)),
     }
 
     let delta = (ETH_HLEN + outer_len) as i32 - p.l3_off as i32;
@@ -167,12 +179,12 @@ pub fn forward(ctx: &XdpContext, p: &Parsed, d: &Decision, cfg: &LbConfig) -> Re
 
     if hop.ifindex == unsafe { (*ctx.ctx).ingress_ifindex } {
         count(stat::TX);
-        return Ok(xdp_action::XDP_TX);
+        return Ok(Forwarded::ToBackend(xdp_action::XDP_TX));
     }
     match TX_PORTS.redirect(hop.ifindex, 0) {
         Ok(a) => {
             count(stat::REDIRECT);
-            Ok(a)
+            Ok(Forwarded::ToBackend(a))
         }
         Err(_) => Err(stat::DROP_NO_NEXTHOP),
     }

@@ -24,7 +24,7 @@ mod trace;
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use lb_common::{stat, LB_F_TRACE, PROTO_TCP, VIP_F_INBAND, VIP_F_SHED_RST};
 
-use crate::{decide::Refusal, maps::CONFIG, stats::count};
+use crate::{decide::Refusal, encap::Forwarded, maps::CONFIG, stats::count};
 
 #[xdp(frags)]
 pub fn sluice_xdp(ctx: XdpContext) -> u32 {
@@ -85,15 +85,20 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
             inband::observe(&ctx, &p, e, d.backend_id, d.now);
         }
     }
-    stats::traffic(
-        vip.id,
-        d.backend_id,
-        p.l3_len as u64,
-        d.new_flow,
-        d.handshake,
-    );
     match encap::forward(&ctx, &p, &d, cfg) {
-        Ok(action) => action,
+        Ok(Forwarded::ToBackend(action)) => {
+            // Counted once sent: a packet answered with a too-big, or dropped on the way,
+            // is no traffic of the backend it never reached.
+            stats::traffic(
+                vip.id,
+                d.backend_id,
+                p.l3_len as u64,
+                d.new_flow,
+                d.handshake,
+            );
+            action
+        }
+        Ok(Forwarded::Answered(action)) => action,
         Err(reason) => {
             count(reason);
             xdp_action::XDP_DROP

@@ -894,6 +894,54 @@ fn packet_too_big_for_the_backend_path_gets_an_exact_icmp_too_big_from_the_vip()
     assert_eq!(lab.stat(stat::ICMP_TOO_BIG_SENT), 2);
 }
 
+/// Traffic counters move only for packets sent to that backend: a frame answered with a
+/// too-big, or dropped because it does not fit and may not be fragmented, never reached it.
+#[test]
+fn a_frame_that_never_reaches_its_backend_is_not_its_traffic() {
+    let (mut lab, _vip) = lab_v4();
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip6, &BACKENDS6);
+    let ifindex = fib_segment(1400);
+    lab.dp.add_tx_port(ifindex).unwrap();
+    let l3 = |port: u16, len: usize, df: bool| {
+        let mut h = V4::new(CLIENT4, VIP4, PROTO_TCP);
+        h.frag = if df { 0x4000 } else { 0 };
+        h.build(&tcp(port, 443, ACK, &vec![0u8; len - 40]))
+    };
+    let big6 = ipv6(
+        CLIENT6,
+        VIP6,
+        PROTO_TCP,
+        0,
+        0,
+        &tcp(40601, 443, ACK, &vec![0u8; 1361 - 60]),
+    );
+    assert_eq!(lab.run(&on_wire(&l3(40600, 1381, true))).0, XDP_TX);
+    assert_eq!(lab.run(&on_wire(&l3(40600, 1381, false))).0, XDP_DROP);
+    assert_eq!(lab.run(&on_wire(&big6)).0, XDP_TX);
+    assert_eq!(lab.stat(stat::ICMP_TOO_BIG_SENT), 2);
+    assert_eq!(lab.stat(stat::DROP_FRAG_NEEDED), 1);
+    let backend_packets = |lab: &mut Lab| -> u64 {
+        BACKENDS4
+            .iter()
+            .chain(&BACKENDS6)
+            .map(|(id, _, _)| lab.dp.backend_stats(*id).unwrap().packets)
+            .sum()
+    };
+    for vip in [0, 1] {
+        let v = lab.dp.vip_stats(vip).unwrap();
+        assert_eq!((v.packets, v.bytes, v.new_flows), (0, 0, 0), "VIP {vip}");
+    }
+    assert_eq!(backend_packets(&mut lab), 0);
+
+    // One that fits, of another flow, is its backend's traffic and a new flow there,
+    // counted at the client's IP length.
+    assert_eq!(lab.run(&on_wire(&l3(40602, 1380, true))).0, XDP_REDIRECT);
+    let v = lab.dp.vip_stats(0).unwrap();
+    assert_eq!((v.packets, v.bytes, v.new_flows), (1, 1380, 1));
+    assert_eq!(backend_packets(&mut lab), 1);
+}
+
 #[test]
 fn fib_next_hop_redirects_through_the_devmap() {
     let (mut lab, vip) = lab_v4();
