@@ -34,8 +34,7 @@ impl From<Counter> for Refusal {
     }
 }
 
-/// Built as a literal at each return of [`decide`]: a shared constructor, even inlined, changed
-/// the generated code enough for the verifier to refuse the program, so the literals stay.
+/// What [`decide`] chose for a packet, and what the encapsulation and counters need of it.
 pub struct Decision {
     pub backend_id: u32,
     pub backend: BackendEntry,
@@ -106,101 +105,22 @@ pub fn decide(
     // Second chance: the backends hold TCP's per-flow state, the ring's history finds it.
     if vip.flags & VIP_F_SECOND_CHANCE != 0 && key.proto == PROTO_TCP {
         count(stat::SECOND_CHANCE_STEERED);
-        let h = steering_hash(key, vip, cfg);
-        let opens = opens && track;
-        if opens && vip.flags & VIP_F_SHED != 0 {
-            return Err(Refusal::Shed(stat::SHED_PRIORITY));
-        }
-        let (id, b, previous) = choose(key, vip, h, now, opens)?;
-        return Ok(Decision {
-            backend_id: id,
-            backend: b,
-            new_flow: opens,
-            hash: h,
-            now,
-            previous,
-            conn: None,
-            handshake: 0,
-        });
+        return steer_new(key, vip, cfg, now, opens && track);
     }
 
     if let Some(e) = CONNS.get_ptr_mut(key) {
-        let id = unsafe { (*e).backend };
-        let h = unsafe { (*e).hash };
         // A SYN on a 5-tuple whose entry outlived its connection (the client reused the
-        // port) opens a new session. The entry brings it its old backend as an affinity
-        // entry would, only while that backend keeps its clients: one draining, moved away
-        // or down gets no new session from a stale entry. (A retransmitted SYN whose backend
-        // left meanwhile moves too; its half-open connection there times out.)
+        // port) opens a new session.
         let reopens = opens && track && key.proto == PROTO_TCP;
-        if let Some(b) = backend(id, vip) {
-            if takes(&b, false) && (!reopens || keeps_affinity(&b, true)) {
-                // The coarse clock moves once a tick: most packets leave the line clean.
-                unsafe {
-                    if (*e).last_seen_ns != now {
-                        // Once a second per flow: the affinity window counts from the
-                        // client's last packet, not its last new session, so a conversation's
-                        // next turn, a think time after a long answer, still finds its entry.
-                        if vip.affinity_secs != 0
-                            && (*e).last_seen_ns / NS_PER_SEC != now / NS_PER_SEC
-                        {
-                            refresh_affinity(key, vip, id, now);
-                        }
-                        (*e).last_seen_ns = now;
-                    }
-                }
-                // A SYN on an entry whose handshake is pending is a retransmission: the
-                // handshake counts once. One on a completed entry starts a new one. The
-                // first ACK completes it; once it has, every later packet pays one bit
-                // test of the entry it already read.
-                // Toggling the bit: `HANDSHAKE_STARTED` is `CONN_F_HANDSHAKE`. Written so,
-                // the program stays well inside the verifier's instruction limit; flags
-                // spelt out as two branches took it to 99.5% of it.
-                let pending = unsafe { (*e).flags } & CONN_F_HANDSHAKE;
-                let handshake = if reopens {
-                    pending ^ HANDSHAKE_STARTED
-                } else if pending != 0 && acks {
-                    HANDSHAKE_COMPLETED
-                } else {
-                    0
-                };
-                if handshake != 0 {
-                    unsafe { (*e).flags ^= CONN_F_HANDSHAKE };
-                }
-                count(stat::CONN_HIT);
-                return Ok(Decision {
-                    backend_id: id,
-                    backend: b,
-                    new_flow: false,
-                    hash: h,
-                    now,
-                    previous: NO_SECOND_HOPS,
-                    conn: Some(e),
-                    handshake,
-                });
-            }
+        if let Some(d) = established(key, vip, e, now, reopens, acks) {
+            count(stat::CONN_HIT);
+            return Ok(d);
         }
         if !reopens {
             // Its backend is down (or gone): re-steer to the table's current choice and
             // keep the flow pinned there from now on.
             count(stat::CONN_RESTEER_DOWN);
-            let (id, b, previous) = choose(key, vip, h, now, false)?;
-            unsafe {
-                (*e).backend = id;
-                (*e).last_seen_ns = now;
-                // The new backend never saw the SYN: its ACK completes nothing there.
-                (*e).flags = 0;
-            }
-            return Ok(Decision {
-                backend_id: id,
-                backend: b,
-                new_flow: true,
-                hash: h,
-                now,
-                previous,
-                conn: None,
-                handshake: 0,
-            });
+            return resteer(key, vip, e, now);
         }
         // The stale entry goes, and the SYN is steered as a miss is.
         count(stat::CONN_REOPEN_RESTEER);
@@ -208,37 +128,107 @@ pub fn decide(
     } else {
         count(stat::CONN_MISS);
     }
+    miss(key, vip, cfg, now, track, opens && track)
+}
 
+/// A flow with no per-flow state here: the ring (and its history) picks the backend, and
+/// admission refuses a new session of a shedding VIP.
+#[inline(always)]
+fn steer_new(
+    key: &FlowKey,
+    vip: &VipMeta,
+    cfg: &LbConfig,
+    now: u64,
+    opens: bool,
+) -> Result<Decision, Refusal> {
     let h = steering_hash(key, vip, cfg);
-    let opens = opens && track;
     if opens && vip.flags & VIP_F_SHED != 0 {
         return Err(Refusal::Shed(stat::SHED_PRIORITY));
     }
     let (id, b, previous) = choose(key, vip, h, now, opens)?;
-    // Only a flow with an entry can tell its SYN's retransmission and its first ACK apart:
-    // a handshake counts where the entry is made.
-    let mut handshake = 0;
-    if !track {
-        // Nothing to pin.
-    } else if flood_guard(cfg, now) {
-        count(stat::FLOOD_BYPASS);
-    } else {
-        if opens && key.proto == PROTO_TCP {
-            handshake = HANDSHAKE_STARTED;
+    Ok(Decision {
+        backend_id: id,
+        backend: b,
+        new_flow: opens,
+        hash: h,
+        now,
+        previous,
+        conn: None,
+        handshake: 0,
+    })
+}
+
+/// The connection entry's backend, while it still takes the flow. The entry brings a
+/// reopening SYN its old backend as an affinity entry would, only while that backend keeps
+/// its clients: one draining, moved away or down gets no new session from a stale entry. (A
+/// retransmitted SYN whose backend left meanwhile moves too; its half-open connection there
+/// times out.)
+#[inline(always)]
+fn established(
+    key: &FlowKey,
+    vip: &VipMeta,
+    e: *mut ConnEntry,
+    now: u64,
+    reopens: bool,
+    acks: bool,
+) -> Option<Decision> {
+    let id = unsafe { (*e).backend };
+    let b = backend(id, vip)?;
+    if !takes(&b, false) || (reopens && !keeps_affinity(&b, true)) {
+        return None;
+    }
+    // The coarse clock moves once a tick: most packets leave the line clean.
+    unsafe {
+        if (*e).last_seen_ns != now {
+            // Once a second per flow: the affinity window counts from the client's last
+            // packet, not its last new session, so a conversation's next turn, a think time
+            // after a long answer, still finds its entry.
+            if vip.affinity_secs != 0 && (*e).last_seen_ns / NS_PER_SEC != now / NS_PER_SEC {
+                refresh_affinity(key, vip, id, now);
+            }
+            (*e).last_seen_ns = now;
         }
-        let e = ConnEntry {
-            backend: id,
-            hash: h,
-            last_seen_ns: now,
-            inband: InbandFlow::default(),
-            // The same bit: a started handshake is pending until the flow's first ACK.
-            flags: handshake,
-            _pad: [0; 3],
-        };
-        // An LRU insert evicts rather than fails: the kernel refuses one only when this CPU
-        // already holds the bucket's lock (-EBUSY, a tracing program re-entering the map),
-        // which no packet can cause. The flow then follows the ring, as a bypassed one does.
-        let _ = CONNS.insert(key, e, 0);
+    }
+    // A SYN on an entry whose handshake is pending is a retransmission: the handshake
+    // counts once. One on a completed entry starts a new one. The first ACK completes it;
+    // once it has, every later packet pays one bit test of the entry it already read.
+    // Toggling the bit: `HANDSHAKE_STARTED` is `CONN_F_HANDSHAKE`. Written so, the program
+    // stays well inside the verifier's instruction limit; flags spelt out as two branches
+    // took it to 99.5% of it.
+    let pending = unsafe { (*e).flags } & CONN_F_HANDSHAKE;
+    let handshake = if reopens {
+        pending ^ HANDSHAKE_STARTED
+    } else if pending != 0 && acks {
+        HANDSHAKE_COMPLETED
+    } else {
+        0
+    };
+    if handshake != 0 {
+        unsafe { (*e).flags ^= CONN_F_HANDSHAKE };
+    }
+    Some(Decision {
+        backend_id: id,
+        backend: b,
+        new_flow: false,
+        hash: unsafe { (*e).hash },
+        now,
+        previous: NO_SECOND_HOPS,
+        conn: Some(e),
+        handshake,
+    })
+}
+
+/// An entry whose backend is down or gone: the flow moves to the ring's current choice and
+/// its entry follows.
+#[inline(always)]
+fn resteer(key: &FlowKey, vip: &VipMeta, e: *mut ConnEntry, now: u64) -> Result<Decision, Refusal> {
+    let h = unsafe { (*e).hash };
+    let (id, b, previous) = choose(key, vip, h, now, false)?;
+    unsafe {
+        (*e).backend = id;
+        (*e).last_seen_ns = now;
+        // The new backend never saw the SYN: its ACK completes nothing there.
+        (*e).flags = 0;
     }
     Ok(Decision {
         backend_id: id,
@@ -248,8 +238,48 @@ pub fn decide(
         now,
         previous,
         conn: None,
-        handshake,
+        handshake: 0,
     })
+}
+
+/// A flow without an entry in table mode: steered as new, then pinned by an entry unless
+/// it is an ICMP error (`track` false) or the flood guard bypasses the table.
+#[inline(always)]
+fn miss(
+    key: &FlowKey,
+    vip: &VipMeta,
+    cfg: &LbConfig,
+    now: u64,
+    track: bool,
+    opens: bool,
+) -> Result<Decision, Refusal> {
+    let mut d = steer_new(key, vip, cfg, now, opens)?;
+    d.new_flow = true;
+    if !track {
+        // Nothing to pin.
+    } else if flood_guard(cfg, now) {
+        count(stat::FLOOD_BYPASS);
+    } else {
+        // Only a flow with an entry can tell its SYN's retransmission and its first ACK
+        // apart: a handshake counts where the entry is made.
+        if opens && key.proto == PROTO_TCP {
+            d.handshake = HANDSHAKE_STARTED;
+        }
+        let e = ConnEntry {
+            backend: d.backend_id,
+            hash: d.hash,
+            last_seen_ns: now,
+            inband: InbandFlow::default(),
+            // The same bit: a started handshake is pending until the flow's first ACK.
+            flags: d.handshake,
+            _pad: [0; 3],
+        };
+        // An LRU insert evicts rather than fails: the kernel refuses one only when this CPU
+        // already holds the bucket's lock (-EBUSY, a tracing program re-entering the map),
+        // which no packet can cause. The flow then follows the ring, as a bypassed one does.
+        let _ = CONNS.insert(key, e, 0);
+    }
+    Ok(d)
 }
 
 #[inline(always)]
