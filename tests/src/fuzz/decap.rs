@@ -7,7 +7,9 @@ use lb_common::{stat, PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP};
 
 use super::{
     generate::{l4, mutate, options, CLIENTS4, CLIENTS6},
-    hex, Rng, LB_MAC, XDP_PASS,
+    hex,
+    oracle::l3_start,
+    Rng, LB_MAC, XDP_PASS,
 };
 use crate::{frames::*, run_prog, Lab};
 
@@ -84,16 +86,7 @@ pub fn run_decap(frames: u64, seed: u64) -> Result<BTreeMap<&'static str, u64>> 
 /// What `sluice_decap` must make of `frame`, by the oracle's own reading: `None` when it must
 /// leave it alone.
 fn decap_expected(frame: &[u8]) -> Option<Vec<u8>> {
-    let mut off = 12;
-    let mut ty = u16::from_be_bytes([frame[12], frame[13]]);
-    for _ in 0..2 {
-        if ty != 0x8100 && ty != 0x88a8 {
-            break;
-        }
-        ty = u16::from_be_bytes(frame.get(off + 4..off + 6)?.try_into().ok()?);
-        off += 4;
-    }
-    let l3 = off + 2;
+    let (l3, ty) = l3_start(frame)?;
     let o = frame.get(l3..)?;
     let (ohl, tot, next) = match ty {
         ETH_IP => {

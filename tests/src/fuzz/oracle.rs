@@ -101,7 +101,9 @@ struct IpPacket {
     tos: u8,
 }
 
-fn ip_packet(frame: &[u8]) -> Option<IpPacket> {
+/// Where the L3 header starts and its EtherType, past up to two VLAN tags (as the data
+/// plane reads them).
+pub(super) fn l3_start(frame: &[u8]) -> Option<(usize, u16)> {
     let mut off = 12;
     let mut ty = u16::from_be_bytes([frame[12], frame[13]]);
     for _ in 0..2 {
@@ -112,6 +114,11 @@ fn ip_packet(frame: &[u8]) -> Option<IpPacket> {
         off += 4;
     }
     let l3 = off + 2;
+    Some((l3, ty))
+}
+
+fn ip_packet(frame: &[u8]) -> Option<IpPacket> {
+    let (l3, ty) = l3_start(frame)?;
     let h = frame.get(l3..)?;
     let (len, v4, dst, tos) = match ty {
         ETH_IP if h.len() >= 20 && h[0] >> 4 == 4 => {
