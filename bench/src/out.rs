@@ -34,9 +34,56 @@ pub fn write_json(path: &Path, doc: &Value) -> Result<()> {
     Ok(())
 }
 
+/// Writes `doc` as [`write_json`] does, except that each element of its array `key` is one
+/// compact line: a file of many large records (a matrix's cells) stays a few MB and a diff
+/// still shows which record changed.
+pub fn write_json_records(path: &Path, doc: &Value, key: &str) -> Result<()> {
+    let Some(fields) = doc.as_object() else {
+        return write_json(path, doc);
+    };
+    let mut text = String::from("{\n");
+    for (i, (k, v)) in fields.iter().enumerate() {
+        let value = match v.as_array().filter(|_| k == key) {
+            Some(records) => {
+                let lines: Vec<String> = records
+                    .iter()
+                    .map(|r| Ok(format!("    {}", serde_json::to_string(r)?)))
+                    .collect::<Result<_>>()?;
+                format!("[\n{}\n  ]", lines.join(",\n"))
+            }
+            None => serde_json::to_string_pretty(v)?.replace('\n', "\n  "),
+        };
+        let sep = if i + 1 < fields.len() { "," } else { "" };
+        text += &format!("  {}: {value}{sep}\n", serde_json::to_string(k)?);
+    }
+    text += "}\n";
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn records_are_one_line_each_and_the_document_reads_back_the_same() {
+        let doc = serde_json::json!({
+            "cells": [{"a": 1, "b": [1, 2]}, {"a": 2, "b": []}],
+            "report": {"worst": {"x": 1.5}},
+            "seeds": [7, 11],
+        });
+        let path = std::env::temp_dir().join(format!("records-{}.json", std::process::id()));
+        write_json_records(&path, &doc, "cells").unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), doc);
+        assert!(text.contains("\n    {\"a\":1,\"b\":[1,2]},\n"), "{text}");
+        assert!(text.contains("\n    {\"a\":2,\"b\":[]}\n  ]"), "{text}");
+    }
 
     #[test]
     fn a_run_writes_under_target_and_a_recorded_run_under_bench_results() {

@@ -337,13 +337,13 @@ pub fn main(args: &[String]) -> Result<()> {
         cell["fleet"] = c.fleet.json();
         results.push(cell);
         let doc = document(&m, &results, started.elapsed().as_secs(), false);
-        out::write_json(&m.out, &doc)?;
+        out::write_json_records(&m.out, &doc, "cells")?;
     }
     if sys::interrupted().is_err() {
         interrupted = true;
     }
     let doc = document(&m, &results, started.elapsed().as_secs(), interrupted);
-    out::write_json(&m.out, &doc)?;
+    out::write_json_records(&m.out, &doc, "cells")?;
     print!("{}", table(&doc["report"]));
     if interrupted {
         bail!(
