@@ -235,7 +235,7 @@ pub fn main(args: &[String]) -> Result<()> {
     sys::require_root()?;
     sys::catch_interrupts();
     let doc = run(&args)?;
-    out::write_json(&args.out, &doc)?;
+    out::write_json_records(&args.out, &doc, "cells")?;
     println!("plots under {}", args.plots.display());
     Ok(())
 }
