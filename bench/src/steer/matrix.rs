@@ -67,6 +67,10 @@ struct MatrixCli {
     out: Option<PathBuf>,
     #[arg(long, help = out::RECORD_HELP)]
     record: bool,
+    /// Runs nothing: judges the cells of this matrix result file again with this build's
+    /// aims and report, rewrites the file's report and prints the table.
+    #[arg(long, value_name = "FILE")]
+    judge: Option<PathBuf>,
 }
 
 /// The matrix's scenarios when `--scenarios` is not given.
@@ -152,6 +156,8 @@ pub struct MatrixArgs {
     pub policies: Vec<Policy>,
     pub duration: Duration,
     pub out: PathBuf,
+    /// A result file to judge again instead of running cells.
+    pub judge: Option<PathBuf>,
 }
 
 /// The fleets, listed after the matrix's help.
@@ -194,6 +200,7 @@ impl MatrixArgs {
             out: c
                 .out
                 .unwrap_or_else(|| out::default_path(c.record, "steer-matrix.json")),
+            judge: c.judge,
         };
         if ci {
             a.fleets = vec![FLEETS[1], FLEETS[3]];
@@ -264,6 +271,9 @@ pub fn main(args: &[String]) -> Result<()> {
     let Some(m) = MatrixArgs::parse(args)? else {
         return Ok(());
     };
+    if let Some(path) = &m.judge {
+        return judge(path);
+    }
     let cells = plan(&m.fleets, &m.scenarios, &m.policies, &m.seeds, m.pair);
     let fleets: Vec<&str> = {
         let mut v: Vec<&str> = cells.iter().map(|c| c.fleet.name).collect();
@@ -352,6 +362,21 @@ pub fn main(args: &[String]) -> Result<()> {
             cells.len()
         );
     }
+    Ok(())
+}
+
+/// Judges a result file's cells again and rewrites its report.
+fn judge(path: &std::path::Path) -> Result<()> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut doc: Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a JSON result file", path.display()))?;
+    let Some(cells) = doc.get("cells").and_then(Value::as_array) else {
+        bail!("{} has no cells: not a matrix result file", path.display());
+    };
+    doc["report"] = report(cells);
+    out::write_json_records(path, &doc, "cells")?;
+    print!("{}", table(&doc["report"]));
     Ok(())
 }
 

@@ -141,12 +141,40 @@ pub fn report(cells: &[Value]) -> Value {
     };
     json!({
         "scenarios": rows,
+        "noise": noise(&ok, &find),
         "broken_not_on_a_killed_backend": per_policy(&broken_elsewhere, None, 0.0),
         "healthy_weight_changes_per_backend_per_10min":
             per_policy(&churn, Some("healthy"), CHURN_AIM),
         "cells": cells.len(),
         "failed_cells": cells.len() - ok.len(),
     })
+}
+
+/// How far p99 TTFT moves with nothing but the run: over the cells where a steered policy
+/// changed no weight (it placed every session as Maglev does), the lowest and highest p99 ÷
+/// Maglev's in the same fleet, seed and scenario. A ratio of another cell inside that range
+/// is not evidence of an effect either way.
+fn noise<'a>(ok: &[&'a Value], find: &dyn Fn(&str, u64, &str, &str) -> Option<&'a Value>) -> Value {
+    let ratios: Vec<f64> = ok
+        .iter()
+        .filter(|c| STEERED.contains(&key(c).3.as_str()))
+        .filter(|c| c.get("weight_changes").and_then(Value::as_u64) == Some(0))
+        .filter_map(|c| {
+            let (f, seed, s, _) = key(c);
+            Some(p99(c)? / p99(find(&f, seed, &s, "maglev")?)?.max(1e-9))
+        })
+        .filter(|r| r.is_finite())
+        .collect();
+    let round = |x: f64| (x * 1000.0).round() / 1000.0;
+    match (
+        ratios.iter().copied().reduce(f64::min),
+        ratios.iter().copied().reduce(f64::max),
+    ) {
+        (Some(lo), Some(hi)) => {
+            json!({"cells": ratios.len(), "lowest": round(lo), "highest": round(hi)})
+        }
+        _ => json!({"cells": 0}),
+    }
 }
 
 fn held_word(v: &Value) -> &'static str {
@@ -210,6 +238,15 @@ pub fn table(report: &Value) -> String {
                 figure(&p["cell"])
             );
         }
+    }
+    let n = &report["noise"];
+    if n["cells"].as_u64().unwrap_or(0) > 0 {
+        out += &format!(
+            "noise: in the {} cells where a steered policy changed no weight, p99 TTFT was {:.2} to {:.2} of Maglev's\n",
+            n["cells"],
+            n["lowest"].as_f64().unwrap_or(f64::NAN),
+            n["highest"].as_f64().unwrap_or(f64::NAN)
+        );
     }
     if report["failed_cells"].as_u64().unwrap_or(0) > 0 {
         out += &format!(
@@ -285,6 +322,33 @@ mod tests {
         assert!(text.contains("throttled"), "{text}");
         assert!(text.contains("0.30 (a seed 11) MISSED"), "{text}");
         assert!(text.contains("1 of 14 cells failed"), "{text}");
+    }
+
+    #[test]
+    fn cells_where_the_policy_changed_no_weight_give_the_noise() {
+        let idle = |policy: &str, p99: f64, changes: u64| {
+            let mut c = cell("a", 7, "healthy", policy, p99);
+            c["weight_changes"] = json!(changes);
+            c
+        };
+        let cells = vec![
+            idle("maglev", 100.0, 0),
+            idle("adaptive", 196.0, 0),
+            idle("adaptive+inband", 90.0, 0),
+            cell("a", 7, "throttled", "maglev", 1000.0),
+            // A policy that acted is not noise, however far it moved p99.
+            {
+                let mut c = cell("a", 7, "throttled", "adaptive", 3000.0);
+                c["weight_changes"] = json!(4);
+                c
+            },
+        ];
+        let r = report(&cells);
+        assert_eq!(
+            r["noise"],
+            json!({"cells": 2, "lowest": 0.9, "highest": 1.96})
+        );
+        assert!(table(&r).contains("p99 TTFT was 0.90 to 1.96 of Maglev's"));
     }
 
     #[test]
