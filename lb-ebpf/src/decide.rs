@@ -192,9 +192,9 @@ fn established(
     // A SYN on an entry whose handshake is pending is a retransmission: the handshake
     // counts once. One on a completed entry starts a new one. The first ACK completes it;
     // once it has, every later packet pays one bit test of the entry it already read.
-    // Toggling the bit: `HANDSHAKE_STARTED` is `CONN_F_HANDSHAKE`. Written so, the program
-    // stays well inside the verifier's instruction limit; flags spelt out as two branches
-    // took it to 99.5% of it.
+    // Toggling the bit: `HANDSHAKE_STARTED` is `CONN_F_HANDSHAKE`. Written so, the entry's
+    // handshake state adds no branch; a branch per flag would split the verifier's paths
+    // through everything after it (docs/design.md, "The verifier's budget").
     let pending = unsafe { (*e).flags } & CONN_F_HANDSHAKE;
     let handshake = if reopens {
         pending ^ HANDSHAKE_STARTED
@@ -254,6 +254,7 @@ fn miss(
     opens: bool,
 ) -> Result<Decision, Refusal> {
     let mut d = steer_new(key, vip, cfg, now, opens)?;
+    // New to the table even when it opens no session (an entry evicted mid-stream).
     d.new_flow = true;
     if !track {
         // Nothing to pin.
