@@ -60,6 +60,14 @@ pub fn src_hash(k: &FlowKey, seed: u32) -> u32 {
     fmix(h ^ 16)
 }
 
+/// Hash of a QUIC connection ID's stable part (its server ID and the first nonce octets, as
+/// the eight octets after its first, big endian, masked): the outer header of a connection
+/// routed by its ID keeps one source however the client's address changes.
+#[inline(always)]
+pub fn cid_hash(stable: u64, seed: u32) -> u32 {
+    fmix(mix(mix(seed, stable as u32), (stable >> 32) as u32) ^ 8)
+}
+
 /// Step between the ring positions a new flow probes: in 1..ring_size, so with a prime ring
 /// every probe lands on a distinct slot.
 #[inline(always)]

@@ -12,7 +12,7 @@ pub mod trace;
 /// Bumped whenever a map's key or value layout changes, or the counter list does (`STATS`
 /// is read by index); pinned maps carry it so a newer program refuses to reuse maps it
 /// cannot read.
-pub const LAYOUT_VERSION: u32 = 6;
+pub const LAYOUT_VERSION: u32 = 7;
 
 pub const MAX_VIPS: u32 = 128;
 /// Backend ids index the backend array; id 0 is the "unset" sentinel (a ring slot or
@@ -65,6 +65,12 @@ pub const VIP_F_INBAND: u32 = 1 << 4;
 /// shed (`SHED_FULL`). Without it a full backend is only less preferred: such a session
 /// goes to the first active backend of its probes (`FULL_FALLBACK`).
 pub const VIP_F_ADMISSION: u32 = 1 << 5;
+/// QUIC connection-ID routing (a UDP VIP's `quic = "cid"`): a packet whose destination
+/// connection ID the server chose carries the server's ID in the QUIC-LB unencrypted layout
+/// (see [`quic`]), and goes to the backend with that ID without a connection-table entry, so
+/// a client that changes address or port stays on its server. Every other packet takes the
+/// 5-tuple path.
+pub const VIP_F_QUIC_CID: u32 = 1 << 6;
 
 /// Key of the VIP hash map. `port` 0 matches every port of the address and protocol.
 #[repr(C)]
@@ -89,6 +95,12 @@ pub struct VipMeta {
     /// Client-affinity window in seconds, counted from the client's last packet to the
     /// entry's backend; 0 disables the affinity table for this VIP.
     pub affinity_secs: u32,
+    /// With `VIP_F_QUIC_CID`: the config rotation codepoint (0..=6) the VIP's connection IDs
+    /// carry in the top three bits of their first octet.
+    pub quic_rotation: u8,
+    /// With `VIP_F_QUIC_CID`: the length of a server ID in octets (1..=`quic::SERVER_ID_LEN_MAX`).
+    pub quic_server_id_len: u8,
+    pub _pad: [u8; 2],
 }
 
 /// Previous owners a ring slot remembers, and a GUE packet names: a flow survives this many
@@ -162,6 +174,53 @@ pub struct BackendEntry {
     pub _pad: u8,
     /// The VIP this backend serves (backends are per VIP so drains and weights are per VIP).
     pub vip: u32,
+}
+
+/// Key of `QUIC_SERVERS`: a VIP and one of its backends' QUIC-LB server IDs (value: the
+/// backend id, `u32`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct QuicServerKey {
+    pub vip: u32,
+    pub _pad: u32,
+    /// The server ID's octets read as a big-endian integer ([`quic::server_id_value`]).
+    pub id: u64,
+}
+
+/// The QUIC facts the data plane routes by: RFC 8999's invariants, RFC 9000's and RFC 9369's
+/// version-specific long-header types, and the QUIC-LB draft's connection-ID layout
+/// (draft-ietf-quic-load-balancers, unencrypted mode).
+///
+/// A QUIC-LB connection ID is: one octet whose top three bits are the config rotation
+/// codepoint (the low five are the server's: random, or the CID length less one), then the
+/// server ID (`quic_server_id_len` octets), then the server's nonce (at least four octets).
+pub mod quic {
+    /// The header-form bit of a packet's first octet: set for a long header.
+    pub const LONG_HEADER: u8 = 0x80;
+    /// QUIC version 1 (RFC 9000).
+    pub const VERSION_1: u32 = 0x0000_0001;
+    /// QUIC version 2 (RFC 9369), whose long-header types are numbered differently.
+    pub const VERSION_2: u32 = 0x6b33_43cf;
+    /// The long-header type of a Handshake packet (bits 4-5 of the first octet): in v1 and
+    /// v2 the only long-header type a client sends to a connection ID its server chose.
+    /// Initial and 0-RTT packets carry the ID the client chose.
+    pub const HANDSHAKE_V1: u8 = 2;
+    pub const HANDSHAKE_V2: u8 = 3;
+    /// Longest connection ID in versions 1 and 2.
+    pub const MAX_CID_LEN: usize = 20;
+    /// Longest server ID the data plane reads (the draft allows up to 15 octets; eight keep
+    /// the lookup key one word).
+    pub const SERVER_ID_LEN_MAX: u8 = 8;
+    /// Config rotation codepoints in the first octet's top three bits; `0b111` marks a
+    /// connection ID that follows no configuration (QUIC-LB's "unroutable"), never configured.
+    pub const ROTATION_SHIFT: u32 = 5;
+    pub const ROTATION_UNROUTABLE: u8 = 0b111;
+
+    /// A server ID's octets as the integer `QuicServerKey::id` holds (big endian, so
+    /// `0a01` is `0x0a01`). `bytes` is at most `SERVER_ID_LEN_MAX` long.
+    pub fn server_id_value(bytes: &[u8]) -> u64 {
+        bytes.iter().fold(0u64, |v, b| v << 8 | *b as u64)
+    }
 }
 
 /// Connection-table key: the client's 5-tuple as it arrives.
@@ -416,6 +475,8 @@ pub mod maps {
     pub const FLOOD: &str = "FLOOD";
     /// `[InbandStats; MAX_BACKENDS]` per CPU: in-band TTFB, delivery and stalls per backend.
     pub const INBAND_STATS: &str = "INBAND_STATS";
+    /// `QuicServerKey → u32` (hash): the backend of a VIP's QUIC-LB server ID.
+    pub const QUIC_SERVERS: &str = "QUIC_SERVERS";
     /// Ring buffer of `trace::DecisionRecord`s (aya-log's map name).
     pub const AYA_LOGS: &str = "AYA_LOGS";
 }
@@ -573,6 +634,25 @@ pub mod stat {
         /// the SYN steered as a miss is (shedding, affinity, ring, a new entry unless the
         /// flood guard holds). Not also counted as a miss.
         CONN_REOPEN_RESTEER = "conn_reopen_resteer", Event;
+        /// A packet of a `quic = "cid"` VIP sent to the backend its connection ID names,
+        /// without the connection table.
+        QUIC_CID_ROUTED = "quic_cid_routed", Event;
+        /// A long-header packet of a `quic = "cid"` VIP whose destination connection ID the
+        /// client chose (Initial, 0-RTT) or of a version the data plane does not know
+        /// (version negotiation included): the 5-tuple path.
+        QUIC_CLIENT_CID = "quic_client_cid", Event;
+        /// A connection ID whose config rotation codepoint is not the VIP's (a stateless
+        /// reset's random octets, an old configuration, `0b111`): the 5-tuple path.
+        QUIC_UNKNOWN_ROTATION = "quic_unknown_rotation", Event;
+        /// A connection ID whose server ID no backend of the VIP has: the 5-tuple path.
+        QUIC_UNKNOWN_SERVER = "quic_unknown_server", Event;
+        /// A connection ID of a backend that takes no packets (down, or its entry gone): the
+        /// 5-tuple path.
+        QUIC_SERVER_DOWN = "quic_server_down", Event;
+        /// A UDP payload too short for a QUIC header and the server ID, or a long header whose
+        /// connection-ID length is over 20 octets, shorter than a server ID, or runs past the
+        /// packet: the 5-tuple path.
+        QUIC_MALFORMED = "quic_malformed", Event;
     }
 }
 
@@ -594,4 +674,5 @@ mod pod {
     unsafe impl aya::Pod for RingSlot {}
     unsafe impl aya::Pod for InbandFlow {}
     unsafe impl aya::Pod for InbandStats {}
+    unsafe impl aya::Pod for QuicServerKey {}
 }

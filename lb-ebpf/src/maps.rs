@@ -14,7 +14,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FloodWindow, FlowKey, InbandStats,
-    LbConfig, NextHop, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
+    LbConfig, NextHop, QuicServerKey, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
     CONN_TABLE_SIZE, MAX_BACKENDS, MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
@@ -94,3 +94,8 @@ pub static FLOOD: PerCpuArray<FloodWindow> = PerCpuArray::with_max_entries(1, 0)
 /// In-band aggregates per backend id (time to first byte, delivered bytes, stalls).
 #[map]
 pub static INBAND_STATS: PerCpuArray<InbandStats> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// The backend of each QUIC-LB server ID, per VIP (`quic = "cid"` VIPs only).
+#[btf_map]
+pub static QUIC_SERVERS: btf_maps::HashMap<QuicServerKey, u32, { MAX_BACKENDS as usize }> =
+    btf_maps::HashMap::new();

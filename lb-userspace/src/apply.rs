@@ -114,6 +114,7 @@ pub fn apply(
             ring_size: vip.spec.ring_size,
             active_ring: 0,
             affinity_secs: vip.spec.affinity_secs,
+            ..Default::default()
         };
         done.ring_slots += dp
             .publish(&vip_key(vip), meta, &table)

@@ -23,9 +23,9 @@ use aya::{
 };
 use lb_common::{
     maps, stat, AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FloodWindow, FlowKey,
-    InbandStats, LbConfig, NextHop, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
-    CONN_TABLE_SIZE, LAYOUT_VERSION, LB_F_TRACE, LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_VIPS,
-    RINGS_PER_VIP, RING_SIZE_MAX,
+    InbandStats, LbConfig, NextHop, QuicServerKey, RingSlot, TrafficStats, VipKey, VipMeta,
+    AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, LAYOUT_VERSION, LB_F_TRACE, LB_F_WILDCARD_VIPS,
+    MAX_BACKENDS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
 use crate::{maglev, ring_history};
@@ -59,7 +59,7 @@ impl Default for LoadOptions {
 }
 
 /// (map, key size, value size, required entries or 0) as this build reads them.
-fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 14] {
+fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 15] {
     let u32s = size_of::<u32>();
     [
         (maps::META, u32s, u32s, 1),
@@ -101,6 +101,7 @@ fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 14] {
             size_of::<InbandStats>(),
             MAX_BACKENDS,
         ),
+        (maps::QUIC_SERVERS, size_of::<QuicServerKey>(), u32s, 0),
     ]
 }
 

@@ -111,6 +111,7 @@ impl Lab {
             ring_size: RING,
             active_ring: 0,
             affinity_secs,
+            ..Default::default()
         };
         if port == 0 {
             self.dp.set_wildcard_vips(true).unwrap();

@@ -188,6 +188,7 @@ impl NetLab {
             ring_size: RING,
             active_ring: 0,
             affinity_secs: 0,
+            ..Default::default()
         };
         let mut ids = vec![0; self.topo.backends.len()];
         let mut keys = Vec::new();

@@ -71,6 +71,7 @@ fn add_vip(
         ring_size: RING,
         active_ring: 0,
         affinity_secs: 0,
+        ..Default::default()
     };
     for (bid, baddr) in backends {
         let (ba, bf) = to_words(baddr.parse()?);
