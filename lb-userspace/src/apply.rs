@@ -306,6 +306,7 @@ mod tests {
                 weight: 1,
                 labels: Default::default(),
                 max_sessions: 0,
+                quic_server_id: None,
             },
             admin: crate::state::Admin::Active,
             healthy: true,
