@@ -134,6 +134,8 @@ pub(super) struct BackendView<'a> {
     healthy: bool,
     labels: &'a BTreeMap<String, String>,
     max_sessions: u32,
+    /// The QUIC-LB server ID (hex) on a `quic = "cid"` VIP; null elsewhere.
+    quic_server_id: Option<&'a str>,
     #[serde(flatten)]
     live: Option<Live>,
 }
@@ -158,6 +160,7 @@ impl<'a> BackendView<'a> {
             healthy: b.healthy,
             labels: &b.spec.labels,
             max_sessions: b.spec.max_sessions,
+            quic_server_id: b.spec.quic_server_id.as_deref(),
             live,
         }
     }
