@@ -271,6 +271,13 @@ impl crate::controller::Plane for MapPlane {
                 self.dp.capacity(maps::VIPS)?.into(),
             ),
         );
+        c.maps.insert(
+            "quic_servers".into(),
+            (
+                state.quic_servers().len() as u64,
+                self.dp.capacity(maps::QUIC_SERVERS)?.into(),
+            ),
+        );
         let backends = state.vips.values().map(|v| v.backends.len() as u64).sum();
         c.maps.insert(
             "backends".into(),
