@@ -980,9 +980,7 @@ fn quic_servers(lab: &DaemonLab) -> BTreeMap<(u32, u64), u32> {
 /// What `QUIC_SERVERS` should hold for the lab's VIP `name`, from the API: each backend's
 /// `quic_server_id` → its id.
 fn quic_servers_by_api(lab: &DaemonLab, name: &str) -> BTreeMap<(u32, u64), u32> {
-    let (_, v) = lab
-        .api("GET", &format!("/v1/vips/{name}"), None)
-        .unwrap();
+    let (_, v) = lab.api("GET", &format!("/v1/vips/{name}"), None).unwrap();
     let vip = v["vip"]["id"].as_u64().unwrap() as u32;
     lab.backends(name)
         .iter()
@@ -1035,14 +1033,18 @@ fn quic_server_ids_are_written_follow_reloads_and_are_reconciled_after_a_restart
     lab.cli_ok(&["backend", "remove", QUIC, &b1]);
     let want = quic_servers_by_api(&lab, QUIC);
     assert_eq!(want.len(), 1);
-    wait_for("the removal to reach QUIC_SERVERS", Duration::from_secs(5), || {
-        let got = quic_servers(&lab);
-        if got == want {
-            Ok(Some(()))
-        } else {
-            Err(format!("{got:?}, want {want:?}"))
-        }
-    })
+    wait_for(
+        "the removal to reach QUIC_SERVERS",
+        Duration::from_secs(5),
+        || {
+            let got = quic_servers(&lab);
+            if got == want {
+                Ok(Some(()))
+            } else {
+                Err(format!("{got:?}, want {want:?}"))
+            }
+        },
+    )
     .unwrap();
 
     // A crash, a leftover entry, and a restart over the pinned maps.
