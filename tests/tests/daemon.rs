@@ -1014,6 +1014,27 @@ fn quic_server_ids_are_written_follow_reloads_and_are_reconciled_after_a_restart
     assert_eq!(quic_servers(&lab), want, "at start");
     let list = lab.cli_ok(&["backend", "list", QUIC]);
     assert!(list.contains("QUIC-ID") && list.contains("0a02"), "{list}");
+    // The data plane's QUIC counters reach `sluice stats` and the metrics like every other.
+    let counters = lab.counters();
+    for c in [
+        "quic_cid_routed",
+        "quic_client_cid",
+        "quic_unknown_rotation",
+        "quic_unknown_server",
+        "quic_server_down",
+        "quic_malformed",
+    ] {
+        assert!(counters.contains_key(c), "{c} missing: {counters:?}");
+    }
+    let stats = lab.cli_ok(&["stats"]);
+    assert!(stats.contains("quic_cid_routed"), "{stats}");
+    let page = lab.metrics_page().unwrap();
+    for line in [
+        format!(r#"sluice_vip_quic{{vip="{QUIC}",quic="cid"}} 1"#),
+        r#"sluice_dataplane_events_total{event="quic_cid_routed"} 0"#.to_string(),
+    ] {
+        assert!(page.lines().any(|l| l == line), "{line} missing:\n{page}");
+    }
 
     // A changed file: other IDs, and backend 2 gone.
     lab.reconfigure(|o| {
