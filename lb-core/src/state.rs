@@ -39,19 +39,36 @@ pub struct VipSpec {
     /// In-band signals from the clients' ACKs (`VIP_F_INBAND`).
     #[serde(default)]
     pub inband: bool,
-    /// QUIC connection-ID routing (`VIP_F_QUIC_CID`); UDP only.
-    #[serde(default)]
+    /// QUIC connection-ID routing (`VIP_F_QUIC_CID`); UDP only. The QUIC keys are left out
+    /// of the JSON at their defaults, so a state file or fleet table without QUIC reads the
+    /// same as before they existed (and a host of the previous version still reads it).
+    #[serde(default, skip_serializing_if = "is_off")]
     pub quic: QuicMode,
     /// Octets of its backends' QUIC-LB server IDs, 1..=8.
-    #[serde(default = "default_quic_len")]
+    #[serde(
+        default = "default_quic_len",
+        skip_serializing_if = "is_default_quic_len"
+    )]
     pub quic_server_id_len: u8,
     /// The config rotation codepoint of its connection IDs, 0..=6.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub quic_config_rotation: u8,
 }
 
 fn default_quic_len() -> u8 {
     rules::QUIC_SERVER_ID_LEN_DEFAULT
+}
+
+fn is_off(q: &QuicMode) -> bool {
+    *q == QuicMode::Off
+}
+
+fn is_default_quic_len(n: &u8) -> bool {
+    *n == rules::QUIC_SERVER_ID_LEN_DEFAULT
+}
+
+fn is_zero(n: &u8) -> bool {
+    *n == 0
 }
 
 fn default_ring() -> u32 {
@@ -1189,6 +1206,22 @@ mod tests {
             (v.quic, v.quic_server_id_len, v.quic_config_rotation),
             (QuicMode::Cid, 2, 0)
         );
+        // Without QUIC the JSON is what it was before the QUIC keys existed.
+        let plain = serde_json::to_value(vip("chat", "10.0.0.1")).unwrap();
+        assert!(plain.get("quic").is_none(), "{plain}");
+        assert!(plain.get("quic_server_id_len").is_none(), "{plain}");
+        assert!(plain.get("quic_config_rotation").is_none(), "{plain}");
+        let j = serde_json::to_value(VipSpec {
+            quic_server_id_len: 3,
+            quic_config_rotation: 1,
+            ..quic_vip("q", "10.0.0.9")
+        })
+        .unwrap();
+        assert_eq!(j["quic"], "cid");
+        assert_eq!(j["quic_server_id_len"], 3);
+        assert_eq!(j["quic_config_rotation"], 1);
+        let plain = serde_json::to_value(be("10.1.0.1")).unwrap();
+        assert!(plain.get("quic_server_id").is_none(), "{plain}");
         let b: BackendSpec =
             serde_json::from_str(r#"{"address":"10.1.0.9","quic_server_id":"0a09"}"#).unwrap();
         assert_eq!(b.quic_server_id.as_deref(), Some("0a09"));

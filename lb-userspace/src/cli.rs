@@ -417,6 +417,15 @@ mod tests {
             serde_json::from_str(&sluice(&srv, &["--json", "backend", "list", "chat"]).unwrap())
                 .unwrap();
         assert_eq!(v["backends"][0]["quic_server_id"], Value::Null);
+        let v: Value =
+            serde_json::from_str(&sluice(&srv, &["--json", "vip", "list"]).unwrap()).unwrap();
+        let quic: Vec<&Value> = v["vips"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| &v["quic"])
+            .collect();
+        assert_eq!(quic, [&Value::from("off"), &Value::from("cid")], "{v}");
     }
 
     #[test]

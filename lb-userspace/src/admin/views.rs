@@ -10,7 +10,7 @@ use tokio::sync::Mutex;
 use crate::{
     controller::{Controller, Counters, Plane, Traffic},
     policy::BackendDecision,
-    state::{Admin, Backend, PlaneState, State, Vip, VipSpec},
+    state::{Admin, Backend, PlaneState, QuicMode, State, Vip, VipSpec},
 };
 
 /// What the read endpoints and the metrics report, copied under the controller lock.
@@ -106,6 +106,9 @@ pub(super) struct VipView<'a> {
     id: u32,
     #[serde(flatten)]
     spec: &'a VipSpec,
+    /// `"off"`, which the spec leaves out at its default (a `cid` VIP's spec has its own).
+    #[serde(rename = "quic", skip_serializing_if = "Option::is_none")]
+    quic_off: Option<QuicMode>,
     backend_count: usize,
     #[serde(flatten)]
     live: Option<Live>,
@@ -116,6 +119,7 @@ impl<'a> VipView<'a> {
         VipView {
             id: v.id,
             spec: &v.spec,
+            quic_off: (v.spec.quic == QuicMode::Off).then_some(QuicMode::Off),
             backend_count: v.backends.len(),
             live,
         }
