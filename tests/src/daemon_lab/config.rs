@@ -38,6 +38,9 @@ pub struct VipDef {
     pub flow_state: &'static str,
     /// `affinity_window` in seconds (0: the daemon's default, none).
     pub affinity_secs: u32,
+    /// `quic = "cid"` (a UDP VIP) with `quic_server_id` `base + i` (four hex digits) on the
+    /// backend of topology index `i`; `None`: quic off.
+    pub quic_id_base: Option<u16>,
 }
 
 impl VipDef {
@@ -56,6 +59,7 @@ impl VipDef {
             inband: false,
             flow_state: "table",
             affinity_secs: 0,
+            quic_id_base: None,
         }
     }
 }
@@ -305,6 +309,9 @@ impl DaemonLab {
             if v.affinity_secs > 0 {
                 text += &format!("affinity_window = \"{}s\"\n", v.affinity_secs);
             }
+            if v.quic_id_base.is_some() {
+                text += "quic = \"cid\"\n";
+            }
             for &i in &v.backends {
                 let b = &self.topo.backends[i];
                 text += &format!(
@@ -316,6 +323,9 @@ impl DaemonLab {
                     v.max_sessions,
                     b.name
                 );
+                if let Some(base) = v.quic_id_base {
+                    text += &format!("  quic_server_id = \"{:04x}\"\n", base + i as u16);
+                }
                 if v.telemetry {
                     // A simulated accelerator serves one page per exporter; the fake
                     // exporter serves them all on one.
