@@ -773,15 +773,6 @@ impl Dataplane {
         }
     }
 
-    /// Every routed server ID (a snapshot).
-    pub fn quic_servers(&mut self) -> Result<Vec<(QuicServerKey, u32)>> {
-        let m: HashMap<&mut MapData, QuicServerKey, u32> =
-            HashMap::try_from(self.map(maps::QUIC_SERVERS)?)?;
-        m.iter()
-            .collect::<Result<Vec<_>, _>>()
-            .context("reading QUIC_SERVERS")
-    }
-
     /// Every connection-table entry (a snapshot; entries may change while it is taken).
     pub fn conns(&mut self) -> Result<Vec<(FlowKey, ConnEntry)>> {
         let fd = self.conns_fd()?;
