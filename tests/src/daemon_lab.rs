@@ -48,7 +48,9 @@ use sluice::dataplane::remove_pinned;
 
 use self::util::strip_ansi;
 pub use self::{
-    config::{Accel, DaemonLabOptions, FakeTelemetry, VipDef},
+    config::{
+        hex, lab_quic_server_id, Accel, DaemonLabOptions, FakeTelemetry, QuicCid, QuicServe, VipDef,
+    },
     environment::{
         next_lab_id, require_daemon_prerequisites, require_sluice_daemon_prerequisites,
         sluice_binary, sweep_stale, upgrade_binary, UPGRADE_TARGET_DIR,
@@ -189,6 +191,16 @@ impl DaemonLab {
             for a in self.opts.serve.iter().chain(own.iter()) {
                 args.push("--tcp".to_string());
                 args.push(a.to_string());
+            }
+            if let Some(q) = &self.opts.quic {
+                for a in &q.listen {
+                    args.push("--quic".into());
+                    args.push(a.to_string());
+                }
+                args.push("--quic-server-id".into());
+                args.push(hex(&lab_quic_server_id(i, q.cid.server_id_len)));
+                args.push("--quic-rotation".into());
+                args.push(q.cid.rotation.to_string());
             }
             let id =
                 self.topo

@@ -38,6 +38,43 @@ pub struct VipDef {
     pub flow_state: &'static str,
     /// `affinity_window` in seconds (0: the daemon's default, none).
     pub affinity_secs: u32,
+    /// QUIC connection-ID routing (`quic = "cid"`, a UDP VIP): backend `i` gets the server
+    /// ID [`lab_quic_server_id`]`(i, server_id_len)`.
+    pub quic: Option<QuicCid>,
+}
+
+/// A VIP's QUIC-LB settings: `quic_server_id_len` and `quic_config_rotation`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuicCid {
+    pub server_id_len: u8,
+    pub rotation: u8,
+}
+
+/// The QUIC servers of a lab (`sluice-testsrv serve --quic`): where every backend's server
+/// listens, and the QUIC-LB connection IDs it issues (backend `i`: server ID
+/// [`lab_quic_server_id`]`(i, server_id_len)`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuicServe {
+    pub listen: Vec<SocketAddr>,
+    pub cid: QuicCid,
+}
+
+/// The QUIC-LB server ID of backend `index` in the lab: `0a` then zeros then `index + 1`,
+/// `len` octets (`0a01`, `0a02`... for two; `01`, `02`... for one).
+pub fn lab_quic_server_id(index: usize, len: u8) -> Vec<u8> {
+    let mut id = vec![0u8; len as usize];
+    if let Some(last) = id.last_mut() {
+        *last = index as u8 + 1;
+    }
+    if len > 1 {
+        id[0] = 0x0a;
+    }
+    id
+}
+
+/// Octets in hex, as the configuration writes a server ID.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl VipDef {
@@ -56,6 +93,17 @@ impl VipDef {
             inband: false,
             flow_state: "table",
             affinity_secs: 0,
+            quic: None,
+        }
+    }
+
+    /// A UDP VIP on every backend, weight 100, no cap, with QUIC connection-ID routing if
+    /// `quic` is given (else plain 5-tuple steering).
+    pub fn udp(name: &str, addr: SocketAddr, backends: usize, quic: Option<QuicCid>) -> VipDef {
+        VipDef {
+            protocol: "udp",
+            quic,
+            ..VipDef::tcp(name, addr, backends)
         }
     }
 }
@@ -89,6 +137,8 @@ pub struct DaemonLabOptions {
     pub prefix: Vec<String>,
     /// Simulated accelerators instead of token servers (see the module docs).
     pub accel: Option<Accel>,
+    /// QUIC token servers on every backend, in the token server's process.
+    pub quic: Option<QuicServe>,
 }
 
 /// The simulated accelerators of a lab.
@@ -118,6 +168,7 @@ impl DaemonLabOptions {
             sluice: None,
             prefix: Vec::new(),
             accel: None,
+            quic: None,
         };
         for (section, key, value) in [
             ("daemon", "keep_dataplane_on_exit", "false"),
@@ -305,6 +356,12 @@ impl DaemonLab {
             if v.affinity_secs > 0 {
                 text += &format!("affinity_window = \"{}s\"\n", v.affinity_secs);
             }
+            if let Some(q) = v.quic {
+                text += &format!(
+                    "quic = \"cid\"\nquic_server_id_len = {}\nquic_config_rotation = {}\n",
+                    q.server_id_len, q.rotation
+                );
+            }
             for &i in &v.backends {
                 let b = &self.topo.backends[i];
                 text += &format!(
@@ -316,6 +373,12 @@ impl DaemonLab {
                     v.max_sessions,
                     b.name
                 );
+                if let Some(q) = v.quic {
+                    text += &format!(
+                        "  quic_server_id = \"{}\"\n",
+                        hex(&lab_quic_server_id(i, q.server_id_len))
+                    );
+                }
                 if v.telemetry {
                     // A simulated accelerator serves one page per exporter; the fake
                     // exporter serves them all on one.
@@ -368,6 +431,14 @@ fn section(text: &mut String, name: &str, kv: Option<&BTreeMap<String, String>>)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lab_server_ids_are_distinct_and_not_zero() {
+        assert_eq!(hex(&lab_quic_server_id(0, 2)), "0a01");
+        assert_eq!(hex(&lab_quic_server_id(2, 2)), "0a03");
+        assert_eq!(hex(&lab_quic_server_id(1, 1)), "02");
+        assert_eq!(hex(&lab_quic_server_id(0, 4)), "0a000001");
+    }
 
     #[test]
     fn the_fake_page_has_every_exporter() {
