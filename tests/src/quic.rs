@@ -262,6 +262,12 @@ pub struct StreamsSpec {
     /// With `rebind_after`: streams of odd index move to this source address (and a new port)
     /// instead, a client that changed networks.
     pub rebind_address: Option<IpAddr>,
+    /// After the move the old socket stays open but takes nothing any more (it is connected
+    /// to another address), as when a NAT's old mapping is gone: the server must follow the
+    /// client to its new address. quinn keeps reading its previous socket until a packet
+    /// arrives on the new one, so without this a server that never hears from the moved
+    /// client could still deliver the rest of a short stream to the old address.
+    pub forget_old_path: bool,
     /// A stream that waits longer than this for its next line is broken.
     pub read_timeout: Duration,
 }
@@ -275,6 +281,7 @@ impl StreamsSpec {
             interval_ms,
             rebind_after: None,
             rebind_address: None,
+            forget_old_path: true,
             read_timeout: Duration::from_secs(3),
         }
     }
@@ -493,6 +500,8 @@ async fn one_stream(
     let update = |f: &mut dyn FnMut(&mut StreamOutcome)| f(&mut progress.lock().unwrap()[i]);
     let local = socket.local_addr()?;
     update(&mut |o| o.local = Some(local));
+    // The same socket, to cut the old path after the move.
+    let old = socket.try_clone()?;
     let mut endpoint = Endpoint::new(
         EndpointConfig::default(),
         None,
@@ -545,6 +554,11 @@ async fn one_stream(
                     if let Some(s) = rebind.take() {
                         let to = s.local_addr()?;
                         endpoint.rebind(s).context("rebinding")?;
+                        if spec.forget_old_path {
+                            // Nothing comes from the discard port of the VIP's address.
+                            old.connect(SocketAddr::new(spec.vip.ip(), 9))
+                                .context("cutting the old path")?;
+                        }
                         update(&mut |o| o.rebound_to = Some(to));
                     }
                 }
