@@ -37,14 +37,19 @@ impl From<Counter> for Refusal {
 /// What [`decide`] chose for a packet, and what the encapsulation and counters need of it.
 pub struct Decision {
     pub backend_id: u32,
-    pub backend: BackendEntry,
+    /// The backend's entry in `BACKENDS` (a reference, not a copy: the steering path's stack
+    /// is at the verifier's 512 bytes).
+    pub backend: &'static BackendEntry,
     pub new_flow: bool,
     pub hash: u32,
     /// The coarse clock read once per packet (connection ages, next-hop cache).
     pub now: u64,
-    /// The backends that held the flow's ring slot before, for a GUE backend to pass on a
-    /// packet it has no socket for (see [`second_hops`]); all `None` when there are none.
-    pub previous: SecondHops,
+    /// The index in `MAGLEV_RINGS` of the ring slot that chose the backend, whose history
+    /// names the backends a GUE backend may pass on a packet it has no socket for (see
+    /// [`second_hops`]); `NO_SLOT` when no slot did (an established flow, affinity, QUIC).
+    /// An index, not the addresses: they are read where the tunnel header is written, so no
+    /// copy of them lives on the steering path's stack.
+    pub slot: u32,
     /// The flow's connection entry when it was found on its backend (for in-band signals
     /// and the handshake's completion).
     pub conn: Option<*mut ConnEntry>,
@@ -74,13 +79,13 @@ pub fn vip(key: &FlowKey, cfg: &LbConfig) -> Option<VipMeta> {
 }
 
 #[inline(always)]
-fn backend(id: u32, vip: &VipMeta) -> Option<BackendEntry> {
+fn backend(id: u32, vip: &VipMeta) -> Option<&'static BackendEntry> {
     let b = BACKENDS.get(id)?;
     // A backend id reused for another VIP since the entry was written is not this flow's.
     if b.vip != vip.id {
         return None;
     }
-    Some(*b)
+    Some(b)
 }
 
 /// Steers one packet of a VIP flow. `track` is false for ICMP errors: they follow a flow
@@ -88,16 +93,42 @@ fn backend(id: u32, vip: &VipMeta) -> Option<BackendEntry> {
 /// any UDP packet without a connection entry): only those are subject to admission
 /// control, so an established stream whose entry was evicted is never shed. `acks` is true
 /// for a TCP acknowledgement without SYN or RST: the first one of a flow whose SYN was
-/// counted completes its handshake.
+/// counted completes its handshake. `server` is the backend a QUIC packet's connection ID
+/// names (high word; 0: none) and the hash of that ID (low word), one word so that it costs
+/// one stack slot: the backend takes the packet while it takes its flows; otherwise the
+/// 5-tuple path does.
 #[inline(always)]
 pub fn decide(
     key: &FlowKey,
     vip: &VipMeta,
     cfg: &LbConfig,
+    server: u64,
     track: bool,
     opens: bool,
     acks: bool,
 ) -> Result<Decision, Refusal> {
+    // A QUIC packet whose connection ID names a backend that still takes the flows it has
+    // (active or draining) goes there, with no connection-table entry.
+    let id = (server >> 32) as u32;
+    if id != 0 {
+        match backend(id, vip) {
+            Some(b) if takes(&b, false) => {
+                count(stat::QUIC_CID_ROUTED);
+                return Ok(Decision {
+                    backend_id: id,
+                    backend: b,
+                    new_flow: false,
+                    hash: server as u32,
+                    now: unsafe { bpf_ktime_get_coarse_ns() },
+                    slot: NO_SLOT,
+                    conn: None,
+                    handshake: 0,
+                });
+            }
+            _ => count(stat::QUIC_SERVER_DOWN),
+        }
+    }
+
     // CLOCK_MONOTONIC at tick resolution: a precise read costs ~30 ns per packet here, and
     // connection ages only need seconds.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
@@ -145,14 +176,14 @@ fn steer_new(
     if opens && vip.flags & VIP_F_SHED != 0 {
         return Err(Refusal::Shed(stat::SHED_PRIORITY));
     }
-    let (id, b, previous) = choose(key, vip, h, now, opens)?;
+    let (id, b, slot) = choose(key, vip, h, now, opens)?;
     Ok(Decision {
         backend_id: id,
         backend: b,
         new_flow: opens,
         hash: h,
         now,
-        previous,
+        slot,
         conn: None,
         handshake: 0,
     })
@@ -212,7 +243,7 @@ fn established(
         new_flow: false,
         hash: unsafe { (*e).hash },
         now,
-        previous: NO_SECOND_HOPS,
+        slot: NO_SLOT,
         conn: Some(e),
         handshake,
     })
@@ -223,7 +254,7 @@ fn established(
 #[inline(always)]
 fn resteer(key: &FlowKey, vip: &VipMeta, e: *mut ConnEntry, now: u64) -> Result<Decision, Refusal> {
     let h = unsafe { (*e).hash };
-    let (id, b, previous) = choose(key, vip, h, now, false)?;
+    let (id, b, slot) = choose(key, vip, h, now, false)?;
     unsafe {
         (*e).backend = id;
         (*e).last_seen_ns = now;
@@ -236,7 +267,7 @@ fn resteer(key: &FlowKey, vip: &VipMeta, e: *mut ConnEntry, now: u64) -> Result<
         new_flow: true,
         hash: h,
         now,
-        previous,
+        slot,
         conn: None,
         handshake: 0,
     })
@@ -332,7 +363,7 @@ fn choose(
     h: u32,
     now: u64,
     new_session: bool,
-) -> Result<(u32, BackendEntry, SecondHops), Refusal> {
+) -> Result<(u32, &'static BackendEntry, u32), Refusal> {
     let akey = AffinityKey {
         addr: key.src,
         vip: vip.id,
@@ -348,7 +379,7 @@ fn choose(
                         }
                         let id = a.backend;
                         remember(&akey, id, now);
-                        return Ok((id, b, NO_SECOND_HOPS));
+                        return Ok((id, b, NO_SLOT));
                     }
                 }
             }
@@ -364,7 +395,7 @@ fn choose(
     // The full one is kept in plain integers (id 0: none), not an `Option` of a pair: LLVM
     // selects between the old and new pair on every probe, reading the payload of a `None`,
     // whose stack slot another path may have left a pointer in, which the verifier refuses.
-    let mut taken: Option<(u32, BackendEntry, u32)> = None;
+    let mut taken: Option<(u32, &'static BackendEntry, u32)> = None;
     let (mut full_id, mut full_index) = (0u32, 0u32);
     let base = (vip.id * RINGS_PER_VIP + (vip.active_ring & 1)) * RING_SIZE_MAX;
     for i in 0..MAX_PROBES {
@@ -402,14 +433,10 @@ fn choose(
             (full_id, b, full_index)
         }
     };
-    let previous = match MAGLEV_RINGS.get(index) {
-        Some(s) => s.previous,
-        None => [0; RING_HISTORY],
-    };
     if vip.affinity_secs != 0 {
         remember(&akey, id, now);
     }
-    Ok((id, b, second_hops(&b, previous, vip)))
+    Ok((id, b, index))
 }
 
 /// The addresses of the previous owners of a flow's slot that a GUE backend may pass it on
@@ -418,18 +445,24 @@ fn choose(
 /// for the verifier on every path through the encapsulation, three slots eight of them.
 pub type SecondHops = [[u32; 4]; RING_HISTORY];
 pub const NO_SECOND_HOPS: SecondHops = [[0; 4]; RING_HISTORY];
+/// `Decision::slot` when no ring slot chose the backend.
+pub const NO_SLOT: u32 = u32::MAX;
 
-/// The slot's previous backends (`previous`, most recent first) that a GUE backend `b` may
+/// The previous backends of ring slot `slot` (most recent first) that a GUE backend `b` may
 /// pass the flow on to: those that still serve this VIP (active or draining), also run the
 /// backend program and have `b`'s address family (they are reached with the same outer
 /// header). The others are left out, so the tunnel names only hops worth taking.
 #[inline(always)]
-fn second_hops(b: &BackendEntry, previous: [u16; RING_HISTORY], vip: &VipMeta) -> SecondHops {
+pub fn second_hops(b: &BackendEntry, slot: u32) -> SecondHops {
     let mut out = NO_SECOND_HOPS;
     let mut named = 0;
-    if b.flags & BACKEND_F_GUE == 0 {
+    if b.flags & BACKEND_F_GUE == 0 || slot == NO_SLOT {
         return out;
     }
+    let Some(s) = MAGLEV_RINGS.get(slot) else {
+        return out;
+    };
+    let previous = s.previous;
     for id in previous {
         if id == 0 {
             // The history lists its owners first: nothing follows an unset one.
@@ -439,7 +472,7 @@ fn second_hops(b: &BackendEntry, previous: [u16; RING_HISTORY], vip: &VipMeta) -
             continue;
         };
         let serves = p.state == BACKEND_ACTIVE || p.state == BACKEND_DRAINING;
-        if p.vip != vip.id || !serves || p.flags & BACKEND_F_GUE == 0 || p.family != b.family {
+        if p.vip != b.vip || !serves || p.flags & BACKEND_F_GUE == 0 || p.family != b.family {
             continue;
         }
         // Constant indexes: the verifier sees three stack slots, not a computed one.

@@ -18,7 +18,7 @@ use lb_common::{
 
 use crate::{
     csum::{add_all, fold},
-    decide::{Decision, SecondHops},
+    decide::{second_hops, Decision, SecondHops},
     hdr::{
         EthHdr, Ipv4Hdr, Ipv6Hdr, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, GUE_HLEN, IPV4_HLEN, IPV6_HLEN,
         TTL, UDP_HLEN,
@@ -153,6 +153,7 @@ pub fn forward(
     }
     if gue {
         let udp_len = (tunnel_len + p.l3_len) as u16;
+        let previous = second_hops(d.backend, d.slot);
         let written = if outer_v4 {
             write_gue::<1>(
                 ctx,
@@ -160,7 +161,7 @@ pub fn forward(
                 h,
                 udp_len,
                 inner_proto,
-                &d.previous,
+                &previous,
             )
         } else {
             write_gue::<4>(
@@ -169,7 +170,7 @@ pub fn forward(
                 h,
                 udp_len,
                 inner_proto,
-                &d.previous,
+                &previous,
             )
         };
         if written.is_none() {

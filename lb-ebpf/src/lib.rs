@@ -16,13 +16,16 @@ mod icmp;
 mod inband;
 mod maps;
 mod parse;
+mod quic;
 mod rst;
 mod second_hop;
 mod stats;
 mod trace;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
-use lb_common::{stat, LB_F_TRACE, PROTO_TCP, VIP_F_INBAND, VIP_F_SHED_RST};
+use lb_common::{
+    stat, LB_F_TRACE, PROTO_TCP, PROTO_UDP, VIP_F_INBAND, VIP_F_QUIC_CID, VIP_F_SHED_RST,
+};
 
 use crate::{decide::Refusal, encap::Forwarded, maps::CONFIG, stats::count};
 
@@ -48,10 +51,16 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
         });
         return xdp_action::XDP_PASS;
     };
+    let server = if vip.flags & VIP_F_QUIC_CID != 0 && p.key.proto == PROTO_UDP && !p.icmp_error {
+        quic_server(&ctx, &p, &vip, cfg.hash_seed)
+    } else {
+        0
+    };
     let d = match decide::decide(
         &p.key,
         &vip,
         cfg,
+        server,
         !p.icmp_error,
         p.opens(),
         p.acks() && !p.icmp_error,
@@ -102,6 +111,19 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
         Err(reason) => {
             count(reason);
             xdp_action::XDP_DROP
+        }
+    }
+}
+
+/// The backend a QUIC packet's connection ID names and the ID's hash, as `decide` takes them,
+/// or 0 (with the reason counted) when the packet takes the 5-tuple path.
+#[inline(always)]
+fn quic_server(ctx: &XdpContext, p: &parse::Parsed, vip: &lb_common::VipMeta, seed: u32) -> u64 {
+    match quic::server(ctx, p, vip, seed) {
+        Ok((id, hash)) => (id as u64) << 32 | hash as u64,
+        Err(reason) => {
+            count(reason);
+            0
         }
     }
 }

@@ -695,6 +695,35 @@ impl Dataplane {
         self.hash_set(maps::AFFINITY, key, e)
     }
 
+    /// The backend a VIP's QUIC-LB server ID routes to.
+    pub fn quic_server(&mut self, key: &QuicServerKey) -> Result<Option<u32>> {
+        self.hash_get(maps::QUIC_SERVERS, key)
+    }
+
+    /// Routes a VIP's QUIC-LB server ID to backend `id`.
+    pub fn set_quic_server(&mut self, key: &QuicServerKey, id: u32) -> Result<()> {
+        self.hash_set(maps::QUIC_SERVERS, key, &id)
+    }
+
+    /// Stops routing a server ID; one that is not there is no error.
+    pub fn remove_quic_server(&mut self, key: &QuicServerKey) -> Result<()> {
+        let mut m: HashMap<&mut MapData, QuicServerKey, u32> =
+            HashMap::try_from(self.map(maps::QUIC_SERVERS)?)?;
+        match m.remove(key) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(e) => Err(e).context("removing from QUIC_SERVERS"),
+        }
+    }
+
+    /// Every routed server ID (a snapshot).
+    pub fn quic_servers(&mut self) -> Result<Vec<(QuicServerKey, u32)>> {
+        let m: HashMap<&mut MapData, QuicServerKey, u32> =
+            HashMap::try_from(self.map(maps::QUIC_SERVERS)?)?;
+        m.iter()
+            .collect::<Result<Vec<_>, _>>()
+            .context("reading QUIC_SERVERS")
+    }
+
     /// Every connection-table entry (a snapshot; entries may change while it is taken).
     pub fn conns(&mut self) -> Result<Vec<(FlowKey, ConnEntry)>> {
         let fd = self.conns_fd()?;

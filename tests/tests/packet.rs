@@ -5,10 +5,10 @@
 use std::net::IpAddr;
 
 use lb_common::{
-    stat, AffinityEntry, AffinityKey, BACKEND_DOWN, BACKEND_DRAINING, BACKEND_F_CAPPED,
-    BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP,
-    PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_ADMISSION, VIP_F_SECOND_CHANCE, VIP_F_SHED,
-    VIP_F_SHED_RST, VIP_F_SRC_HASH,
+    quic, stat, AffinityEntry, AffinityKey, QuicServerKey, BACKEND_DOWN, BACKEND_DRAINING,
+    BACKEND_F_CAPPED, BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, PROTO_ICMP,
+    PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_ADMISSION, VIP_F_QUIC_CID,
+    VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
 };
 use sluice::dataplane::PROG_DECAP;
 use sluice_tests::{flow, frames::*, run_prog, Lab, FALLBACK_MAC};
@@ -2340,4 +2340,367 @@ fn decap_passes_an_inner_length_shorter_than_its_header_untouched() {
         (lab.stat(stat::DECAP_PASS_BAD_LEN), lab.stat(stat::DECAP_OK)),
         (1, 0)
     );
+}
+
+// QUIC connection-ID routing: a `quic = "cid"` VIP with server IDs of `SID_LEN` octets,
+// config rotation `ROTATION`, and `BACKENDS4` holding the IDs in `QUIC_SIDS`.
+
+const SID_LEN: u8 = 2;
+const ROTATION: u8 = 1;
+const QUIC_SIDS: [(u32, [u8; 2]); 3] = [(1, [0x0a, 0x01]), (2, [0x0a, 0x02]), (3, [0x0a, 0x03])];
+const QUIC_VERSION_2: u32 = 0x6b33_43cf;
+
+fn quic_lab() -> (Lab, lb_common::VipKey) {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_UDP, VIP_F_QUIC_CID, 0);
+    let mut meta = lab.dp.vip(&vip).unwrap().unwrap();
+    meta.quic_rotation = ROTATION;
+    meta.quic_server_id_len = SID_LEN;
+    lab.dp.set_vip(&vip, &meta).unwrap();
+    lab.backends(&vip, &BACKENDS4);
+    for (id, sid) in QUIC_SIDS {
+        lab.dp.set_quic_server(&quic_key(0, &sid), id).unwrap();
+    }
+    (lab, vip)
+}
+
+fn quic_key(vip: u32, sid: &[u8]) -> QuicServerKey {
+    QuicServerKey {
+        vip,
+        _pad: 0,
+        id: quic::server_id_value(sid),
+    }
+}
+
+/// A connection ID the server with `sid` chose: rotation bits and 5 random-looking low bits,
+/// the server ID, then a 6-octet nonce.
+fn cid(rotation: u8, sid: &[u8], nonce: u8) -> Vec<u8> {
+    let mut c = vec![rotation << 5 | 0x15];
+    c.extend_from_slice(sid);
+    c.extend((0..6).map(|i| nonce.wrapping_mul(31).wrapping_add(i)));
+    c
+}
+
+/// A short-header packet to `dcid`: first octet, the ID, a packet number and a sealed
+/// payload (its octets differ per packet, as header protection makes them).
+fn short_header(dcid: &[u8], pn: u8) -> Vec<u8> {
+    let mut p = vec![0x40 | 0x01];
+    p.extend_from_slice(dcid);
+    p.extend_from_slice(&[pn, pn]);
+    p.extend(std::iter::repeat_n(0xa5 ^ pn, 24));
+    p
+}
+
+/// A long-header packet of `version` and type `kind` to `dcid` from a 4-octet SCID.
+fn long_header(version: u32, kind: u8, dcid: &[u8]) -> Vec<u8> {
+    let mut p = vec![0xc0 | kind << 4];
+    p.extend_from_slice(&version.to_be_bytes());
+    p.push(dcid.len() as u8);
+    p.extend_from_slice(dcid);
+    p.extend_from_slice(&[4, 0xc1, 0xc2, 0xc3, 0xc4]);
+    p.extend(std::iter::repeat_n(0x5a, 40));
+    p
+}
+
+fn quic_pkt(sport: u16, payload: &[u8]) -> Vec<u8> {
+    V4::new(CLIENT4, VIP4, PROTO_UDP).build(&udp(sport, 443, payload))
+}
+
+/// The outer-header hash of a packet routed by `dcid`: the server ID and the nonce's first
+/// four octets, as the data plane reads them.
+fn cid_hash_of(dcid: &[u8]) -> u32 {
+    let stable = (SID_LEN as usize + 4).min(8);
+    let mut next = [0u8; 8];
+    next[..stable].copy_from_slice(&dcid[1..1 + stable]);
+    lb_common::hash::cid_hash(
+        u64::from_be_bytes(next) >> (64 - 8 * stable),
+        sluice_tests::SEED,
+    )
+}
+
+/// Sends a QUIC packet routed by its connection ID and checks the exact frame that left for
+/// backend `id`, and that no connection-table entry was made.
+fn assert_cid_routed(lab: &mut Lab, l3: &[u8], dcid: &[u8], id: u32, sport: u16) {
+    let before = lab.stat(stat::QUIC_CID_ROUTED);
+    let addr = lab.backend_addr(id);
+    let (action, out) = lab.run(&on_wire(l3));
+    assert_eq!(action, XDP_TX);
+    assert_eq!(out, encapsulated(lab, l3, addr, cid_hash_of(dcid)));
+    assert_eq!(lab.stat(stat::QUIC_CID_ROUTED), before + 1);
+    let key = flow(CLIENT4, sport, VIP4, 443, PROTO_UDP);
+    assert!(lab.dp.conn(&key).unwrap().is_none(), "no table entry");
+}
+
+/// Sends a QUIC packet that must take the 5-tuple path, counted under `counter`: it goes to
+/// the ring's choice and gets a connection-table entry, as any UDP flow does.
+fn assert_five_tuple(
+    lab: &mut Lab,
+    vip: &lb_common::VipKey,
+    l3: &[u8],
+    sport: u16,
+    counter: stat::Counter,
+) {
+    let before = lab.stat(counter);
+    let key = flow(CLIENT4, sport, VIP4, 443, PROTO_UDP);
+    let want = lab.ring_choice(vip, &key, false);
+    let h = lab.flow_hash(&key, false);
+    assert_steered(lab, l3, want, h);
+    assert_eq!(lab.stat(counter), before + 1, "counter {}", counter.name());
+    assert_eq!(lab.dp.conn(&key).unwrap().unwrap().backend, want);
+}
+
+#[test]
+fn a_short_header_goes_to_the_server_its_connection_id_names_from_any_address_and_port() {
+    let (mut lab, _vip) = quic_lab();
+    for (id, sid) in QUIC_SIDS {
+        let dcid = cid(ROTATION, &sid, id as u8);
+        // The same connection after NAT rebinding: new ports, and a new address.
+        for (n, sport) in [50000u16, 50001, 61234].into_iter().enumerate() {
+            let pkt = quic_pkt(sport, &short_header(&dcid, n as u8));
+            assert_cid_routed(&mut lab, &pkt, &dcid, id, sport);
+        }
+        let moved = V4::new("198.51.100.77", VIP4, PROTO_UDP).build(&udp(
+            4433,
+            443,
+            &short_header(&dcid, 9),
+        ));
+        let (action, out) = lab.run(&on_wire(&moved));
+        assert_eq!(action, XDP_TX);
+        let addr = lab.backend_addr(id);
+        assert_eq!(out, encapsulated(&lab, &moved, addr, cid_hash_of(&dcid)));
+    }
+    assert_eq!(
+        lab.stat(stat::CONN_MISS),
+        0,
+        "no packet took the table path"
+    );
+    assert_eq!(lab.dp.backend_stats(2).unwrap().packets, 4);
+    assert_eq!(lab.dp.backend_stats(2).unwrap().new_flows, 0);
+}
+
+#[test]
+fn handshake_packets_of_v1_and_v2_are_routed_by_the_servers_connection_id() {
+    let (mut lab, _vip) = quic_lab();
+    let dcid = cid(ROTATION, &QUIC_SIDS[2].1, 7);
+    assert_cid_routed(
+        &mut lab,
+        &quic_pkt(50100, &long_header(1, 2, &dcid)),
+        &dcid,
+        3,
+        50100,
+    );
+    assert_cid_routed(
+        &mut lab,
+        &quic_pkt(50101, &long_header(QUIC_VERSION_2, 3, &dcid)),
+        &dcid,
+        3,
+        50101,
+    );
+}
+
+#[test]
+fn initial_0rtt_and_unknown_versions_carry_the_clients_id_and_take_the_5_tuple_path() {
+    let (mut lab, vip) = quic_lab();
+    // A client's first DCID is random; here it even looks like backend 1's, and still does not
+    // route: only the server's own IDs do.
+    let dcid = cid(ROTATION, &QUIC_SIDS[0].1, 3);
+    let cases: [(&str, Vec<u8>); 6] = [
+        ("v1 initial", long_header(1, 0, &dcid)),
+        ("v1 0-rtt", long_header(1, 1, &dcid)),
+        ("v2 initial", long_header(QUIC_VERSION_2, 1, &dcid)),
+        ("v2 0-rtt", long_header(QUIC_VERSION_2, 2, &dcid)),
+        ("version negotiation", long_header(0, 0, &dcid)),
+        ("unknown version", long_header(0x1a2a_3a4a, 2, &dcid)),
+    ];
+    for (n, (name, payload)) in cases.iter().enumerate() {
+        let sport = 51000 + n as u16;
+        eprintln!("{name}");
+        assert_five_tuple(
+            &mut lab,
+            &vip,
+            &quic_pkt(sport, payload),
+            sport,
+            stat::QUIC_CLIENT_CID,
+        );
+    }
+    assert_eq!(lab.stat(stat::QUIC_CID_ROUTED), 0);
+}
+
+#[test]
+fn ids_of_another_rotation_or_no_known_server_take_the_5_tuple_path() {
+    let (mut lab, vip) = quic_lab();
+    let cases = [
+        (
+            cid(ROTATION + 1, &QUIC_SIDS[0].1, 1),
+            stat::QUIC_UNKNOWN_ROTATION,
+        ),
+        (
+            cid(quic::ROTATION_UNROUTABLE, &QUIC_SIDS[0].1, 1),
+            stat::QUIC_UNKNOWN_ROTATION,
+        ),
+        (cid(ROTATION, &[0x0a, 0x09], 1), stat::QUIC_UNKNOWN_SERVER),
+    ];
+    for (n, (dcid, counter)) in cases.iter().enumerate() {
+        let sport = 52000 + n as u16;
+        assert_five_tuple(
+            &mut lab,
+            &vip,
+            &quic_pkt(sport, &short_header(dcid, 0)),
+            sport,
+            *counter,
+        );
+        // A stateless reset looks like any short header: its random octets route nowhere.
+    }
+    // The same server ID under another VIP is not this VIP's.
+    lab.dp
+        .remove_quic_server(&quic_key(0, &QUIC_SIDS[1].1))
+        .unwrap();
+    lab.dp
+        .set_quic_server(&quic_key(1, &QUIC_SIDS[1].1), 2)
+        .unwrap();
+    let dcid = cid(ROTATION, &QUIC_SIDS[1].1, 1);
+    assert_five_tuple(
+        &mut lab,
+        &vip,
+        &quic_pkt(52010, &short_header(&dcid, 0)),
+        52010,
+        stat::QUIC_UNKNOWN_SERVER,
+    );
+}
+
+#[test]
+fn a_draining_server_keeps_its_connections_and_a_down_one_loses_them_to_the_5_tuple_path() {
+    let (mut lab, vip) = quic_lab();
+    let dcid = cid(ROTATION, &QUIC_SIDS[1].1, 5);
+    lab.set_state(2, BACKEND_DRAINING);
+    assert_cid_routed(
+        &mut lab,
+        &quic_pkt(53000, &short_header(&dcid, 0)),
+        &dcid,
+        2,
+        53000,
+    );
+    lab.set_state(2, BACKEND_DOWN);
+    // The ring may still name backend 2 for this 5-tuple: then the table's down-backend
+    // handling applies, as for any UDP flow. Pick a port whose ring choice is another backend.
+    let sport = (53001..60000)
+        .find(|&p| lab.ring_choice(&vip, &flow(CLIENT4, p, VIP4, 443, PROTO_UDP), false) != 2)
+        .unwrap();
+    assert_five_tuple(
+        &mut lab,
+        &vip,
+        &quic_pkt(sport, &short_header(&dcid, 1)),
+        sport,
+        stat::QUIC_SERVER_DOWN,
+    );
+}
+
+#[test]
+fn malformed_quic_headers_take_the_5_tuple_path_and_are_counted() {
+    let (mut lab, vip) = quic_lab();
+    let dcid = cid(ROTATION, &QUIC_SIDS[0].1, 2);
+    let mut too_long = long_header(1, 2, &[0x20; 21]);
+    too_long[5] = 21;
+    // A 20-octet DCID of which the packet holds ten: the server ID is there, the rest not.
+    let mut past_packet = vec![0xe0, 0, 0, 0, 1, 20];
+    past_packet.extend_from_slice(&dcid);
+    past_packet.extend_from_slice(&[0x33; 1]);
+    let cases: [(&str, Vec<u8>); 6] = [
+        ("empty payload", vec![]),
+        ("short header, id cut", vec![0x41, ROTATION << 5, 0x0a]),
+        ("long header cut in its fixed part", vec![0xe0, 0, 0, 0, 1]),
+        ("handshake dcid over 20 octets", too_long),
+        (
+            "handshake dcid shorter than a server id",
+            long_header(1, 2, &[ROTATION << 5, 0x0a]),
+        ),
+        ("handshake dcid past the packet", past_packet),
+    ];
+    for (n, (name, payload)) in cases.iter().enumerate() {
+        eprintln!("{name}");
+        let sport = 54000 + n as u16;
+        assert_five_tuple(
+            &mut lab,
+            &vip,
+            &quic_pkt(sport, payload),
+            sport,
+            stat::QUIC_MALFORMED,
+        );
+    }
+    // Octets past the IP length (Ethernet padding) are not part of the packet: a short
+    // header whose server ID lies there is malformed, not routed.
+    let mut padded = quic_pkt(54100, &[0x41, ROTATION << 5, 0x0a]);
+    padded.extend_from_slice(&[0x01; 20]);
+    let before = lab.stat(stat::QUIC_MALFORMED);
+    let (action, _) = lab.run(&on_wire(&padded));
+    assert_eq!(action, XDP_TX);
+    assert_eq!(lab.stat(stat::QUIC_MALFORMED), before + 1);
+    assert_eq!(lab.stat(stat::QUIC_CID_ROUTED), 0);
+}
+
+#[test]
+fn server_ids_of_one_and_eight_octets_are_read_exactly() {
+    for len in [1u8, 8] {
+        let mut lab = Lab::new();
+        let vip = lab.vip(0, VIP4, 443, PROTO_UDP, VIP_F_QUIC_CID, 0);
+        let mut meta = lab.dp.vip(&vip).unwrap().unwrap();
+        meta.quic_server_id_len = len;
+        lab.dp.set_vip(&vip, &meta).unwrap();
+        lab.backends(&vip, &BACKENDS4);
+        let sid: Vec<u8> = (0..len).map(|i| 0x80 | i).collect();
+        lab.dp.set_quic_server(&quic_key(0, &sid), 3).unwrap();
+        let mut dcid = vec![0x1f];
+        dcid.extend_from_slice(&sid);
+        dcid.extend_from_slice(&[0xee; 4]);
+        let (action, out) = lab.run(&on_wire(&quic_pkt(55000, &short_header(&dcid, 0))));
+        assert_eq!(action, XDP_TX, "{len}");
+        let inner_dst = &out[14 + 20 + 16..14 + 20 + 20];
+        assert_eq!(inner_dst, [10, 200, 0, 1]);
+        assert_eq!(
+            &out[14 + 16..14 + 20],
+            [10, 1, 0, 3],
+            "{len}-octet id: backend 3"
+        );
+        // One octet more or less of the ID is another server.
+        dcid[len as usize] ^= 1;
+        lab.run(&on_wire(&quic_pkt(55001, &short_header(&dcid, 0))));
+        assert_eq!(lab.stat(stat::QUIC_UNKNOWN_SERVER), 1, "{len}");
+    }
+}
+
+#[test]
+fn without_quic_cid_a_vip_steers_quic_by_its_5_tuple_and_icmp_errors_never_by_id() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_UDP, 0, 0);
+    lab.backends(&vip, &BACKENDS4);
+    lab.dp
+        .set_quic_server(&quic_key(0, &QUIC_SIDS[0].1), 1)
+        .unwrap();
+    let dcid = cid(0, &QUIC_SIDS[0].1, 1);
+    let key = flow(CLIENT4, 56000, VIP4, 443, PROTO_UDP);
+    let want = lab.ring_choice(&vip, &key, false);
+    let h = lab.flow_hash(&key, false);
+    assert_steered(&mut lab, &quic_pkt(56000, &short_header(&dcid, 0)), want, h);
+    let quic_counters = [
+        stat::QUIC_CID_ROUTED,
+        stat::QUIC_CLIENT_CID,
+        stat::QUIC_UNKNOWN_ROTATION,
+        stat::QUIC_UNKNOWN_SERVER,
+        stat::QUIC_SERVER_DOWN,
+        stat::QUIC_MALFORMED,
+    ];
+    assert!(quic_counters.iter().all(|c| lab.stat(*c) == 0));
+
+    // On a CID VIP, an ICMP error quoting a server's packet follows the quoted 5-tuple.
+    let (mut lab, _vip) = quic_lab();
+    lab.run(&on_wire(&quic_pkt(56001, &long_header(1, 0, &dcid))));
+    let key = flow(CLIENT4, 56001, VIP4, 443, PROTO_UDP);
+    let b = lab.dp.conn(&key).unwrap().unwrap().backend;
+    let quoted = V4::new(VIP4, CLIENT4, PROTO_UDP).build(&udp(443, 56001, &short_header(&dcid, 0)));
+    let icmp =
+        V4::new("198.51.100.1", VIP4, PROTO_ICMP).build(&icmp_error(3, 4, 1400, &quoted[..28]));
+    let h = lab.flow_hash(&key, false);
+    assert_steered(&mut lab, &icmp, b, h);
+    assert_eq!(lab.stat(stat::QUIC_CID_ROUTED), 0);
+    assert_eq!(lab.stat(stat::QUIC_CLIENT_CID), 1);
 }
