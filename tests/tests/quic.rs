@@ -25,7 +25,7 @@ use sluice_tests::{
         hex, lab_quic_server_id, DaemonLab, DaemonLabOptions, QuicCid, QuicServe, VipDef,
     },
     net_lab::{backend_id, LabOptions, NetLab},
-    netns::VIP4,
+    netns::{DEV, VIP4, VIP6},
     quic::{
         bind_here, lines, per_server, QuicStreams, SocketMaker, StreamOutcome, StreamsSpec,
         QUIC_PORT,
@@ -48,6 +48,10 @@ const CID: QuicCid = QuicCid {
 
 fn vip() -> SocketAddr {
     SocketAddr::new(VIP4.into(), QUIC_PORT)
+}
+
+fn vip6() -> SocketAddr {
+    SocketAddr::new(VIP6.into(), QUIC_PORT)
 }
 
 /// A lab whose VIP routes by connection ID (`cid`) or by the 5-tuple only; the servers issue
@@ -120,15 +124,16 @@ fn assert_all_stayed(out: &[StreamOutcome], what: &str) {
     );
 }
 
-/// The namespace lab with the data plane programmed directly: a UDP VIP (id 4) at [`vip`] on
-/// every backend, routed by connection ID if `cid`, and a QUIC server on every backend.
-fn net_lab(cid: bool) -> NetLab {
+/// The namespace lab with the data plane programmed directly: a UDP VIP (id 4) at `vip`
+/// ([`vip`] or [`vip6`]) on every backend, routed by connection ID if `cid`, and a QUIC server
+/// on every backend.
+fn net_lab(vip: SocketAddr, cid: bool) -> NetLab {
     let mut lab = NetLab::start(&LabOptions::default())
         .unwrap_or_else(|e| panic!("starting the namespace lab: {e:#}"));
     let all: Vec<usize> = (0..lab.topo.backends.len()).collect();
     let id = 4;
     let key = lab
-        .add_service(id, vip(), PROTO_UDP, &all)
+        .add_service(id, vip, PROTO_UDP, &all)
         .unwrap_or_else(|e| panic!("adding the QUIC VIP: {e:#}"))
         .key;
     if cid {
@@ -151,7 +156,7 @@ fn net_lab(cid: bool) -> NetLab {
         let name = lab.topo.backends[i].name.clone();
         let args: Vec<String> = [
             "--quic".to_string(),
-            vip().to_string(),
+            vip.to_string(),
             "--quic-server-id".into(),
             hex(&lab_quic_server_id(i, CID.server_id_len)),
             "--quic-rotation".into(),
@@ -173,24 +178,35 @@ fn net_lab(cid: bool) -> NetLab {
     lab
 }
 
-fn net_lab_spec(lab: &NetLab) -> StreamsSpec {
-    let second: IpAddr = "10.111.0.75".parse().unwrap();
+/// The streams of a run on the namespace lab: as [`spec`], the second client address added
+/// here (on the segment).
+fn net_lab_spec(lab: &NetLab, vip: SocketAddr) -> StreamsSpec {
+    let (second, prefix): (IpAddr, &str) = if vip.is_ipv6() {
+        ("fd00:111::75".parse().unwrap(), "64")
+    } else {
+        ("10.111.0.75".parse().unwrap(), "24")
+    };
+    let a = format!("{second}/{prefix}");
+    let mut args = vec!["addr", "add", &a, "dev", DEV];
+    if vip.is_ipv6() {
+        args.push("nodad");
+    }
     lab.topo
         .client
         .ns
-        .ip(&["addr", "add", "10.111.0.75/24", "dev", "eth0"])
+        .ip(&args)
         .unwrap_or_else(|e| panic!("adding a second client address: {e:#}"));
-    let mut s = StreamsSpec::new(vip(), STREAMS, TOKENS, INTERVAL_MS);
+    let mut s = StreamsSpec::new(vip, STREAMS, TOKENS, INTERVAL_MS);
     s.rebind_after = Some(REBIND_AFTER);
     s.rebind_address = Some(second);
     s
 }
 
-fn net_lab_run(lab: &NetLab) -> Vec<StreamOutcome> {
+fn net_lab_run(lab: &NetLab, vip: SocketAddr) -> Vec<StreamOutcome> {
     let ns = lab.topo.client.ns.clone();
     let sockets = move |addr: Option<IpAddr>, v6: bool| ns.run(move || bind_here(addr, v6))?;
     let t = Instant::now();
-    let out = QuicStreams::start(net_lab_spec(lab), &sockets)
+    let out = QuicStreams::start(net_lab_spec(lab, vip), &sockets)
         .and_then(QuicStreams::finish)
         .unwrap_or_else(|e| panic!("running the QUIC streams: {e:#}"));
     eprintln!(
@@ -203,14 +219,24 @@ fn net_lab_run(lab: &NetLab) -> Vec<StreamOutcome> {
     out
 }
 
-/// The data plane alone: with the VIP's connection-ID routing on, every stream stays on
+/// The data plane alone (IPv4): with the VIP's connection-ID routing on, every stream stays on
 /// its server across its client's move; the packets went by connection ID.
 #[test]
 fn data_plane_cid_routing_keeps_streams_across_a_rebind() {
+    data_plane_cid_routing(vip());
+}
+
+/// The same over IPv6.
+#[test]
+fn data_plane_cid_routing_keeps_streams_across_a_rebind_over_ipv6() {
+    data_plane_cid_routing(vip6());
+}
+
+fn data_plane_cid_routing(vip: SocketAddr) {
     use lb_common::stat;
-    let mut lab = net_lab(true);
+    let mut lab = net_lab(vip, true);
     let before = lab.lb_dp.stats().unwrap();
-    let out = net_lab_run(&lab);
+    let out = net_lab_run(&lab, vip);
     let after = lab.lb_dp.stats().unwrap();
     let d = |c: stat::Counter| after[c.index()] - before[c.index()];
     eprintln!(
@@ -231,8 +257,8 @@ fn data_plane_cid_routing_keeps_streams_across_a_rebind() {
 /// The data plane alone, the control: without the flag a move breaks most streams.
 #[test]
 fn data_plane_five_tuple_breaks_streams_on_a_rebind() {
-    let lab = net_lab(false);
-    let out = net_lab_run(&lab);
+    let lab = net_lab(vip(), false);
+    let out = net_lab_run(&lab, vip());
     assert!(
         out.iter().any(|o| !o.completed() || o.servers.len() != 1),
         "no stream broke or moved across a rebind with 5-tuple steering:\n{}",
