@@ -704,4 +704,97 @@ mod tests {
             assert_eq!(to.ip(), want, "{o}");
         }
     }
+
+    /// A UDP relay on loopback between clients and one server (one upstream socket per client
+    /// address, as a NAT would), recording the destination connection ID of every
+    /// short-header packet a client sends.
+    struct Relay {
+        addr: SocketAddr,
+        dcids: Arc<Mutex<Vec<Vec<u8>>>>,
+        stop: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl Relay {
+        fn start(server: SocketAddr, cid_len: usize) -> Relay {
+            use std::{collections::HashMap, sync::atomic::Ordering};
+            let front = UdpSocket::bind("127.0.0.1:0").unwrap();
+            front
+                .set_read_timeout(Some(Duration::from_millis(50)))
+                .unwrap();
+            let addr = front.local_addr().unwrap();
+            let dcids = Arc::new(Mutex::new(Vec::new()));
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let (d, st) = (dcids.clone(), stop.clone());
+            thread::spawn(move || {
+                let front = Arc::new(front);
+                let mut up: HashMap<SocketAddr, UdpSocket> = HashMap::new();
+                let mut buf = [0u8; 2048];
+                while !st.load(Ordering::Relaxed) {
+                    let Ok((n, client)) = front.recv_from(&mut buf) else {
+                        continue;
+                    };
+                    let p = &buf[..n];
+                    if p[0] & 0x80 == 0 && n > cid_len {
+                        d.lock().unwrap().push(p[1..1 + cid_len].to_vec());
+                    }
+                    let u = up.entry(client).or_insert_with(|| {
+                        let u = UdpSocket::bind("127.0.0.1:0").unwrap();
+                        u.connect(server).unwrap();
+                        u.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+                        let (u2, f, st) = (u.try_clone().unwrap(), front.clone(), st.clone());
+                        thread::spawn(move || {
+                            let mut buf = [0u8; 2048];
+                            while !st.load(Ordering::Relaxed) {
+                                if let Ok(n) = u2.recv(&mut buf) {
+                                    let _ = f.send_to(&buf[..n], client);
+                                }
+                            }
+                        });
+                        u
+                    });
+                    let _ = u.send(p);
+                }
+            });
+            Relay { addr, dcids, stop }
+        }
+    }
+
+    impl Drop for Relay {
+        fn drop(&mut self) {
+            self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// On the wire: every short-header packet the clients send, before and after their move,
+    /// carries a connection ID with the server's rotation codepoint and server ID, and the
+    /// clients switch to a fresh one when they move (quinn does on a local address change).
+    #[test]
+    fn clients_send_to_connection_ids_that_name_the_server() {
+        let cids = QuicLbCids::new(3, &[0x0a, 0x01], 6).unwrap();
+        let len = cids.len();
+        let server = LocalServer::start("127.0.0.1:0".parse().unwrap(), "s1", Some(cids)).unwrap();
+        let relay = Relay::start(server.addr, len);
+        let mut spec = StreamsSpec::new(relay.addr, 4, 20, 10);
+        spec.rebind_after = Some(10);
+        let out = run_streams(spec, &loopback).unwrap();
+        for o in &out {
+            assert!(o.completed(), "{o}");
+        }
+        let dcids = relay.dcids.lock().unwrap().clone();
+        assert!(dcids.len() > 40, "{} short-header packets", dcids.len());
+        for d in &dcids {
+            assert_eq!(
+                sluice_quic_lb::server_id_of(d, 2),
+                Some((3, &[0x0a, 0x01][..])),
+                "{d:02x?}"
+            );
+        }
+        let distinct: std::collections::HashSet<&Vec<u8>> = dcids.iter().collect();
+        assert!(
+            distinct.len() >= 2 * out.len(),
+            "{} connection IDs for {} connections that moved",
+            distinct.len(),
+            out.len()
+        );
+    }
 }
