@@ -69,6 +69,14 @@ const VIP_PORT: u16 = 443;
 /// The in-band VIP: the IPv4 VIP's address on another port, its own backend ids.
 const INBAND_PORT: u16 = 8443;
 const BACKENDS_INBAND: [(u32, &str); 2] = [(21, "10.2.0.1"), (22, "10.2.0.2")];
+/// The UDP VIPs, on the IPv4 VIP's address: a plain one (its flows pinned by the table) and
+/// a QUIC one routing by connection ID, with their own backend ids on `BACKENDS4`'s hosts.
+const UDP_PORT: u16 = 4433;
+const BACKENDS_UDP: [(u32, &str); 2] = [(31, "10.1.0.1"), (32, "10.1.0.2")];
+const QUIC_PORT: u16 = 443;
+const BACKENDS_QUIC: [(u32, &str); 2] = [(41, "10.1.0.3"), (42, "10.1.0.4")];
+/// The QUIC VIP's server IDs (two octets, config rotation 0), by backend of `BACKENDS_QUIC`.
+const QUIC_SIDS: [[u8; 2]; 2] = [[0x0a, 0x01], [0x0a, 0x02]];
 const BACKENDS4: [(u32, &str); 4] = [
     (1, "10.1.0.1"),
     (2, "10.1.0.2"),

@@ -43,7 +43,8 @@ use std::{
 
 use lb_common::{
     LbConfig, VipKey, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, FAMILY_V4, FAMILY_V6, MAX_BACKENDS,
-    MAX_VIPS, PROTO_TCP, PROTO_UDP, RING_SIZE_MAX, VIP_F_SECOND_CHANCE, VIP_F_SRC_HASH,
+    MAX_VIPS, PROTO_TCP, PROTO_UDP, RING_SIZE_MAX, VIP_F_QUIC_CID, VIP_F_SECOND_CHANCE,
+    VIP_F_SRC_HASH,
 };
 use serde::{de, Deserialize, Serialize, Serializer};
 use toml::{

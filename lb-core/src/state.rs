@@ -14,7 +14,7 @@ use crate::{
 };
 
 // One model of a VIP's keywords: the configuration file's, with its spellings and words.
-pub use crate::config::{FlowState, HashMode, Protocol};
+pub use crate::config::{FlowState, HashMode, Protocol, QuicMode};
 
 /// A VIP as an operator describes it (config file or admin API).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,6 +39,36 @@ pub struct VipSpec {
     /// In-band signals from the clients' ACKs (`VIP_F_INBAND`).
     #[serde(default)]
     pub inband: bool,
+    /// QUIC connection-ID routing (`VIP_F_QUIC_CID`); UDP only. The QUIC keys are left out
+    /// of the JSON at their defaults, so a state file or fleet table without QUIC reads the
+    /// same as before they existed (and a host of the previous version still reads it).
+    #[serde(default, skip_serializing_if = "is_off")]
+    pub quic: QuicMode,
+    /// Octets of its backends' QUIC-LB server IDs, 1..=8.
+    #[serde(
+        default = "default_quic_len",
+        skip_serializing_if = "is_default_quic_len"
+    )]
+    pub quic_server_id_len: u8,
+    /// The config rotation codepoint of its connection IDs, 0..=6.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub quic_config_rotation: u8,
+}
+
+fn default_quic_len() -> u8 {
+    rules::QUIC_SERVER_ID_LEN_DEFAULT
+}
+
+fn is_off(q: &QuicMode) -> bool {
+    *q == QuicMode::Off
+}
+
+fn is_default_quic_len(n: &u8) -> bool {
+    *n == rules::QUIC_SERVER_ID_LEN_DEFAULT
+}
+
+fn is_zero(n: &u8) -> bool {
+    *n == 0
 }
 
 fn default_ring() -> u32 {
@@ -56,6 +86,9 @@ pub struct BackendSpec {
     /// Concurrent-session cap for admission control; 0 = none.
     #[serde(default)]
     pub max_sessions: u32,
+    /// QUIC-LB server ID (hex): set exactly on the backends of a `quic = "cid"` VIP.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quic_server_id: Option<String>,
 }
 
 fn default_weight() -> u32 {
@@ -318,7 +351,53 @@ impl State {
         let secs = spec.affinity_secs;
         rules::affinity_window(Duration::from_secs(secs.into()), &format!("{secs}s"))
             .map_err(|e| invalid("affinity_window", e))?;
+        rules::quic_mode(spec.quic == QuicMode::Cid, spec.protocol == Protocol::Udp)
+            .map_err(|e| invalid("quic", e))?;
+        rules::quic_server_id_len(spec.quic_server_id_len.into())
+            .map_err(|e| invalid("quic_server_id_len", e))?;
+        rules::quic_config_rotation(spec.quic_config_rotation.into())
+            .map_err(|e| invalid("quic_config_rotation", e))?;
         Ok(())
+    }
+
+    /// A backend's QUIC-LB server ID on `vip`, as the configuration file checks it:
+    /// required on a `quic = "cid"` VIP, refused elsewhere, unique within the VIP.
+    fn check_quic_server_id(vip: &Vip, b: &BackendSpec) -> Result<(), OpError> {
+        let invalid =
+            |e: String| OpError::Invalid(format!("backend {}: quic_server_id: {e}", b.address));
+        let len = vip.spec.quic_server_id_len;
+        match (&b.quic_server_id, vip.spec.quic) {
+            (None, QuicMode::Off) => Ok(()),
+            (None, QuicMode::Cid) => Err(invalid(format!(
+                "missing (required: VIP {:?} has quic = \"cid\"); allowed: {} hex digits \
+                 (quic_server_id_len = {len} octets), not all zero, unique within the VIP",
+                vip.spec.name,
+                2 * len
+            ))),
+            (Some(s), QuicMode::Off) => Err(invalid(format!(
+                "{} is set but VIP {:?} has quic = \"off\"; allowed: no server ID",
+                rules::quoted(s),
+                vip.spec.name
+            ))),
+            (Some(s), QuicMode::Cid) => {
+                let v = rules::quic_server_id(s, len).map_err(invalid)?;
+                if let Some(other) = vip.backends.values().find(|o| {
+                    o.spec.address != b.address
+                        && o.spec
+                            .quic_server_id
+                            .as_deref()
+                            .and_then(rules::quic_server_id_value)
+                            == Some(v)
+                }) {
+                    return Err(OpError::Conflict(format!(
+                        "backend {}: quic_server_id {s:?} is already the server ID of backend \
+                         {} of VIP {:?}; allowed: a server ID unique within the VIP",
+                        b.address, other.spec.address, vip.spec.name
+                    )));
+                }
+                Ok(())
+            }
+        }
     }
 
     fn check_backend(&self, vip: &Vip, b: &BackendSpec) -> Result<(), OpError> {
@@ -340,6 +419,7 @@ impl State {
         rules::labels(&b.labels)
             .map_err(|e| OpError::Invalid(format!("backend {}: {e}", b.address)))?;
         Self::check_weight(b.weight)?;
+        Self::check_quic_server_id(vip, b)?;
         if vip.backends.len() + 1 > vip.spec.ring_size as usize {
             return Err(OpError::Invalid(format!(
                 "VIP {:?} would have more backends than its {} ring slots",
@@ -353,8 +433,11 @@ impl State {
         rules::weight(w.into()).map_err(|e| OpError::Invalid(format!("weight: {e}")))
     }
 
-    fn add_backend(&mut self, vip: &str, spec: BackendSpec) -> Result<(), OpError> {
+    fn add_backend(&mut self, vip: &str, mut spec: BackendSpec) -> Result<(), OpError> {
         self.check_backend(self.vip(vip)?, &spec)?;
+        if let Some(id) = &mut spec.quic_server_id {
+            id.make_ascii_lowercase();
+        }
         let id = self.alloc_backend_id()?;
         let v = self.vip_mut(vip)?;
         v.backends.insert(
@@ -557,6 +640,9 @@ pub fn specs(cfg: &config::Config) -> Vec<(VipSpec, Vec<BackendSpec>)> {
                 ring_size: v.ring_size,
                 flow_state: v.flow_state,
                 inband: v.inband,
+                quic: v.quic,
+                quic_server_id_len: v.quic_server_id_len,
+                quic_config_rotation: v.quic_config_rotation,
             };
             let backends = v
                 .backends
@@ -566,11 +652,70 @@ pub fn specs(cfg: &config::Config) -> Vec<(VipSpec, Vec<BackendSpec>)> {
                     weight: b.weight,
                     labels: b.labels.clone(),
                     max_sessions: b.max_sessions,
+                    quic_server_id: b.quic_server_id.clone(),
                 })
                 .collect();
             (spec, backends)
         })
         .collect()
+}
+
+/// A key of the data plane's `QUIC_SERVERS` map: (VIP id, server ID as
+/// `lb_common::quic::server_id_value` reads it).
+pub type QuicServerKey = (u32, u64);
+
+impl State {
+    /// What `QUIC_SERVERS` holds for this state: the backend id of every server ID of a
+    /// `quic = "cid"` VIP's backends, whatever their state (the data plane checks that
+    /// itself, so a draining backend keeps its connections until it is removed).
+    pub fn quic_servers(&self) -> BTreeMap<QuicServerKey, u32> {
+        self.vips
+            .values()
+            .filter(|v| v.spec.quic == QuicMode::Cid)
+            .flat_map(|v| {
+                v.backends.values().filter_map(move |b| {
+                    let id = b.spec.quic_server_id.as_deref()?;
+                    Some(((v.id, rules::quic_server_id_value(id)?), b.id))
+                })
+            })
+            .collect()
+    }
+}
+
+/// The map writes that take `QUIC_SERVERS` from `current` to `desired`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct QuicServerChanges {
+    /// Entries new or pointing at another backend.
+    pub write: Vec<(QuicServerKey, u32)>,
+    /// Entries no longer desired.
+    pub delete: Vec<QuicServerKey>,
+}
+
+impl QuicServerChanges {
+    pub fn is_empty(&self) -> bool {
+        self.write.is_empty() && self.delete.is_empty()
+    }
+}
+
+/// Reconciles `QUIC_SERVERS`: what `current` (what the map holds, a pinned map's leftovers
+/// included) lacks or holds differently from `desired` is written, and what `desired` lacks
+/// is deleted.
+pub fn quic_server_changes(
+    current: &BTreeMap<QuicServerKey, u32>,
+    desired: &BTreeMap<QuicServerKey, u32>,
+) -> QuicServerChanges {
+    QuicServerChanges {
+        write: desired
+            .iter()
+            .filter(|(k, v)| current.get(k) != Some(v))
+            .map(|(k, v)| (*k, *v))
+            .collect(),
+        delete: current
+            .keys()
+            .filter(|k| !desired.contains_key(k))
+            .copied()
+            .collect(),
+    }
 }
 
 /// Specs for tests, here and in the shells' crate (compiled always: a `cfg(test)` item is
@@ -592,6 +737,9 @@ pub mod testing {
             ring_size: maglev::DEFAULT_RING_SIZE,
             flow_state: FlowState::Table,
             inband: false,
+            quic: QuicMode::Off,
+            quic_server_id_len: rules::QUIC_SERVER_ID_LEN_DEFAULT,
+            quic_config_rotation: 0,
         }
     }
 
@@ -602,6 +750,24 @@ pub mod testing {
             weight: 100,
             labels: BTreeMap::new(),
             max_sessions: 0,
+            quic_server_id: None,
+        }
+    }
+
+    /// A UDP/443 VIP with QUIC connection-ID routing (2-octet server IDs, rotation 0).
+    pub fn quic_vip(name: &str, addr: &str) -> VipSpec {
+        VipSpec {
+            protocol: Protocol::Udp,
+            quic: QuicMode::Cid,
+            ..vip(name, addr)
+        }
+    }
+
+    /// [`be`] with a QUIC-LB server ID.
+    pub fn quic_be(addr: &str, id: &str) -> BackendSpec {
+        BackendSpec {
+            quic_server_id: Some(id.into()),
+            ..be(addr)
         }
     }
 }
@@ -609,7 +775,7 @@ pub mod testing {
 #[cfg(test)]
 mod tests {
     use super::{
-        testing::{be, vip},
+        testing::{be, quic_be, quic_vip, vip},
         *,
     };
 
@@ -941,5 +1107,262 @@ mod tests {
             r#"{"op":"drain","vip":"chat","address":"10.1.0.1","deadline_ms":5}"#
         );
         assert_eq!(serde_json::from_str::<Op>(&j).unwrap(), op);
+    }
+
+    fn quic_state() -> State {
+        State::default()
+            .apply(
+                &Op::AddVip {
+                    vip: quic_vip("chat-quic", "10.0.0.7"),
+                    backends: vec![quic_be("10.1.0.1", "0A01"), quic_be("10.1.0.2", "0a02")],
+                },
+                0,
+                &L,
+            )
+            .unwrap()
+    }
+
+    #[test]
+    fn quic_settings_and_server_ids_are_checked_by_the_api_too() {
+        let s = quic_state().apply(
+            &Op::AddVip {
+                vip: vip("chat", "10.0.0.1"),
+                backends: vec![be("10.1.0.1")],
+            },
+            0,
+            &L,
+        );
+        let s = s.unwrap();
+        let b = &s.vips["chat-quic"].backends[&"10.1.0.1".parse().unwrap()];
+        assert_eq!(b.spec.quic_server_id.as_deref(), Some("0a01"), "lowercase");
+        let refused = |op: Op| s.apply(&op, 0, &L).unwrap_err().to_string();
+        let add = |vip: &str, backend: BackendSpec| Op::AddBackend {
+            vip: vip.into(),
+            backend,
+        };
+        let e = refused(add("chat-quic", be("10.1.0.3")));
+        assert!(
+            e.starts_with("backend 10.1.0.3: quic_server_id: missing (required: VIP \"chat-quic\""),
+            "{e}"
+        );
+        let e = refused(add("chat-quic", quic_be("10.1.0.3", "0a02")));
+        assert!(
+            e.contains("\"0a02\" is already the server ID of backend 10.1.0.2"),
+            "{e}"
+        );
+        let e = refused(add("chat-quic", quic_be("10.1.0.3", "0A02")));
+        assert!(e.contains("is already the server ID"), "case-blind: {e}");
+        let e = refused(add("chat-quic", quic_be("10.1.0.3", "0000")));
+        assert!(e.contains("\"0000\" is all zero"), "{e}");
+        let e = refused(add("chat-quic", quic_be("10.1.0.3", "0a0102")));
+        assert!(e.contains("is not 2 octets of hex"), "{e}");
+        let e = refused(add("chat", quic_be("10.1.0.3", "0a03")));
+        assert!(
+            e.contains("is set but VIP \"chat\" has quic = \"off\""),
+            "{e}"
+        );
+        let tcp = VipSpec {
+            protocol: Protocol::Tcp,
+            ..quic_vip("t", "10.0.0.8")
+        };
+        let e = refused(Op::AddVip {
+            vip: tcp,
+            backends: vec![],
+        });
+        assert!(
+            e.starts_with("quic: \"cid\" needs protocol = \"udp\""),
+            "{e}"
+        );
+        for (len, rot, want) in [
+            (0, 0, "quic_server_id_len: 0 is out of range"),
+            (9, 0, "quic_server_id_len: 9 is out of range"),
+            (2, 7, "quic_config_rotation: 7 is QUIC-LB's reserved"),
+        ] {
+            let e = refused(Op::AddVip {
+                vip: VipSpec {
+                    quic_server_id_len: len,
+                    quic_config_rotation: rot,
+                    ..quic_vip("q2", "10.0.0.8")
+                },
+                backends: vec![],
+            });
+            assert!(e.starts_with(want), "{e}");
+        }
+        // A VIP whose second backend repeats the first one's server ID is not half-added.
+        let e = refused(Op::AddVip {
+            vip: quic_vip("q2", "10.0.0.8"),
+            backends: vec![quic_be("10.1.0.5", "0001"), quic_be("10.1.0.6", "0001")],
+        });
+        assert!(e.contains("is already the server ID"), "{e}");
+        // A good one is taken.
+        let t = s.apply(&add("chat-quic", quic_be("10.1.0.3", "ff00")), 0, &L);
+        assert!(t.is_ok());
+        // The spec reads from the API's JSON with the file's defaults.
+        let v: VipSpec = serde_json::from_str(
+            r#"{"name":"q","address":"10.0.0.9","port":443,"protocol":"udp","quic":"cid"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (v.quic, v.quic_server_id_len, v.quic_config_rotation),
+            (QuicMode::Cid, 2, 0)
+        );
+        // Without QUIC the JSON is what it was before the QUIC keys existed.
+        let plain = serde_json::to_value(vip("chat", "10.0.0.1")).unwrap();
+        assert!(plain.get("quic").is_none(), "{plain}");
+        assert!(plain.get("quic_server_id_len").is_none(), "{plain}");
+        assert!(plain.get("quic_config_rotation").is_none(), "{plain}");
+        let j = serde_json::to_value(VipSpec {
+            quic_server_id_len: 3,
+            quic_config_rotation: 1,
+            ..quic_vip("q", "10.0.0.9")
+        })
+        .unwrap();
+        assert_eq!(j["quic"], "cid");
+        assert_eq!(j["quic_server_id_len"], 3);
+        assert_eq!(j["quic_config_rotation"], 1);
+        let plain = serde_json::to_value(be("10.1.0.1")).unwrap();
+        assert!(plain.get("quic_server_id").is_none(), "{plain}");
+        let b: BackendSpec =
+            serde_json::from_str(r#"{"address":"10.1.0.9","quic_server_id":"0a09"}"#).unwrap();
+        assert_eq!(b.quic_server_id.as_deref(), Some("0a09"));
+    }
+
+    #[test]
+    fn quic_servers_name_every_backend_of_a_cid_vip_whatever_its_state() {
+        let s = quic_state();
+        let v = &s.vips["chat-quic"];
+        let id = |a: &str| v.backends[&a.parse().unwrap()].id;
+        let want = BTreeMap::from([
+            ((v.id, 0x0a01), id("10.1.0.1")),
+            ((v.id, 0x0a02), id("10.1.0.2")),
+        ]);
+        assert_eq!(s.quic_servers(), want);
+        // Draining and down backends keep their IDs.
+        let d = s
+            .apply(
+                &Op::Drain {
+                    vip: "chat-quic".into(),
+                    address: "10.1.0.1".parse().unwrap(),
+                    deadline_ms: None,
+                },
+                0,
+                &L,
+            )
+            .unwrap();
+        let mut d = d;
+        d.set_health("chat-quic", "10.1.0.2".parse().unwrap(), false)
+            .unwrap();
+        assert_eq!(d.quic_servers(), want);
+        // Other VIPs have none.
+        let plain = d
+            .apply(
+                &Op::AddVip {
+                    vip: vip("chat", "10.0.0.1"),
+                    backends: vec![be("10.1.0.3")],
+                },
+                0,
+                &L,
+            )
+            .unwrap();
+        assert_eq!(plain.quic_servers(), want);
+        // From a configuration: the file's IDs, and a removed backend's ID is gone.
+        let removed = plain
+            .apply(
+                &Op::RemoveBackend {
+                    vip: "chat-quic".into(),
+                    address: "10.1.0.1".parse().unwrap(),
+                },
+                0,
+                &L,
+            )
+            .unwrap();
+        assert_eq!(
+            removed.quic_servers(),
+            BTreeMap::from([((v.id, 0x0a02), id("10.1.0.2"))])
+        );
+    }
+
+    #[test]
+    fn quic_servers_of_a_configuration() {
+        let text = r#"
+[dataplane]
+interfaces = [{ name = "eth0" }]
+hash_seed = 1
+encap_source_v4 = "172.16.0.0/16"
+
+[[vip]]
+name = "chat-quic"
+address = "10.200.0.2"
+port = 443
+protocol = "udp"
+quic = "cid"
+quic_server_id_len = 3
+quic_config_rotation = 1
+
+[[vip.backend]]
+address = "10.1.0.1"
+quic_server_id = "0a0001"
+
+[[vip.backend]]
+address = "10.1.0.2"
+quic_server_id = "FF0002"
+
+[[vip]]
+name = "dns"
+address = "10.200.0.3"
+port = 53
+protocol = "udp"
+
+[[vip.backend]]
+address = "10.1.0.1"
+"#;
+        let cfg = config::parse(text, "t.toml").unwrap();
+        let s = State::default().with_specs(&specs(&cfg), &L).unwrap();
+        let q = &s.vips["chat-quic"];
+        assert_eq!(q.spec.quic_server_id_len, 3);
+        assert_eq!(q.spec.quic_config_rotation, 1);
+        let id = |a: &str| q.backends[&a.parse().unwrap()].id;
+        assert_eq!(
+            s.quic_servers(),
+            BTreeMap::from([
+                ((q.id, 0x0a_0001), id("10.1.0.1")),
+                ((q.id, 0xff_0002), id("10.1.0.2")),
+            ])
+        );
+        // A reload that changes one ID and removes the other backend.
+        let changed = text.replace("\"0a0001\"", "\"0a0009\"").replace(
+            "[[vip.backend]]\naddress = \"10.1.0.2\"\nquic_server_id = \"FF0002\"\n",
+            "",
+        );
+        let cfg2 = config::parse(&changed, "t.toml").unwrap();
+        let s2 = s.with_specs(&specs(&cfg2), &L).unwrap();
+        assert_eq!(
+            s2.quic_servers(),
+            BTreeMap::from([((q.id, 0x0a_0009), id("10.1.0.1"))])
+        );
+        let c = quic_server_changes(&s.quic_servers(), &s2.quic_servers());
+        assert_eq!(c.write, vec![((q.id, 0x0a_0009), id("10.1.0.1"))]);
+        assert_eq!(c.delete, vec![(q.id, 0x0a_0001), (q.id, 0xff_0002)]);
+    }
+
+    #[test]
+    fn quic_server_changes_reconcile_added_removed_changed_and_stale() {
+        let cur = BTreeMap::from([
+            ((0, 1), 5),  // kept
+            ((0, 2), 6),  // moves to backend 7
+            ((0, 3), 8),  // removed
+            ((9, 1), 40), // a previous run's leftover (pinned map)
+        ]);
+        let want = BTreeMap::from([((0, 1), 5), ((0, 2), 7), ((1, 4), 9)]);
+        let c = quic_server_changes(&cur, &want);
+        assert_eq!(c.write, vec![((0, 2), 7), ((1, 4), 9)]);
+        assert_eq!(c.delete, vec![(0, 3), (9, 1)]);
+        assert!(!c.is_empty());
+        assert!(quic_server_changes(&want, &want).is_empty());
+        let c = quic_server_changes(&BTreeMap::new(), &want);
+        assert_eq!(c.write.len(), 3);
+        assert!(c.delete.is_empty());
+        let c = quic_server_changes(&want, &BTreeMap::new());
+        assert_eq!(c.delete, vec![(0, 1), (0, 2), (1, 4)]);
     }
 }

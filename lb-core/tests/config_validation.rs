@@ -131,8 +131,8 @@ port = 1
 "#,
         errors: &[
             "t.toml:7:1: daemon.log_levl: unknown field `log_levl`, expected one of `bpffs`, `state_file`, `keep_dataplane_on_exit`, `log_format`, `log_level`",
-            "t.toml:10:1: vip[0].adress: unknown field `adress`, expected one of `name`, `address`, `port`, `protocol`, `hash`, `affinity_window`, `priority`, `ring_size`, `flow_state`, `inband`, `backend`",
-            "t.toml:17:3: vip[1].backend[0].wieght: unknown field `wieght`, expected one of `address`, `weight`, `labels`, `max_sessions`, `dcgm`, `engine`, `roce`, `health`",
+            "t.toml:10:1: vip[0].adress: unknown field `adress`, expected one of `name`, `address`, `port`, `protocol`, `hash`, `affinity_window`, `priority`, `ring_size`, `flow_state`, `inband`, `quic`, `quic_server_id_len`, `quic_config_rotation`, `backend`",
+            "t.toml:17:3: vip[1].backend[0].wieght: unknown field `wieght`, expected one of `address`, `weight`, `labels`, `max_sessions`, `dcgm`, `engine`, `roce`, `health`, `quic_server_id`",
         ],
     },
     Case {
@@ -1135,6 +1135,87 @@ ewma_alpha = "0.3"
             "t.toml:7:14: policy.ewma_alpha: invalid type: string \"0.3\", expected a number",
         ],
     },
+    Case {
+        name: "quic settings of a VIP",
+        base: true,
+        text: r#"[[vip]]
+name = "a"
+address = "10.200.0.1"
+port = 443
+quic = "cid"
+quic_server_id_len = 9
+quic_config_rotation = 7
+
+[[vip]]
+name = "b"
+address = "10.200.0.2"
+port = 443
+protocol = "udp"
+quic = "quic"
+quic_server_id_len = 0
+quic_config_rotation = -1
+"#,
+        errors: &[
+            "t.toml:10:8: vip[0].quic: \"cid\" needs protocol = \"udp\" (QUIC runs over UDP); allowed: \"off\" on a tcp VIP",
+            "t.toml:11:22: vip[0].quic_server_id_len: 9 is out of range; allowed: 1..=8 octets",
+            "t.toml:12:24: vip[0].quic_config_rotation: 7 is QUIC-LB's reserved \"unroutable\" codepoint; allowed: 0..=6",
+            "t.toml:19:8: vip[1].quic: \"quic\" is not recognised; allowed: \"off\", \"cid\"",
+            "t.toml:20:22: vip[1].quic_server_id_len: 0 is out of range; allowed: 1..=8 octets",
+            "t.toml:21:24: vip[1].quic_config_rotation: -1 is out of range; allowed: 0..=6",
+        ],
+    },
+    Case {
+        name: "quic server IDs of backends",
+        base: true,
+        text: r#"[[vip]]
+name = "a"
+address = "10.200.0.1"
+port = 443
+protocol = "udp"
+quic = "cid"
+
+[[vip.backend]]
+address = "10.1.0.1"
+quic_server_id = "0a01"
+
+[[vip.backend]]
+address = "10.1.0.2"
+
+[[vip.backend]]
+address = "10.1.0.3"
+quic_server_id = "0A01"
+
+[[vip.backend]]
+address = "10.1.0.4"
+quic_server_id = "0000"
+
+[[vip.backend]]
+address = "10.1.0.5"
+quic_server_id = "a01"
+
+[[vip.backend]]
+address = "10.1.0.6"
+quic_server_id = "0a0g"
+
+[[vip]]
+name = "b"
+address = "10.200.0.2"
+port = 443
+protocol = "udp"
+
+[[vip.backend]]
+address = "10.1.0.1"
+quic_server_id = "0a01"
+"#,
+        errors: &[
+            "t.toml:17:1: vip[0].backend[1].quic_server_id: missing (required); allowed: 4 hex digits (quic_server_id_len = 2 octets), not all zero, unique within the VIP (every backend of a quic = \"cid\" VIP has one)",
+            "t.toml:22:18: vip[0].backend[2].quic_server_id: \"0A01\" is already the server ID of backend[0] of this VIP; allowed: a server ID unique within the VIP",
+            "t.toml:26:18: vip[0].backend[3].quic_server_id: \"0000\" is all zero; allowed: 4 hex digits (quic_server_id_len = 2 octets), not all zero, unique within the VIP, e.g. \"0a01\"",
+            "t.toml:30:18: vip[0].backend[4].quic_server_id: \"a01\" is not 2 octets of hex; allowed: 4 hex digits (quic_server_id_len = 2 octets), not all zero, unique within the VIP, e.g. \"0a01\"",
+            "t.toml:34:18: vip[0].backend[5].quic_server_id: \"0a0g\" is not 2 octets of hex; allowed: 4 hex digits (quic_server_id_len = 2 octets), not all zero, unique within the VIP, e.g. \"0a01\"",
+            "t.toml:44:18: vip[1].backend[0].quic_server_id: \"0a01\" is set but the VIP's quic is \"off\"; allowed: quic_server_id only on the backends of a quic = \"cid\" VIP",
+        ],
+    },
 ];
 
 #[test]
@@ -1740,4 +1821,57 @@ fn config_inband_defaults_off_and_needs_the_connection_table() {
         err.contains("set flow_state = \"table\" or inband = false"),
         "{err}"
     );
+}
+
+#[test]
+fn config_quic_defaults_off_and_cid_takes_server_ids() {
+    let vip = |extra: &str, backends: &str| {
+        format!(
+            "{BASE}[[vip]]\nname = \"chat-quic\"\naddress = \"10.200.0.1\"\nport = 443\n\
+             protocol = \"udp\"\n{extra}\n{backends}"
+        )
+    };
+    let cfg = config::parse(
+        &vip("", "[[vip.backend]]\naddress = \"10.1.0.1\"\n"),
+        "t.toml",
+    )
+    .unwrap();
+    let v = &cfg.vips[0];
+    assert_eq!(v.quic, config::QuicMode::Off);
+    assert_eq!((v.quic_server_id_len, v.quic_config_rotation), (2, 0));
+    assert_eq!(v.flags() & lb_common::VIP_F_QUIC_CID, 0);
+    assert_eq!(v.backends[0].quic_server_id, None);
+
+    let two = "[[vip.backend]]\naddress = \"10.1.0.1\"\nquic_server_id = \"0A0B0C\"\n\
+               [[vip.backend]]\naddress = \"10.1.0.2\"\nquic_server_id = \"000001\"\n";
+    let cfg = config::parse(
+        &vip(
+            "quic = \"cid\"\nquic_server_id_len = 3\nquic_config_rotation = 6",
+            two,
+        ),
+        "t.toml",
+    )
+    .unwrap();
+    let v = &cfg.vips[0];
+    assert_eq!(v.quic, config::QuicMode::Cid);
+    assert_eq!((v.quic_server_id_len, v.quic_config_rotation), (3, 6));
+    assert_ne!(v.flags() & lb_common::VIP_F_QUIC_CID, 0);
+    assert_eq!(
+        v.backends[0].quic_server_id.as_deref(),
+        Some("0a0b0c"),
+        "kept in lowercase"
+    );
+    assert_eq!(v.backends[1].quic_server_id.as_deref(), Some("000001"));
+    // A server ID of the wrong length for the VIP's quic_server_id_len.
+    let e = config::parse(&vip("quic = \"cid\"", two), "t.toml").unwrap_err();
+    assert_eq!(e.issues.len(), 2, "{e}");
+    assert!(
+        e.issues[0]
+            .message
+            .starts_with("\"0A0B0C\" is not 2 octets of hex"),
+        "{e}"
+    );
+    // Round trip, as the state and `sluice check` see it.
+    let text = toml::to_string(&cfg).unwrap();
+    assert_eq!(config::parse(&text, "again.toml").unwrap(), cfg);
 }

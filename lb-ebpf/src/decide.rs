@@ -112,7 +112,7 @@ pub fn decide(
     let id = (server >> 32) as u32;
     if id != 0 {
         match backend(id, vip) {
-            Some(b) if takes(&b, false) => {
+            Some(b) if takes(b, false) => {
                 count(stat::QUIC_CID_ROUTED);
                 return Ok(Decision {
                     backend_id: id,
@@ -205,7 +205,7 @@ fn established(
 ) -> Option<Decision> {
     let id = unsafe { (*e).backend };
     let b = backend(id, vip)?;
-    if !takes(&b, false) || (reopens && !keeps_affinity(&b, true)) {
+    if !takes(b, false) || (reopens && !keeps_affinity(b, true)) {
         return None;
     }
     // The coarse clock moves once a tick: most packets leave the line clean.
@@ -372,7 +372,7 @@ fn choose(
         if let Some(a) = unsafe { AFFINITY.get(akey) } {
             if now.wrapping_sub(a.last_seen_ns) < vip.affinity_secs as u64 * NS_PER_SEC {
                 if let Some(b) = backend(a.backend, vip) {
-                    if keeps_affinity(&b, new_session) {
+                    if keeps_affinity(b, new_session) {
                         count(stat::AFFINITY_HIT);
                         if new_session && b.flags & BACKEND_F_FULL != 0 {
                             count(stat::AFFINITY_HIT_SATURATED);
@@ -406,7 +406,7 @@ fn choose(
             _ => return Err(stat::DROP_NO_BACKEND.into()),
         };
         match backend(id, vip) {
-            Some(b) if takes(&b, new_session) => {
+            Some(b) if takes(b, new_session) => {
                 taken = Some((id, b, index));
                 break;
             }

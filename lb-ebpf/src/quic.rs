@@ -66,7 +66,7 @@ pub fn server(
         _pad: 0,
         id: cid.next >> (64 - 8 * sid_len as u32),
     };
-    let id = match unsafe { QUIC_SERVERS.get(&key) } {
+    let id = match unsafe { QUIC_SERVERS.get(key) } {
         Some(id) => *id,
         None => return Err(stat::QUIC_UNKNOWN_SERVER),
     };

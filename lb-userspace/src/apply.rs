@@ -14,7 +14,7 @@ use crate::{
     controller::Overlay,
     dataplane::Dataplane,
     flowwalk::FlowWalker,
-    state::{Backend, FlowState, PlaneState, State, Vip},
+    state::{Backend, FlowState, PlaneState, QuicMode, State, Vip},
 };
 
 pub fn vip_key(v: &Vip) -> VipKey {
@@ -60,8 +60,21 @@ fn backend_flags(vip: &Vip, b: &Backend, overlay: &Overlay) -> u8 {
     f
 }
 
+/// A VIP's QUIC settings in its `VipMeta` (all zero unless `quic = "cid"`).
+fn quic_meta(vip: &Vip) -> VipMeta {
+    match vip.spec.quic {
+        QuicMode::Cid => VipMeta {
+            quic_rotation: vip.spec.quic_config_rotation,
+            quic_server_id_len: vip.spec.quic_server_id_len,
+            ..Default::default()
+        },
+        QuicMode::Off => VipMeta::default(),
+    }
+}
+
 fn vip_flags(vip: &Vip, overlay: &Overlay) -> u32 {
-    let mut f = vip.spec.hash.vip_flags() | vip.spec.flow_state.vip_flags();
+    let mut f =
+        vip.spec.hash.vip_flags() | vip.spec.flow_state.vip_flags() | vip.spec.quic.vip_flags();
     if vip.spec.inband {
         f |= VIP_F_INBAND;
     }
@@ -83,6 +96,8 @@ pub struct Applied {
     pub ring_slots: usize,
     pub backends: usize,
     pub vips_removed: usize,
+    /// `QUIC_SERVERS` entries written or deleted.
+    pub quic_servers: usize,
 }
 
 /// Moves the data plane from `old` to `new`, with the adaptive `overlay` (weights, full
@@ -114,12 +129,17 @@ pub fn apply(
             ring_size: vip.spec.ring_size,
             active_ring: 0,
             affinity_secs: vip.spec.affinity_secs,
-            ..Default::default()
+            ..quic_meta(vip)
         };
         done.ring_slots += dp
             .publish(&vip_key(vip), meta, &table)
             .with_context(|| format!("publishing the table of VIP {:?}", vip.spec.name))?;
     }
+    // After every backend it names is written, and before a removed backend is let go: an
+    // entry never names a backend id the data plane does not hold for it.
+    done.quic_servers = dp
+        .sync_quic_servers(&new.quic_servers())
+        .context("writing the QUIC server IDs")?;
     for vip in old.vips.values() {
         let now = new.vips.get(&vip.spec.name);
         if now
@@ -251,6 +271,13 @@ impl crate::controller::Plane for MapPlane {
                 self.dp.capacity(maps::VIPS)?.into(),
             ),
         );
+        c.maps.insert(
+            "quic_servers".into(),
+            (
+                state.quic_servers().len() as u64,
+                self.dp.capacity(maps::QUIC_SERVERS)?.into(),
+            ),
+        );
         let backends = state.vips.values().map(|v| v.backends.len() as u64).sum();
         c.maps.insert(
             "backends".into(),
@@ -306,6 +333,7 @@ mod tests {
                 weight: 1,
                 labels: Default::default(),
                 max_sessions: 0,
+                quic_server_id: None,
             },
             admin: crate::state::Admin::Active,
             healthy: true,
@@ -352,5 +380,23 @@ mod tests {
         vip.spec.flow_state = FlowState::Table;
         vip.spec.inband = true;
         assert_eq!(vip_flags(&vip, &o), VIP_F_INBAND);
+    }
+
+    #[test]
+    fn a_cid_vip_is_flagged_with_its_rotation_and_server_id_length() {
+        let mut vip = Vip {
+            id: 0,
+            spec: crate::state::testing::quic_vip("chat-quic", "10.0.0.1"),
+            backends: Default::default(),
+        };
+        vip.spec.quic_server_id_len = 3;
+        vip.spec.quic_config_rotation = 5;
+        let o = Overlay::default();
+        assert_eq!(vip_flags(&vip, &o), lb_common::VIP_F_QUIC_CID);
+        let m = quic_meta(&vip);
+        assert_eq!((m.quic_rotation, m.quic_server_id_len), (5, 3));
+        vip.spec.quic = QuicMode::Off;
+        assert_eq!(vip_flags(&vip, &o), 0);
+        assert_eq!(quic_meta(&vip), VipMeta::default());
     }
 }

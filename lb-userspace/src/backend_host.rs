@@ -89,6 +89,35 @@ fn remove_vips(vips: &[IpAddr]) {
     }
 }
 
+/// The file the host's QUIC servers read their server IDs from: `{"vips": [{"vip",
+/// "quic_server_id", "quic_server_id_len", "quic_config_rotation"}, ...]}`, one entry per VIP
+/// with a server ID (an empty list when none has).
+pub fn quic_file_text(quic: &[config::QuicServer]) -> String {
+    let mut s = serde_json::to_string_pretty(&serde_json::json!({ "vips": quic }))
+        .expect("plain values serialize");
+    s.push('\n');
+    s
+}
+
+/// Writes [`quic_file_text`] to `path` (0644 in a 0755 directory: readable by a QUIC server
+/// that runs as another user), replacing the file whole. A host without server IDs writes
+/// nothing unless the file is there already (it then lists none).
+fn write_quic_file(path: &Path, quic: &[config::QuicServer]) -> Result<()> {
+    if quic.is_empty() && !path.exists() {
+        return Ok(());
+    }
+    if let Some(dir) = path.parent() {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(dir)
+            .with_context(|| format!("creating {}", dir.display()))?;
+    }
+    crate::private_file::write_mode(path, quic_file_text(quic).as_bytes(), 0o644)
+        .with_context(|| format!("writing the QUIC server IDs to {}", path.display()))
+}
+
 /// Logs each finding as a warning.
 fn log_findings(findings: &[Finding]) {
     for f in findings {
@@ -141,6 +170,23 @@ fn render(
         "VIPs this host serves (on lo)",
         vec![(vec![], cfg.vips.len() as i64)],
     );
+    gauges(
+        &mut reg,
+        "backend_host_quic_server_id_info",
+        "1 for each VIP this host has a QUIC-LB server ID for, labelled with it (hex)",
+        cfg.quic
+            .iter()
+            .map(|q| {
+                (
+                    vec![
+                        ("vip", q.vip.to_string()),
+                        ("quic_server_id", q.quic_server_id.clone()),
+                    ],
+                    1,
+                )
+            })
+            .collect(),
+    );
     let uptime = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
     uptime.set(up);
     reg.register_with_unit(
@@ -192,6 +238,7 @@ pub async fn run(path: &Path) -> Result<()> {
     for itf in &cfg.interfaces {
         ifindex(&itf.name)?;
     }
+    write_quic_file(&cfg.quic_file, &cfg.quic)?;
     let metrics_listener = match cfg.metrics {
         Some(addr) => Some(crate::metrics::bind(addr)?),
         None => None,
@@ -232,6 +279,7 @@ pub async fn run(path: &Path) -> Result<()> {
         reused,
         pin_dir = %cfg.bpffs.display(),
         vips = ?cfg.vips,
+        quic_server_ids = ?cfg.quic.iter().map(|q| format!("{}={}", q.vip, q.quic_server_id)).collect::<Vec<_>>(),
         interfaces = ?attached.iter().map(|(n, _, m)| format!("{n} ({m})")).collect::<Vec<_>>(),
         "decapsulation ready"
     );
@@ -264,14 +312,15 @@ pub async fn run(path: &Path) -> Result<()> {
     let mut int = tokio::signal::unix::signal(SignalKind::interrupt())?;
     let mut hup = tokio::signal::unix::signal(SignalKind::hangup())?;
     notify::ready("decapsulating");
-    let mut vips = cfg.vips.clone();
+    let mut served = (cfg.vips.clone(), cfg.quic.clone());
     loop {
         tokio::select! {
             _ = term.recv() => break,
             _ = int.recv() => break,
-            _ = hup.recv() => vips = reload(path, &cfg, vips),
+            _ = hup.recv() => served = reload(path, &cfg, served),
         }
     }
+    let vips = served.0;
     tracing::info!("stopping");
     notify::stopping();
     let _ = stop_tx.send(true);
@@ -293,35 +342,46 @@ pub async fn run(path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// SIGHUP: applies the file's VIPs (added ones go up, removed ones come off `lo`); a bad file,
-/// or one that changes anything else (which needs a restart), changes nothing. Returns the
-/// VIPs now served.
-fn reload(path: &Path, running: &HostConfig, vips: Vec<IpAddr>) -> Vec<IpAddr> {
+/// SIGHUP: applies the file's VIPs (added ones go up, removed ones come off `lo`) and their
+/// QUIC server IDs (the QUIC file is rewritten); a bad file, or one that changes anything
+/// else (which needs a restart), changes nothing. Returns the VIPs and server IDs now served.
+fn reload(
+    path: &Path,
+    running: &HostConfig,
+    (vips, quic): (Vec<IpAddr>, Vec<config::QuicServer>),
+) -> (Vec<IpAddr>, Vec<config::QuicServer>) {
     let new = match config::load(path) {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "reload: configuration rejected, nothing changed");
-            return vips;
+            return (vips, quic);
         }
     };
     let same_rest = HostConfig {
         vips: running.vips.clone(),
+        quic: running.quic.clone(),
         ..new.clone()
     } == *running;
     if !same_rest {
         tracing::error!(
             "reload: only `vips` changes on SIGHUP; restart for the other keys (nothing changed)"
         );
-        return vips;
+        return (vips, quic);
+    }
+    if let Err(e) = write_quic_file(&new.quic_file, &new.quic) {
+        tracing::error!(error = %format!("{e:#}"), "reload: nothing changed");
+        return (vips, quic);
     }
     if let Err(e) = add_vips(&new.vips) {
         tracing::error!(error = %format!("{e:#}"), "reload: adding VIPs failed");
-        return vips;
+        // The file names what is served: the previous IDs.
+        let _ = write_quic_file(&new.quic_file, &quic);
+        return (vips, quic);
     }
     let gone: Vec<IpAddr> = vips.into_iter().filter(|v| !new.vips.contains(v)).collect();
     remove_vips(&gone);
     tracing::info!(vips = ?new.vips, "configuration reloaded");
-    new.vips
+    (new.vips, new.quic)
 }
 
 /// `sluice backend-host check`: validates the file and reports the DSR findings, reading the
@@ -387,6 +447,8 @@ pub fn status(path: &Path, json: bool, out: &mut dyn Write) -> Result<()> {
             "pin_dir": cfg.bpffs.display().to_string(),
             "attached": links.iter().map(|(n, p)| serde_json::json!({"interface": n, "pinned_link": p})).collect::<Vec<_>>(),
             "vips": cfg.vips.iter().map(|v| serde_json::json!({"vip": v, "on_lo": on_lo.contains(v)})).collect::<Vec<_>>(),
+            "quic": cfg.quic,
+            "quic_file": cfg.quic_file.display().to_string(),
             "counters": counters.as_ref().map(|c| c.iter().map(|(k, v)| (k.to_string(), serde_json::Value::from(*v))).collect::<serde_json::Map<_, _>>()),
             "findings": findings,
         });
@@ -409,6 +471,16 @@ pub fn status(path: &Path, json: bool, out: &mut dyn Write) -> Result<()> {
             "NOT on lo"
         };
         writeln!(out, "vip            {v}: {state}")?;
+    }
+    for q in &cfg.quic {
+        writeln!(
+            out,
+            "quic           {}: server ID {} ({} octets, config rotation {})",
+            q.vip, q.quic_server_id, q.quic_server_id_len, q.quic_config_rotation
+        )?;
+    }
+    if !cfg.quic.is_empty() {
+        writeln!(out, "quic file      {}", cfg.quic_file.display())?;
     }
     match &counters {
         Some(c) => {
@@ -500,6 +572,50 @@ mod tests {
         ] {
             assert!(page.lines().any(|l| l == line), "{line} missing:\n{page}");
         }
+    }
+
+    #[test]
+    fn quic_server_ids_are_on_the_page_and_in_the_file() {
+        let cfg = config::parse(
+            "interfaces = [{ name = \"eth0\" }]\n\
+             vips = [\"10.0.0.1\", { address = \"10.0.0.2\", quic_server_id = \"0a01\" }]\n",
+            "t",
+        )
+        .unwrap();
+        let page = render(&[], 0, &cfg, &[], 1.0);
+        assert!(
+            page.lines().any(|l| l
+                == r#"sluice_backend_host_quic_server_id_info{vip="10.0.0.2",quic_server_id="0a01"} 1"#),
+            "{page}"
+        );
+        let v: serde_json::Value = serde_json::from_str(&quic_file_text(&cfg.quic)).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"vips": [{
+                "vip": "10.0.0.2",
+                "quic_server_id": "0a01",
+                "quic_server_id_len": 2,
+                "quic_config_rotation": 0,
+            }]})
+        );
+        let dir = crate::test_dir::TestDir::new("quic-file");
+        let path = dir.join("sub/quic.json");
+        write_quic_file(&path, &cfg.quic).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o644);
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            quic_file_text(&cfg.quic)
+        );
+        write_quic_file(&path, &[]).unwrap();
+        assert!(!dir.join("other.json").exists());
+        write_quic_file(&dir.join("other.json"), &[]).unwrap();
+        assert!(!dir.join("other.json").exists(), "no server IDs, no file");
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "{\n  \"vips\": []\n}\n"
+        );
     }
 
     #[test]

@@ -316,6 +316,119 @@ mod tests {
     }
 
     #[test]
+    fn a_quic_vip_takes_backends_with_server_ids_and_lists_them() {
+        let srv = TestServer::start();
+        let add_vip = [
+            "vip",
+            "add",
+            "chat-quic",
+            "--address",
+            "10.0.0.7",
+            "--port",
+            "443",
+            "--protocol",
+            "udp",
+            "--quic",
+            "cid",
+            "--quic-server-id-len",
+            "3",
+            "--quic-config-rotation",
+            "2",
+        ];
+        sluice(&srv, &add_vip).unwrap();
+        let vip = srv.state().vips["chat-quic"].clone();
+        assert_eq!(vip.spec.quic, crate::state::QuicMode::Cid);
+        assert_eq!(
+            (vip.spec.quic_server_id_len, vip.spec.quic_config_rotation),
+            (3, 2)
+        );
+        sluice(
+            &srv,
+            &[
+                "backend",
+                "add",
+                "chat-quic",
+                "10.1.0.5",
+                "--quic-server-id",
+                "0A0B05",
+            ],
+        )
+        .unwrap();
+        let e = sluice(&srv, &["backend", "add", "chat-quic", "10.1.0.6"]).unwrap_err();
+        assert!(
+            e.starts_with("backend 10.1.0.6: quic_server_id: missing (required"),
+            "{e}"
+        );
+        let e = sluice(
+            &srv,
+            &[
+                "backend",
+                "add",
+                "chat-quic",
+                "10.1.0.6",
+                "--quic-server-id",
+                "0a0b05",
+            ],
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("is already the server ID of backend 10.1.0.5"),
+            "{e}"
+        );
+        let out = sluice(&srv, &["backend", "list", "chat-quic"]).unwrap();
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(lines[0].ends_with("DRAIN  QUIC-ID  LABELS"), "{out}");
+        assert!(lines[1].contains("  0a0b05   -"), "{out}");
+        let v: Value = serde_json::from_str(
+            &sluice(&srv, &["--json", "backend", "list", "chat-quic"]).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(v["backends"][0]["quic_server_id"], "0a0b05");
+        let v: Value =
+            serde_json::from_str(&sluice(&srv, &["--json", "vip", "list"]).unwrap()).unwrap();
+        assert_eq!(v["vips"][0]["quic"], "cid", "{v}");
+        // A TCP VIP with quic = "cid" is refused, and nothing is added.
+        let mut tcp = add_vip;
+        tcp[2] = "t";
+        tcp[8] = "tcp";
+        let e = sluice(&srv, &tcp).unwrap_err();
+        assert!(
+            e.starts_with("quic: \"cid\" needs protocol = \"udp\""),
+            "{e}"
+        );
+        assert!(!srv.state().vips.contains_key("t"));
+        // A backend of another VIP has no server ID: null in JSON.
+        sluice(
+            &srv,
+            &[
+                "vip",
+                "add",
+                "chat",
+                "--address",
+                "10.0.0.1",
+                "--port",
+                "443",
+                "--backend",
+                "10.1.0.1",
+            ],
+        )
+        .unwrap();
+        let v: Value =
+            serde_json::from_str(&sluice(&srv, &["--json", "backend", "list", "chat"]).unwrap())
+                .unwrap();
+        assert_eq!(v["backends"][0]["quic_server_id"], Value::Null);
+        let v: Value =
+            serde_json::from_str(&sluice(&srv, &["--json", "vip", "list"]).unwrap()).unwrap();
+        let quic: Vec<&Value> = v["vips"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| &v["quic"])
+            .collect();
+        assert_eq!(quic, [&Value::from("off"), &Value::from("cid")], "{v}");
+    }
+
+    #[test]
     fn backend_drain_then_list() {
         let srv = TestServer::start();
         sluice(
@@ -363,7 +476,7 @@ mod tests {
             ),
             "{out}"
         );
-        assert!(lines[2].ends_with("zone=b"), "{out}");
+        assert!(lines[2].ends_with("-        zone=b"), "no QUIC ID: {out}");
 
         let e = sluice(&srv, &["backend", "drain", "chat", "10.1.0.9"]).unwrap_err();
         assert_eq!(

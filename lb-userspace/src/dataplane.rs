@@ -4,7 +4,7 @@
 //! plain Rust values.
 
 use std::{
-    collections::HashMap as StdHashMap,
+    collections::{BTreeMap, HashMap as StdHashMap},
     fs,
     mem::size_of,
     os::fd::{AsFd, AsRawFd, OwnedFd},
@@ -28,7 +28,7 @@ use lb_common::{
     MAX_BACKENDS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
-use crate::{maglev, ring_history};
+use crate::{maglev, ring_history, state};
 
 /// Program names in the object.
 pub const PROG_XDP: &str = "sluice_xdp";
@@ -266,6 +266,9 @@ pub struct Dataplane {
     /// Rings a previous daemon saved (`ring_store`): a VIP's first table in fresh maps
     /// continues its history instead of starting without one.
     saved_rings: StdHashMap<VipKey, Vec<RingSlot>>,
+    /// What `QUIC_SERVERS` holds, as this process last wrote or read it; `None` until it is
+    /// read (a pinned map holds a previous run's entries) or after a failed write.
+    quic_shadow: Option<BTreeMap<state::QuicServerKey, u32>>,
 }
 
 /// Sum of a per-CPU value over all CPUs.
@@ -320,6 +323,7 @@ impl Dataplane {
             reused,
             shadows: StdHashMap::new(),
             saved_rings: StdHashMap::new(),
+            quic_shadow: None,
         };
         if !reused {
             let mut meta: Array<&mut MapData, u32> = Array::try_from(dp.map(maps::META)?)?;
@@ -547,6 +551,60 @@ impl Dataplane {
             .with_context(|| format!("writing {name}"))
     }
 
+    /// Every entry of `QUIC_SERVERS` as the kernel holds it: (VIP id, server ID) → backend id.
+    pub fn quic_servers(&mut self) -> Result<BTreeMap<state::QuicServerKey, u32>> {
+        let m: HashMap<&mut MapData, QuicServerKey, u32> =
+            HashMap::try_from(self.map(maps::QUIC_SERVERS)?)?;
+        m.iter()
+            .map(|r| r.map(|(k, v)| ((k.vip, k.id), v)))
+            .collect::<Result<_, _>>()
+            .context("reading QUIC_SERVERS")
+    }
+
+    /// Brings `QUIC_SERVERS` to exactly `desired` ([`state::quic_server_changes`]): new and
+    /// changed entries are written, the others deleted, leftovers of a previous run
+    /// included. Returns the entries written and deleted.
+    pub fn sync_quic_servers(
+        &mut self,
+        desired: &BTreeMap<state::QuicServerKey, u32>,
+    ) -> Result<usize> {
+        let current = match self.quic_shadow.take() {
+            Some(s) => s,
+            None => self.quic_servers()?,
+        };
+        let changes = state::quic_server_changes(&current, desired);
+        if changes.is_empty() {
+            self.quic_shadow = Some(current);
+            return Ok(0);
+        }
+        let mut m: HashMap<&mut MapData, QuicServerKey, u32> =
+            HashMap::try_from(self.map(maps::QUIC_SERVERS)?)?;
+        let key = |(vip, id): state::QuicServerKey| QuicServerKey { vip, _pad: 0, id };
+        // On failure the shadow stays unset, so the next sync reads the map again.
+        for &(k, backend) in &changes.write {
+            m.insert(key(k), backend, 0).with_context(|| {
+                format!("writing QUIC_SERVERS (VIP {}, server ID {:#x})", k.0, k.1)
+            })?;
+        }
+        for &k in &changes.delete {
+            match m.remove(&key(k)) {
+                Ok(()) => {}
+                // Already gone (ENOENT): what was wanted.
+                Err(_) if matches!(m.get(&key(k), 0), Err(aya::maps::MapError::KeyNotFound)) => {}
+                Err(e) => {
+                    return Err(e).with_context(|| {
+                        format!(
+                            "deleting from QUIC_SERVERS (VIP {}, server ID {:#x})",
+                            k.0, k.1
+                        )
+                    })
+                }
+            }
+        }
+        self.quic_shadow = Some(desired.clone());
+        Ok(changes.write.len() + changes.delete.len())
+    }
+
     pub fn remove_vip(&mut self, key: &VipKey) -> Result<()> {
         let mut m: HashMap<&mut MapData, VipKey, VipMeta> =
             HashMap::try_from(self.map(maps::VIPS)?)?;
@@ -713,15 +771,6 @@ impl Dataplane {
             Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
             Err(e) => Err(e).context("removing from QUIC_SERVERS"),
         }
-    }
-
-    /// Every routed server ID (a snapshot).
-    pub fn quic_servers(&mut self) -> Result<Vec<(QuicServerKey, u32)>> {
-        let m: HashMap<&mut MapData, QuicServerKey, u32> =
-            HashMap::try_from(self.map(maps::QUIC_SERVERS)?)?;
-        m.iter()
-            .collect::<Result<Vec<_>, _>>()
-            .context("reading QUIC_SERVERS")
     }
 
     /// Every connection-table entry (a snapshot; entries may change while it is taken).

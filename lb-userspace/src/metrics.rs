@@ -28,7 +28,7 @@ use crate::{
     limits::{ScrapePeer, METRICS},
     policy::BackendDecision,
     prom_text::{counters, dataplane_counters, float_gauges, gauges, Labels},
-    state::{Backend, FlowState, PlaneState, Vip},
+    state::{Backend, FlowState, PlaneState, QuicMode, Vip},
 };
 
 /// Binds the metrics address; done at start, before anything is served, so a port in use
@@ -147,6 +147,7 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
     listener_families(&mut reg, info);
     vip_families(&mut reg, snap);
     backend_families(&mut reg, snap);
+    quic_families(&mut reg, snap);
     steering_families(&mut reg, snap);
     map_families(&mut reg, snap);
     event_families(&mut reg, snap);
@@ -233,6 +234,38 @@ fn vip_families(reg: &mut Registry, snap: &Snapshot) {
                     l.push(("flow_state", name.as_str().unwrap_or_default().to_string()));
                     (l, i64::from(v.spec.flow_state == m))
                 })
+            })
+            .collect(),
+    );
+}
+
+/// How each VIP routes QUIC, and the server ID of each backend of a `quic = "cid"` VIP.
+fn quic_families(reg: &mut Registry, snap: &Snapshot) {
+    gauges(
+        reg,
+        "vip_quic",
+        "1 for how the VIP routes QUIC packets (off: by the 5-tuple; cid: by the server ID in \
+         the destination connection ID), 0 for the other",
+        snap.state
+            .vips
+            .values()
+            .flat_map(|v| {
+                [QuicMode::Off, QuicMode::Cid].map(|m| {
+                    let mut l = vip_labels(v);
+                    l.push(("quic", m.to_string()));
+                    (l, i64::from(v.spec.quic == m))
+                })
+            })
+            .collect(),
+    );
+    gauges(
+        reg,
+        "backend_quic_server_id_info",
+        "1 for each backend of a quic = \"cid\" VIP, labelled with its QUIC-LB server ID (hex)",
+        backends(snap)
+            .filter_map(|(b, mut l)| {
+                l.push(("quic_server_id", b.spec.quic_server_id.clone()?));
+                Some((l, 1))
             })
             .collect(),
     );
@@ -499,6 +532,11 @@ mod tests {
             backends: vec![be("10.1.0.1"), be("fd00::1")],
         };
         c.submit(op, Peer::default(), 1).unwrap();
+        let quic = Op::AddVip {
+            vip: crate::state::testing::quic_vip("chat-quic", "10.0.0.7"),
+            backends: vec![crate::state::testing::quic_be("10.1.0.5", "0A05")],
+        };
+        c.submit(quic, Peer::default(), 1).unwrap();
         let drain = Op::Drain {
             vip: "chat".into(),
             address: "10.1.0.1".parse().unwrap(),
@@ -570,6 +608,32 @@ mod tests {
             },
         );
         snap
+    }
+
+    #[tokio::test]
+    async fn scrape_shows_quic_modes_server_ids_and_counters() {
+        let mut snap = snapshot().await;
+        snap.counters.global.insert("quic_cid_routed".into(), 4);
+        let text = render(&snap, &info());
+        for line in [
+            "# TYPE sluice_vip_quic gauge",
+            r#"sluice_vip_quic{vip="chat",quic="off"} 1"#,
+            r#"sluice_vip_quic{vip="chat",quic="cid"} 0"#,
+            r#"sluice_vip_quic{vip="chat-quic",quic="cid"} 1"#,
+            r#"sluice_backend_quic_server_id_info{vip="chat-quic",backend="10.1.0.5",quic_server_id="0a05"} 1"#,
+            r#"sluice_dataplane_events_total{event="quic_cid_routed"} 4"#,
+            r#"sluice_dataplane_events_total{event="quic_unknown_server"} 0"#,
+            r#"sluice_dataplane_events_total{event="quic_malformed"} 0"#,
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        assert!(
+            !text.contains(r#"quic_server_id_info{vip="chat","#),
+            "a backend without a server ID has no info line"
+        );
     }
 
     #[tokio::test]

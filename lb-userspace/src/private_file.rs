@@ -135,6 +135,12 @@ fn narrow(f: &File) -> io::Result<()> {
 /// Creates or replaces `path` with `bytes`, through `<name>.tmp` beside it, so a reader sees
 /// the old file or the new one, never half of one.
 pub fn write(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    write_mode(path, bytes, MODE)
+}
+
+/// [`write`] with another mode, for a file others read (the backend host's QUIC server IDs,
+/// read by the host's QUIC servers), written as safely.
+pub fn write_mode(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     let (dir, name) = open_dir(path)?;
     let mut tmp = name.as_bytes().to_vec();
     tmp.extend_from_slice(b".tmp");
@@ -148,8 +154,8 @@ pub fn write(path: &Path, bytes: &[u8]) -> io::Result<()> {
         }
     }
     let mut f = open_at(&dir, &tmp, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL)?;
-    // The umask may have taken bits from MODE; the file gets exactly MODE.
-    f.set_permissions(Permissions::from_mode(MODE))?;
+    // The umask may have taken bits from the mode; the file gets exactly it.
+    f.set_permissions(Permissions::from_mode(mode))?;
     f.write_all(bytes)?;
     drop(f);
     // SAFETY: a valid directory descriptor and C strings.

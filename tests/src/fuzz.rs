@@ -11,6 +11,10 @@
 //!   prefix are exact, addressed to an active backend of a VIP at the packet's destination
 //!   (through the fallback MAC for the first half of a run, through the FIB, a 1500-byte
 //!   segment, for the second), or the exact "too big" reply, or the exact RST of a shed VIP;
+//! - a UDP packet to the QUIC VIP whose connection ID, read by the oracle's own QUIC parser,
+//!   names a backend that is up goes to that backend and counts `quic_cid_routed`; any other
+//!   counts the one reason the oracle reads for it (client's ID, rotation, server, down,
+//!   malformed) and takes the 5-tuple path;
 //! - at the end the outcome counters add up to the frames run.
 //!
 //! A run is replayed from its seed (`SLUICE_FUZZ_SEED`).
@@ -27,8 +31,10 @@ use std::{
 
 use anyhow::{ensure, Context, Result};
 use lb_common::{
+    quic,
     stat::{self, Kind},
-    BACKEND_ACTIVE, BACKEND_DOWN, PROTO_TCP, PROTO_UDP, VIP_F_SHED, VIP_F_SHED_RST,
+    QuicServerKey, BACKEND_ACTIVE, BACKEND_DOWN, PROTO_TCP, PROTO_UDP, VIP_F_QUIC_CID, VIP_F_SHED,
+    VIP_F_SHED_RST,
 };
 use sluice::dataplane::PROG_XDP;
 
@@ -120,7 +126,14 @@ struct Vip {
     ids: Vec<u32>,
     /// New sessions are shed, TCP ones answered with a RST.
     shed_rst: bool,
+    /// QUIC connection-ID routing: the rotation codepoint and each backend's server ID
+    /// (`QUIC_SID_LEN` octets), in the order of `backends`.
+    quic: Option<(u8, Vec<[u8; 2]>)>,
 }
+
+/// The server-ID length and config rotation of the fuzz lab's QUIC VIP.
+const QUIC_SID_LEN: u8 = 2;
+const QUIC_ROTATION: u8 = 2;
 
 /// Flips the first backend of a VIP with several between active and down.
 fn toggle_backend(lab: &mut Lab, vips: &mut [Vip], rng: &mut Rng) {
@@ -142,10 +155,11 @@ type VipSpec = (
 );
 
 /// The lab: IPv4 and IPv6 VIPs over TCP and UDP, an all-ports VIP, IPv4 carried over IPv6
-/// backends, a VIP without backends (drops), VIPs shedding new sessions (by RST, by drop),
-/// and one backend down in each table (probed past, its flows re-steered).
+/// backends, a VIP without backends (drops), VIPs shedding new sessions (by RST, by drop), a
+/// QUIC VIP routing by connection ID, and one backend down in each table (probed past, its
+/// flows re-steered; its server ID no longer routes).
 fn setup(lab: &mut Lab) -> Vec<Vip> {
-    let specs: [VipSpec; 8] = [
+    let specs: [VipSpec; 9] = [
         (
             0,
             "10.200.0.1",
@@ -196,6 +210,14 @@ fn setup(lab: &mut Lab) -> Vec<Vip> {
             VIP_F_SHED | VIP_F_SHED_RST,
             &[(14, "fd00:1::14")],
         ),
+        (
+            8,
+            "10.200.0.6",
+            443,
+            PROTO_UDP,
+            VIP_F_QUIC_CID,
+            &[(15, "10.1.0.15"), (16, "10.1.0.16"), (17, "10.1.0.17")],
+        ),
     ];
     let mut vips = vec![];
     for (id, addr, port, proto, flags, backends) in specs {
@@ -213,6 +235,22 @@ fn setup(lab: &mut Lab) -> Vec<Vip> {
             }
             bs.push((a.parse().unwrap(), !down));
         }
+        let quic = (flags & VIP_F_QUIC_CID != 0).then(|| {
+            let mut meta = lab.dp.vip(&key).unwrap().unwrap();
+            meta.quic_rotation = QUIC_ROTATION;
+            meta.quic_server_id_len = QUIC_SID_LEN;
+            lab.dp.set_vip(&key, &meta).unwrap();
+            let sids: Vec<[u8; 2]> = backends.iter().map(|(b, _)| [0x0f, *b as u8]).collect();
+            for ((b, _), sid) in backends.iter().zip(&sids) {
+                let k = QuicServerKey {
+                    vip: id,
+                    _pad: 0,
+                    id: quic::server_id_value(sid),
+                };
+                lab.dp.set_quic_server(&k, *b).unwrap();
+            }
+            (QUIC_ROTATION, sids)
+        });
         vips.push(Vip {
             addr: addr.parse().unwrap(),
             port,
@@ -220,6 +258,7 @@ fn setup(lab: &mut Lab) -> Vec<Vip> {
             backends: bs,
             ids: backends.iter().map(|(b, _)| *b).collect(),
             shed_rst: flags & VIP_F_SHED_RST != 0,
+            quic,
         });
     }
     vips
@@ -253,7 +292,7 @@ fn index(name: &str) -> usize {
 /// moves to a new network namespace) and checks each; the first frame the oracle refuses
 /// fails the run with its index, the seed and the frame's bytes.
 pub fn run(frames: u64, seed: u64) -> Result<Summary> {
-    let mut lab = Lab::with_max_vips(8);
+    let mut lab = Lab::with_max_vips(9);
     let mut vips = setup(&mut lab);
     let mut rng = Rng::new(seed);
     let start = Instant::now();

@@ -246,3 +246,75 @@ fn check_and_status_report_the_host_and_the_metrics_show_a_dsr_problem() {
     assert!(on_lo(&b.ns, VIP4.into()), "the reload took {VIP4} off lo");
     assert!(h.log().contains("configuration reloaded"), "{}", h.log());
 }
+
+/// A VIP table with a QUIC-LB server ID: the backend host writes it to its `quic_file` at
+/// start and again on SIGHUP, and shows it in `status` and its metrics.
+#[test]
+fn quic_server_ids_are_written_for_the_hosts_quic_servers_and_follow_a_reload() {
+    let mut lab = start();
+    let h = &mut lab.backend_hosts[1];
+    let quic_file = h.dir.join(format!("quic-{}.json", h.name));
+    let bpffs = h.bpffs.clone();
+    let text = |id: &str| {
+        config_text(&[VIP4.into(), VIP6.into()], &bpffs)
+            .replace(
+                &format!("\"{VIP6}\""),
+                &format!("{{ address = \"{VIP6}\", quic_server_id = \"{id}\", quic_config_rotation = 1 }}"),
+            )
+            .replace(
+                "\n[metrics]",
+                &format!("quic_file = \"{}\"\n\n[metrics]", quic_file.display()),
+            )
+    };
+    fs::write(&h.config, text("0A02")).unwrap();
+    h.stop().unwrap();
+    h.start().unwrap();
+    let want = |id: &str| {
+        serde_json::json!({"vips": [{
+            "vip": VIP6.to_string(),
+            "quic_server_id": id,
+            "quic_server_id_len": 2,
+            "quic_config_rotation": 1,
+        }]})
+    };
+    let read = || -> serde_json::Value {
+        serde_json::from_str(&fs::read_to_string(&quic_file).unwrap()).unwrap()
+    };
+    assert_eq!(read(), want("0a02"));
+    use std::os::unix::fs::PermissionsExt;
+    let mode = fs::metadata(&quic_file).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o644, "QUIC servers of another user read it");
+    assert_eq!(
+        h.metric(&format!(
+            r#"sluice_backend_host_quic_server_id_info{{vip="{VIP6}",quic_server_id="0a02"}}"#
+        ))
+        .unwrap(),
+        1
+    );
+
+    fs::write(&h.config, text("0a03")).unwrap();
+    h.reload().unwrap();
+    wait_for(
+        "the reload to rewrite the QUIC file",
+        Duration::from_secs(5),
+        || {
+            let got = read();
+            if got == want("0a03") {
+                Ok(Some(()))
+            } else {
+                Err(format!("{got}"))
+            }
+        },
+    )
+    .unwrap();
+    let cfg = h.config.display().to_string();
+    let ns = &lab.topo.backends[1].ns;
+    let (code, out, err) = sluice_in(&lab, ns, &["backend-host", "status", "--config", &cfg]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(&format!(
+            "quic           {VIP6}: server ID 0a03 (2 octets, config rotation 1)"
+        )),
+        "{out}"
+    );
+}

@@ -966,3 +966,127 @@ fn a_reload_of_the_unchanged_file_keeps_runtime_changes_like_a_restart() {
     lab.restart().unwrap();
     check(&lab, "after a restart");
 }
+
+/// `QUIC_SERVERS` (pinned under the lab's bpffs) as (VIP id, server ID) → backend id.
+fn quic_servers(lab: &DaemonLab) -> BTreeMap<(u32, u64), u32> {
+    use aya::maps::{HashMap, Map, MapData};
+    let m = MapData::from_pin(lab.bpffs.join(lb_common::maps::QUIC_SERVERS)).unwrap();
+    let m: HashMap<_, lb_common::QuicServerKey, u32> = HashMap::try_from(Map::HashMap(m)).unwrap();
+    m.iter()
+        .map(|r| r.map(|(k, v)| ((k.vip, k.id), v)).unwrap())
+        .collect()
+}
+
+/// What `QUIC_SERVERS` should hold for the lab's VIP `name`, from the API: each backend's
+/// `quic_server_id` → its id.
+fn quic_servers_by_api(lab: &DaemonLab, name: &str) -> BTreeMap<(u32, u64), u32> {
+    let (_, v) = lab.api("GET", &format!("/v1/vips/{name}"), None).unwrap();
+    let vip = v["vip"]["id"].as_u64().unwrap() as u32;
+    lab.backends(name)
+        .iter()
+        .map(|b| {
+            let id = b["quic_server_id"].as_str().unwrap();
+            (
+                (vip, u64::from_str_radix(id, 16).unwrap()),
+                b["id"].as_u64().unwrap() as u32,
+            )
+        })
+        .collect()
+}
+
+/// A `quic = "cid"` VIP's server IDs reach `QUIC_SERVERS` at start, follow a reload that
+/// changes them and removes a backend, and survive a crash: the restart re-adopts the pinned
+/// map and removes what no backend has (a previous run's leftover).
+#[test]
+fn quic_server_ids_are_written_follow_reloads_and_are_reconciled_after_a_restart() {
+    const QUIC: &str = "chat-quic";
+    let quic = VipDef {
+        protocol: "udp",
+        quic_id_base: Some(0x0a01),
+        ..VipDef::tcp(QUIC, SocketAddr::new(VIP4.into(), 443), BACKENDS)
+    };
+    let mut lab = start(DaemonLabOptions::new(SERVER, BACKENDS, vec![quic]));
+    let (_, v) = lab.api("GET", &format!("/v1/vips/{QUIC}"), None).unwrap();
+    assert_eq!(v["vip"]["quic"], "cid", "{v}");
+    let want = quic_servers_by_api(&lab, QUIC);
+    let ids: Vec<u64> = want.keys().map(|k| k.1).collect();
+    assert_eq!(ids, [0x0a01, 0x0a02, 0x0a03]);
+    assert_eq!(quic_servers(&lab), want, "at start");
+    let list = lab.cli_ok(&["backend", "list", QUIC]);
+    assert!(list.contains("QUIC-ID") && list.contains("0a02"), "{list}");
+    // The data plane's QUIC counters reach `sluice stats` and the metrics like every other.
+    let counters = lab.counters();
+    for c in [
+        "quic_cid_routed",
+        "quic_client_cid",
+        "quic_unknown_rotation",
+        "quic_unknown_server",
+        "quic_server_down",
+        "quic_malformed",
+    ] {
+        assert!(counters.contains_key(c), "{c} missing: {counters:?}");
+    }
+    let stats = lab.cli_ok(&["stats"]);
+    assert!(stats.contains("quic_cid_routed"), "{stats}");
+    let page = lab.metrics_page().unwrap();
+    for line in [
+        format!(r#"sluice_vip_quic{{vip="{QUIC}",quic="cid"}} 1"#),
+        r#"sluice_dataplane_events_total{event="quic_cid_routed"} 0"#.to_string(),
+    ] {
+        assert!(page.lines().any(|l| l == line), "{line} missing:\n{page}");
+    }
+
+    // A changed file: other IDs, and backend 2 gone.
+    lab.reconfigure(|o| {
+        o.vips[0].quic_id_base = Some(0x0b01);
+        o.vips[0].backends = vec![0, 1];
+    })
+    .unwrap();
+    lab.sighup().unwrap();
+    wait_reloaded(&lab, 1);
+    let want = quic_servers_by_api(&lab, QUIC);
+    let ids: Vec<u64> = want.keys().map(|k| k.1).collect();
+    assert_eq!(ids, [0x0b01, 0x0b02]);
+    assert_eq!(quic_servers(&lab), want, "after the reload");
+
+    // A runtime removal.
+    let b1 = lab.topo.backends[1].v4.to_string();
+    lab.cli_ok(&["backend", "remove", QUIC, &b1]);
+    let want = quic_servers_by_api(&lab, QUIC);
+    assert_eq!(want.len(), 1);
+    wait_for(
+        "the removal to reach QUIC_SERVERS",
+        Duration::from_secs(5),
+        || {
+            let got = quic_servers(&lab);
+            if got == want {
+                Ok(Some(()))
+            } else {
+                Err(format!("{got:?}, want {want:?}"))
+            }
+        },
+    )
+    .unwrap();
+
+    // A crash, a leftover entry, and a restart over the pinned maps.
+    lab.kill9().unwrap();
+    {
+        use aya::maps::{HashMap, Map, MapData};
+        let m = MapData::from_pin(lab.bpffs.join(lb_common::maps::QUIC_SERVERS)).unwrap();
+        let mut m: HashMap<_, lb_common::QuicServerKey, u32> =
+            HashMap::try_from(Map::HashMap(m)).unwrap();
+        let stale = lb_common::QuicServerKey {
+            vip: 5,
+            _pad: 0,
+            id: 0xdead,
+        };
+        m.insert(stale, 7, 0).unwrap();
+    }
+    assert_eq!(quic_servers(&lab).len(), 2);
+    lab.start_daemon().unwrap();
+    let log = lab.log();
+    assert!(log.contains("data plane ready reused=true"), "{log}");
+    assert_eq!(quic_servers_by_api(&lab, QUIC), want);
+    assert_eq!(quic_servers(&lab), want, "after the restart");
+    assert!(lab.stop().unwrap().success());
+}

@@ -46,6 +46,12 @@ fn fuzzed_frames_meet_the_oracle_and_every_frame_has_one_outcome() {
             "redirect",
             "icmp_too_big_sent",
             "drop_frag_needed",
+            "quic_cid_routed",
+            "quic_client_cid",
+            "quic_unknown_rotation",
+            "quic_unknown_server",
+            "quic_server_down",
+            "quic_malformed",
         ] {
             assert!(
                 s.counters.get(c).copied().unwrap_or(0) > 0,

@@ -52,6 +52,10 @@ pub enum CaseId {
     BackendSocket,
     BackendForward,
     EstablishedInband,
+    /// UDP: a flow of a plain VIP pinned by the table, and a QUIC short header routed by its
+    /// connection ID (no table).
+    EstablishedUdp,
+    QuicCid,
 }
 
 /// Which loaded data plane (and so which conn table) a case runs against.
@@ -230,6 +234,30 @@ pub const CASES: &[CaseDef] = &[
         id: CaseId::EstablishedInband,
         key: "established_inband",
         label: "established, in-band VIP, ACK advancing",
+        dp: Dp::Main,
+        prog: PROG_XDP,
+        baseline: Some(CaseId::Pass),
+        aim: Some(2.5),
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
+    },
+    CaseDef {
+        id: CaseId::EstablishedUdp,
+        key: "established_udp",
+        label: "established UDP flow (conn hit)",
+        dp: Dp::Main,
+        prog: PROG_XDP,
+        baseline: Some(CaseId::Pass),
+        aim: Some(2.5),
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
+    },
+    CaseDef {
+        id: CaseId::QuicCid,
+        key: "quic_cid",
+        label: "QUIC short header, by connection ID",
         dp: Dp::Main,
         prog: PROG_XDP,
         baseline: Some(CaseId::Pass),

@@ -9,8 +9,9 @@ use aya::{
     programs::{TestRun, TestRunOptions},
 };
 use lb_common::{
-    maps, stat, BackendEntry, ConnEntry, FlowKey, LbConfig, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
-    BACKEND_ACTIVE, BACKEND_F_GUE, PROTO_TCP, VIP_F_INBAND, VIP_F_SECOND_CHANCE,
+    maps, quic, stat, BackendEntry, ConnEntry, FlowKey, LbConfig, QuicServerKey, VipKey, VipMeta,
+    AFFINITY_TABLE_SIZE, BACKEND_ACTIVE, BACKEND_F_GUE, PROTO_TCP, PROTO_UDP, VIP_F_INBAND,
+    VIP_F_QUIC_CID, VIP_F_SECOND_CHANCE,
 };
 use serde_json::{json, Value};
 use sluice::{
@@ -26,8 +27,9 @@ use sluice_tests::{
 use super::{
     cases::{Dp, Variant},
     traffic::{patch_v4, v4_tcp_frame, TestFrames},
-    Opts, BACKENDS4, BACKENDS6, BACKENDS_INBAND, BLOCK_MANY, BLOCK_SYN_FULL, FIB_DEV_MAC, FIB_MTU,
-    FULL_TABLE_PER_CPU, INBAND_PORT, VIP4, VIP6, VIP_PORT, XDP_PASS, XDP_REDIRECT, XDP_TX,
+    Opts, BACKENDS4, BACKENDS6, BACKENDS_INBAND, BACKENDS_QUIC, BACKENDS_UDP, BLOCK_MANY,
+    BLOCK_SYN_FULL, FIB_DEV_MAC, FIB_MTU, FULL_TABLE_PER_CPU, INBAND_PORT, QUIC_PORT, QUIC_SIDS,
+    UDP_PORT, VIP4, VIP6, VIP_PORT, XDP_PASS, XDP_REDIRECT, XDP_TX,
 };
 use crate::sys;
 
@@ -53,7 +55,7 @@ fn config() -> LbConfig {
 fn add_vip(
     dp: &mut Dataplane,
     id: u32,
-    (addr, port): (&str, u16),
+    (addr, port, proto): (&str, u16, u8),
     flags: u32,
     backends: &[(u32, &str)],
 ) -> Result<()> {
@@ -62,7 +64,7 @@ fn add_vip(
     let key = VipKey {
         addr: a,
         port: port.to_be(),
-        proto: PROTO_TCP,
+        proto,
         family,
     };
     let meta = VipMeta {
@@ -71,6 +73,7 @@ fn add_vip(
         ring_size: RING,
         active_ring: 0,
         affinity_secs: 0,
+        quic_server_id_len: QUIC_SIDS[0].len() as u8,
         ..Default::default()
     };
     for (bid, baddr) in backends {
@@ -118,7 +121,7 @@ fn load_dp(object: &[u8], conn_table_size: u32, second_chance: bool) -> Result<D
     let opts = LoadOptions {
         conn_table_size,
         affinity_table_size: AFFINITY_TABLE_SIZE,
-        max_vips: 3,
+        max_vips: 5,
         ..Default::default()
     };
     let mut dp = Dataplane::load(object, &opts).context("loading the data plane")?;
@@ -128,15 +131,31 @@ fn load_dp(object: &[u8], conn_table_size: u32, second_chance: bool) -> Result<D
     } else {
         0
     };
-    add_vip(&mut dp, 0, (VIP4, VIP_PORT), sc, &BACKENDS4)?;
-    add_vip(&mut dp, 1, (VIP6, VIP_PORT), sc, &BACKENDS6)?;
+    add_vip(&mut dp, 0, (VIP4, VIP_PORT, PROTO_TCP), sc, &BACKENDS4)?;
+    add_vip(&mut dp, 1, (VIP6, VIP_PORT, PROTO_TCP), sc, &BACKENDS6)?;
     add_vip(
         &mut dp,
         2,
-        (VIP4, INBAND_PORT),
+        (VIP4, INBAND_PORT, PROTO_TCP),
         VIP_F_INBAND,
         &BACKENDS_INBAND,
     )?;
+    add_vip(&mut dp, 3, (VIP4, UDP_PORT, PROTO_UDP), 0, &BACKENDS_UDP)?;
+    add_vip(
+        &mut dp,
+        4,
+        (VIP4, QUIC_PORT, PROTO_UDP),
+        VIP_F_QUIC_CID,
+        &BACKENDS_QUIC,
+    )?;
+    for ((id, _), sid) in BACKENDS_QUIC.iter().zip(QUIC_SIDS) {
+        let key = QuicServerKey {
+            vip: 4,
+            _pad: 0,
+            id: quic::server_id_value(&sid),
+        };
+        dp.set_quic_server(&key, *id)?;
+    }
     Ok(dp)
 }
 
@@ -209,7 +228,12 @@ fn setup_fib_netns() -> Result<u32> {
 /// a cache learnt in the other namespace would hide this one's path, so it is flushed.
 fn enter_variant(ns: &OwnedFd, dps: &mut [Dataplane]) -> Result<()> {
     sys::enter_netns(ns)?;
-    let ids = BACKENDS4.iter().chain(BACKENDS6.iter()).map(|(id, _)| *id);
+    let ids = BACKENDS4
+        .iter()
+        .chain(&BACKENDS6)
+        .chain(&BACKENDS_UDP)
+        .chain(&BACKENDS_QUIC)
+        .map(|(id, _)| *id);
     for dp in dps.iter_mut() {
         dp.flush_next_hops(ids.clone())?;
     }
@@ -316,6 +340,7 @@ pub(super) fn populate(
             &fr.syn_ib,
             &fr.ack_ib,
             &fr.req_ib,
+            &fr.udp4,
         ] {
             let (a, _) = run_once(dp, PROG_XDP, f, out)?;
             if a != XDP_TX {
@@ -331,8 +356,16 @@ pub(super) fn populate(
                 bail!("populating flow {n}: action {a}");
             }
         }
+        // The QUIC frame must be routed by its connection ID, never by the table.
+        let before = counters(dp)?;
+        let (a, _) = run_once(dp, PROG_XDP, &fr.quic4, out)?;
+        let after = counters(dp)?;
+        let routed = stat::QUIC_CID_ROUTED.index();
+        if a != XDP_TX || after.get(routed).copied() != before.get(routed).map(|n| n + 1) {
+            bail!("the QUIC frame was not routed by its connection ID (action {a})");
+        }
         let s = counters(dp)?;
-        let want = flows as u64 + 4;
+        let want = flows as u64 + 5;
         // (An object built without the miss counter shows 0 misses: not an error.)
         let misses = s[stat::CONN_MISS.index()];
         if misses != want && misses != 0 {
@@ -350,7 +383,7 @@ pub(super) fn populate(
         }
     }
     println!(
-        "populated {} established flows (+4) and filled the {}-entry-per-CPU table in {:.2} s",
+        "populated {} established flows (+5) and filled the {}-entry-per-CPU table in {:.2} s",
         flows,
         FULL_TABLE_PER_CPU,
         t.elapsed().as_secs_f64()

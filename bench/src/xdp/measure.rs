@@ -218,6 +218,8 @@ pub(super) fn case_sources(
         (CaseId::ScEstablished, Frames::Fixed(fr.ack4.clone())),
         (CaseId::ScEstablished200k, many()),
         (CaseId::ScEstablishedV6, Frames::Fixed(fr.ack6.clone())),
+        (CaseId::EstablishedUdp, Frames::Fixed(fr.udp4.clone())),
+        (CaseId::QuicCid, Frames::Fixed(fr.quic4.clone())),
         (
             CaseId::EstablishedInband,
             Frames::Acking {

@@ -532,7 +532,8 @@ struct Chart {
     bar_w: f64,
 }
 
-/// Which next hop and conn-table outcome the counters show, per call.
+/// Which next hop and steering path (table, second chance, connection ID) the counters show,
+/// per call.
 fn path_summary(r: &Row) -> String {
     let n = r.calls.max(1) as f64;
     let keys = [
@@ -543,6 +544,7 @@ fn path_summary(r: &Row) -> String {
         "redirect",
         "pass_not_vip",
         "second_chance_steered",
+        "quic_cid_routed",
         "decap_ok",
         "decap_second_hop",
     ];

@@ -1,16 +1,16 @@
 //! Test frames: the TCP frames of every case, the generated flows of the many-flows and
 //! new-flow cases, and what a batch sends.
 
-use lb_common::{FlowKey, FAMILY_V4, PROTO_TCP};
+use lb_common::{FlowKey, FAMILY_V4, PROTO_TCP, PROTO_UDP};
 use sluice::addr::to_words;
 use sluice_tests::{
     flow,
-    frames::{self, eth, ipv6, tcp, ACK, ETH_IP, ETH_IPV6, PSH, SYN, V4},
+    frames::{self, eth, ipv6, tcp, udp, ACK, ETH_IP, ETH_IPV6, PSH, SYN, V4},
 };
 
 use super::{
-    BLOCK_BITS, BLOCK_SYN, CLIENT4, CLIENT6, CLIENT_MAC, INBAND_PORT, LB_MAC, NON_VIP4, VIP4, VIP6,
-    VIP_PORT,
+    BLOCK_BITS, BLOCK_SYN, CLIENT4, CLIENT6, CLIENT_MAC, INBAND_PORT, LB_MAC, NON_VIP4, QUIC_PORT,
+    QUIC_SIDS, UDP_PORT, VIP4, VIP6, VIP_PORT,
 };
 
 pub(super) fn v4_tcp_frame(
@@ -23,6 +23,20 @@ pub(super) fn v4_tcp_frame(
 ) -> Vec<u8> {
     let l3 = V4::new(src, dst, PROTO_TCP).build(&tcp(sport, dport, flags, payload));
     eth(LB_MAC, CLIENT_MAC, ETH_IP, &l3)
+}
+
+fn v4_udp_frame(sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
+    let l3 = V4::new(CLIENT4, VIP4, PROTO_UDP).build(&udp(sport, dport, payload));
+    eth(LB_MAC, CLIENT_MAC, ETH_IP, &l3)
+}
+
+/// A 12-octet QUIC short header: first octet, an 8-octet connection ID of config rotation 0
+/// (the server ID, then the nonce), a packet number and the start of the sealed payload.
+fn quic_short_header(sid: [u8; 2]) -> Vec<u8> {
+    let mut p = vec![0x41, 0x07];
+    p.extend_from_slice(&sid);
+    p.extend_from_slice(&[0x9c, 0x11, 0x5e, 0xa0, 0x2b, 0x01, 0x3f, 0x77]);
+    p
 }
 
 fn v6_tcp_frame(src: &str, sport: u16, dst: &str, dport: u16, flags: u8) -> Vec<u8> {
@@ -169,6 +183,10 @@ pub(super) struct TestFrames {
     pub(super) req_ib: Vec<u8>,
     pub(super) many_tpl: Vec<u8>,
     pub(super) syn_tpl: Vec<u8>,
+    /// A datagram of the plain UDP VIP's flow, and a QUIC short header whose connection ID
+    /// names the QUIC VIP's second backend (both 54-byte frames, as `ack4`).
+    pub(super) udp4: Vec<u8>,
+    pub(super) quic4: Vec<u8>,
 }
 
 impl TestFrames {
@@ -210,6 +228,8 @@ impl TestFrames {
             req_ib,
             many_tpl: v4_tcp_frame("100.64.0.0", 1024, VIP4, VIP_PORT, ACK, b""),
             syn_tpl,
+            udp4: v4_udp_frame(40003, UDP_PORT, &[0x5a; 12]),
+            quic4: v4_udp_frame(40004, QUIC_PORT, &quic_short_header(QUIC_SIDS[1])),
         }
     }
 }

@@ -30,6 +30,14 @@ pub const PRIORITY_MAX: u8 = 7;
 /// Longest client-affinity window.
 pub const AFFINITY_WINDOW_MAX: Duration = Duration::from_secs(24 * 3600);
 
+/// A QUIC-LB server ID's length in octets when none is given.
+pub const QUIC_SERVER_ID_LEN_DEFAULT: u8 = 2;
+/// Longest QUIC-LB server ID the data plane reads, in octets.
+pub const QUIC_SERVER_ID_LEN_MAX: u8 = lb_common::quic::SERVER_ID_LEN_MAX;
+/// Highest config rotation codepoint a VIP may use (the next, `0b111`, is QUIC-LB's
+/// "unroutable").
+pub const QUIC_ROTATION_MAX: u8 = lb_common::quic::ROTATION_UNROUTABLE - 1;
+
 /// An integer within `lo..=hi`; `note` follows the allowed range (e.g. " (0 = off)").
 pub fn in_range(v: i64, lo: i64, hi: i64, note: &str) -> Result<(), String> {
     if (lo..=hi).contains(&v) {
@@ -215,6 +223,72 @@ pub fn backend_not_a_vip<'a>(
     }
 }
 
+/// A QUIC-LB server ID length: 1 to [`QUIC_SERVER_ID_LEN_MAX`] octets.
+pub fn quic_server_id_len(v: i64) -> Result<u8, String> {
+    in_range(v, 1, QUIC_SERVER_ID_LEN_MAX.into(), " octets")?;
+    Ok(v as u8)
+}
+
+/// A QUIC-LB config rotation codepoint: 0 to [`QUIC_ROTATION_MAX`]; 7 is reserved.
+pub fn quic_config_rotation(v: i64) -> Result<u8, String> {
+    if v == i64::from(lb_common::quic::ROTATION_UNROUTABLE) {
+        return Err(format!(
+            "{v} is QUIC-LB's reserved \"unroutable\" codepoint; allowed: 0..={QUIC_ROTATION_MAX}"
+        ));
+    }
+    in_range(v, 0, QUIC_ROTATION_MAX.into(), "")?;
+    Ok(v as u8)
+}
+
+/// A VIP's `quic` mode on its protocol: connection-ID routing only on UDP.
+pub fn quic_mode(cid: bool, udp: bool) -> Result<(), String> {
+    if cid && !udp {
+        Err(
+            "\"cid\" needs protocol = \"udp\" (QUIC runs over UDP); allowed: \"off\" on a \
+             tcp VIP"
+                .to_owned(),
+        )
+    } else {
+        Ok(())
+    }
+}
+
+/// A backend's QUIC-LB server ID for a VIP whose IDs are `len` octets: exactly `2 * len` hex
+/// digits, not all zero. Returns its value as the data plane's key holds it
+/// (`lb_common::quic::server_id_value`).
+pub fn quic_server_id(s: &str, len: u8) -> Result<u64, String> {
+    let digits = 2 * usize::from(len);
+    let allowed = format!(
+        "allowed: {digits} hex digits (quic_server_id_len = {len} octets), not all zero, \
+         unique within the VIP, e.g. {:?}",
+        format!(
+            "{:0digits$x}",
+            0x0a01u64 & (u64::MAX >> (64 - 8 * u32::from(len.clamp(1, 8))))
+        )
+    );
+    if s.len() != digits || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!(
+            "{} is not {len} octets of hex; {allowed}",
+            quoted(s)
+        ));
+    }
+    let bytes: Vec<u8> = (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("checked digits"))
+        .collect();
+    let v = lb_common::quic::server_id_value(&bytes);
+    if v == 0 {
+        return Err(format!("{} is all zero; {allowed}", quoted(s)));
+    }
+    Ok(v)
+}
+
+/// The value of a server ID that [`quic_server_id`] accepted at its own length.
+pub fn quic_server_id_value(s: &str) -> Option<u64> {
+    let len = u8::try_from(s.len() / 2).ok()?;
+    quic_server_id(s, len).ok()
+}
+
 /// A duration no longer than [`DURATION_MAX`]; the error follows the value as written.
 pub fn bounded(d: Duration) -> Result<Duration, String> {
     if d <= DURATION_MAX {
@@ -375,6 +449,54 @@ mod tests {
         assert_eq!(nanos(Duration::MAX), u64::MAX);
         assert_eq!(secs_u32(Duration::from_secs(86_400)), 86_400);
         assert_eq!(secs_u32(Duration::MAX), u32::MAX);
+    }
+
+    #[test]
+    fn quic_rules() {
+        assert_eq!(quic_server_id("0a01", 2), Ok(0x0a01));
+        assert_eq!(quic_server_id("0A01", 2), Ok(0x0a01));
+        assert_eq!(quic_server_id("ff", 1), Ok(0xff));
+        assert_eq!(
+            quic_server_id("0102030405060708", 8),
+            Ok(0x0102_0304_0506_0708)
+        );
+        let e = quic_server_id("a01", 2).unwrap_err();
+        assert_eq!(
+            e,
+            "\"a01\" is not 2 octets of hex; allowed: 4 hex digits (quic_server_id_len = 2 \
+             octets), not all zero, unique within the VIP, e.g. \"0a01\""
+        );
+        assert!(quic_server_id("0g01", 2)
+            .unwrap_err()
+            .contains("is not 2 octets of hex"));
+        assert!(quic_server_id("0a0102", 2).is_err());
+        assert!(quic_server_id("+a01", 2).is_err());
+        let e = quic_server_id("0000", 2).unwrap_err();
+        assert!(
+            e.starts_with("\"0000\" is all zero; allowed: 4 hex digits"),
+            "{e}"
+        );
+        assert!(quic_server_id("00", 1).unwrap_err().contains("e.g. \"01\""));
+        assert_eq!(quic_server_id_value("0a01"), Some(0x0a01));
+        assert_eq!(quic_server_id_value("zz"), None);
+        assert_eq!(quic_server_id_len(1), Ok(1));
+        assert_eq!(quic_server_id_len(8), Ok(8));
+        assert_eq!(
+            quic_server_id_len(9).unwrap_err(),
+            "9 is out of range; allowed: 1..=8 octets"
+        );
+        assert!(quic_server_id_len(0).is_err());
+        assert_eq!(quic_config_rotation(6), Ok(6));
+        assert_eq!(
+            quic_config_rotation(7).unwrap_err(),
+            "7 is QUIC-LB's reserved \"unroutable\" codepoint; allowed: 0..=6"
+        );
+        assert!(quic_config_rotation(-1).is_err());
+        assert!(quic_mode(true, true).is_ok());
+        assert!(quic_mode(false, false).is_ok());
+        assert!(quic_mode(true, false)
+            .unwrap_err()
+            .contains("needs protocol = \"udp\""));
     }
 
     #[test]

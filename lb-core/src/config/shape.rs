@@ -191,6 +191,9 @@ pub(super) struct RawVip {
     pub(super) ring_size: Option<Int>,
     pub(super) flow_state: Option<String>,
     pub(super) inband: Option<bool>,
+    pub(super) quic: Option<String>,
+    pub(super) quic_server_id_len: Option<Int>,
+    pub(super) quic_config_rotation: Option<Int>,
     #[serde(default)]
     pub(super) backend: Vec<RawBackend>,
 }
@@ -206,6 +209,7 @@ pub(super) struct RawBackend {
     pub(super) engine: Option<RawEngine>,
     pub(super) roce: Option<RawRoce>,
     pub(super) health: Option<RawHealthCheck>,
+    pub(super) quic_server_id: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -187,6 +187,14 @@ pub struct VipConfig {
     /// Measure time to first byte and delivery from the clients' ACKs (`inband = true`);
     /// needs the connection table (`flow_state = "table"`).
     pub inband: bool,
+    /// QUIC connection-ID routing (`quic = "cid"`, UDP only): packets go to the backend whose
+    /// server ID their destination connection ID carries.
+    pub quic: QuicMode,
+    /// Octets of a QUIC-LB server ID, 1..=8 (used with `quic = "cid"`).
+    pub quic_server_id_len: u8,
+    /// The config rotation codepoint of the VIP's connection IDs, 0..=6 (used with
+    /// `quic = "cid"`).
+    pub quic_config_rotation: u8,
     /// The `[[vip.backend]]` tables, in file order; addresses unique.
     #[serde(rename = "backend")]
     pub backends: Vec<BackendConfig>,
@@ -205,7 +213,7 @@ impl VipConfig {
 
     /// `VipMeta::flags` for this VIP.
     pub fn flags(&self) -> u32 {
-        self.hash.vip_flags() | self.flow_state.vip_flags()
+        self.hash.vip_flags() | self.flow_state.vip_flags() | self.quic.vip_flags()
     }
 
     /// `VipMeta::affinity_secs` (0 = off).
@@ -234,6 +242,10 @@ pub struct BackendConfig {
     pub roce: Option<RoceConfig>,
     /// Always resolved: the file's value, or TCP on the VIP's port.
     pub health: HealthCheck,
+    /// The QUIC-LB server ID (lowercase hex, `2 * quic_server_id_len` digits, not all zero,
+    /// unique within the VIP): set exactly on the backends of a `quic = "cid"` VIP.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quic_server_id: Option<String>,
 }
 
 impl BackendConfig {
@@ -541,6 +553,18 @@ keyword_enum!(
     }
 );
 keyword_enum!(
+    /// How a UDP VIP routes QUIC packets.
+    #[derive(Default)]
+    QuicMode {
+        /// As any UDP flow (the 5-tuple).
+        #[default]
+        Off = "off",
+        /// By the server ID in the destination connection ID (QUIC-LB), so a connection
+        /// survives the client's address changes.
+        Cid = "cid",
+    }
+);
+keyword_enum!(
     /// Inference engine of an `engine` endpoint.
     EngineKind { Vllm = "vllm", Sglang = "sglang" }
 );
@@ -560,6 +584,16 @@ impl HashMode {
         match self {
             HashMode::FiveTuple => 0,
             HashMode::Source => VIP_F_SRC_HASH,
+        }
+    }
+}
+
+impl QuicMode {
+    /// Its `VIP_F_*` bit.
+    pub fn vip_flags(self) -> u32 {
+        match self {
+            QuicMode::Off => 0,
+            QuicMode::Cid => VIP_F_QUIC_CID,
         }
     }
 }

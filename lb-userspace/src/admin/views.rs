@@ -10,7 +10,7 @@ use tokio::sync::Mutex;
 use crate::{
     controller::{Controller, Counters, Plane, Traffic},
     policy::BackendDecision,
-    state::{Admin, Backend, PlaneState, State, Vip, VipSpec},
+    state::{Admin, Backend, PlaneState, QuicMode, State, Vip, VipSpec},
 };
 
 /// What the read endpoints and the metrics report, copied under the controller lock.
@@ -106,6 +106,9 @@ pub(super) struct VipView<'a> {
     id: u32,
     #[serde(flatten)]
     spec: &'a VipSpec,
+    /// `"off"`, which the spec leaves out at its default (a `cid` VIP's spec has its own).
+    #[serde(rename = "quic", skip_serializing_if = "Option::is_none")]
+    quic_off: Option<QuicMode>,
     backend_count: usize,
     #[serde(flatten)]
     live: Option<Live>,
@@ -116,6 +119,7 @@ impl<'a> VipView<'a> {
         VipView {
             id: v.id,
             spec: &v.spec,
+            quic_off: (v.spec.quic == QuicMode::Off).then_some(QuicMode::Off),
             backend_count: v.backends.len(),
             live,
         }
@@ -134,6 +138,8 @@ pub(super) struct BackendView<'a> {
     healthy: bool,
     labels: &'a BTreeMap<String, String>,
     max_sessions: u32,
+    /// The QUIC-LB server ID (hex) on a `quic = "cid"` VIP; null elsewhere.
+    quic_server_id: Option<&'a str>,
     #[serde(flatten)]
     live: Option<Live>,
 }
@@ -158,6 +164,7 @@ impl<'a> BackendView<'a> {
             healthy: b.healthy,
             labels: &b.spec.labels,
             max_sessions: b.spec.max_sessions,
+            quic_server_id: b.spec.quic_server_id.as_deref(),
             live,
         }
     }

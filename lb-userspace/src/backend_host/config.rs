@@ -11,7 +11,7 @@ use serde::Deserialize;
 
 use crate::{
     check::Refused,
-    config::{AttachMode, InterfaceConfig, LogFormat, LogLevel},
+    config::{rules, AttachMode, InterfaceConfig, LogFormat, LogLevel},
 };
 
 /// A validated backend-host configuration.
@@ -28,13 +28,32 @@ pub struct HostConfig {
     pub keep_dataplane_on_exit: bool,
     /// The largest packet clients send (their path MTU), for the MTU headroom check.
     pub client_mtu: u32,
+    /// The QUIC-LB server IDs of this host, one per VIP that has one (a VIP of `vips` with
+    /// `quic = "cid"` on the load balancers), in file order.
+    pub quic: Vec<QuicServer>,
+    /// Where the QUIC server IDs are written for the host's QUIC servers (JSON). Absolute.
+    pub quic_file: PathBuf,
     /// `None`: no metrics endpoint.
     pub metrics: Option<SocketAddr>,
     pub log_format: LogFormat,
     pub log_level: LogLevel,
 }
 
+/// This host's QUIC-LB server ID for one VIP: what its QUIC servers put in the connection IDs
+/// they choose, so the load balancers route those connections here.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct QuicServer {
+    pub vip: IpAddr,
+    /// Lowercase hex, `2 * quic_server_id_len` digits, not all zero.
+    pub quic_server_id: String,
+    /// Octets of the server ID, 1..=8: the load balancers' `quic_server_id_len` of the VIP.
+    pub quic_server_id_len: u8,
+    /// The config rotation codepoint, 0..=6: the load balancers' `quic_config_rotation`.
+    pub quic_config_rotation: u8,
+}
+
 pub const DEFAULT_PATH: &str = "/etc/sluice/backend-host.toml";
+pub const DEFAULT_QUIC_FILE: &str = "/run/sluice-backend/quic.json";
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/sluice-backend";
 pub const DEFAULT_METRICS: &str = "127.0.0.1:9465";
 
@@ -43,8 +62,9 @@ pub const DEFAULT_METRICS: &str = "127.0.0.1:9465";
 struct Raw {
     interfaces: Vec<RawInterface>,
     #[serde(default)]
-    vips: Vec<String>,
+    vips: Vec<RawVip>,
     bpffs: Option<String>,
+    quic_file: Option<String>,
     #[serde(default)]
     keep_dataplane_on_exit: bool,
     client_mtu: Option<u32>,
@@ -52,6 +72,43 @@ struct Raw {
     metrics: RawMetrics,
     log_format: Option<String>,
     log_level: Option<String>,
+}
+
+/// A VIP: its address, or a table with its address and this host's QUIC-LB server ID.
+enum RawVip {
+    Address(String),
+    Quic(RawQuicVip),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawQuicVip {
+    address: String,
+    quic_server_id: Option<String>,
+    quic_server_id_len: Option<i64>,
+    quic_config_rotation: Option<i64>,
+}
+
+impl<'de> Deserialize<'de> for RawVip {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = RawVip;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(
+                    "an address, or a table { address = \"...\", quic_server_id = \"...\" }",
+                )
+            }
+            fn visit_str<E>(self, v: &str) -> Result<RawVip, E> {
+                Ok(RawVip::Address(v.to_owned()))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, m: A) -> Result<RawVip, A::Error> {
+                RawQuicVip::deserialize(serde::de::value::MapAccessDeserializer::new(m))
+                    .map(RawVip::Quic)
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 #[derive(Deserialize)]
@@ -138,7 +195,54 @@ pub fn parse(text: &str, origin: &str) -> Result<HostConfig, Refused> {
     }
 
     let mut vips = Vec::new();
+    let mut quic = Vec::new();
     for (i, v) in raw.vips.iter().enumerate() {
+        let v = match v {
+            RawVip::Address(a) => a,
+            RawVip::Quic(q) => {
+                let key = format!("vips[{i}]");
+                let len = match q.quic_server_id_len {
+                    None => Some(rules::QUIC_SERVER_ID_LEN_DEFAULT),
+                    Some(n) => rules::quic_server_id_len(n)
+                        .map_err(|e| bad(&format!("{key}.quic_server_id_len"), e))
+                        .ok(),
+                };
+                let rotation = match q.quic_config_rotation {
+                    None => Some(0),
+                    Some(n) => rules::quic_config_rotation(n)
+                        .map_err(|e| bad(&format!("{key}.quic_config_rotation"), e))
+                        .ok(),
+                };
+                let id = match (&q.quic_server_id, len) {
+                    (None, _) => {
+                        bad(
+                            &format!("{key}.quic_server_id"),
+                            "missing (required in a VIP table); allowed: this host's server ID \
+                             for the VIP in hex, e.g. \"0a01\" (write the VIP as a plain \
+                             address when it has none)"
+                                .into(),
+                        );
+                        None
+                    }
+                    (Some(s), Some(len)) => rules::quic_server_id(s, len)
+                        .map_err(|e| bad(&format!("{key}.quic_server_id"), e))
+                        .ok()
+                        .map(|_| s.to_ascii_lowercase()),
+                    (Some(_), None) => None,
+                };
+                if let (Ok(vip), Some(id), Some(len), Some(rot)) =
+                    (q.address.parse::<IpAddr>(), id, len, rotation)
+                {
+                    quic.push(QuicServer {
+                        vip,
+                        quic_server_id: id,
+                        quic_server_id_len: len,
+                        quic_config_rotation: rot,
+                    });
+                }
+                &q.address
+            }
+        };
         match v.parse::<IpAddr>() {
             Ok(a) if a.is_unspecified() || a.is_multicast() || a.is_loopback() => bad(
                 &format!("vips[{i}]"),
@@ -160,6 +264,14 @@ pub fn parse(text: &str, origin: &str) -> Result<HostConfig, Refused> {
         bad(
             "bpffs",
             format!("{} is not an absolute path", bpffs.display()),
+        );
+    }
+
+    let quic_file = PathBuf::from(raw.quic_file.as_deref().unwrap_or(DEFAULT_QUIC_FILE));
+    if !quic_file.is_absolute() || quic_file.file_name().is_none() {
+        bad(
+            "quic_file",
+            format!("{} is not an absolute path of a file", quic_file.display()),
         );
     }
 
@@ -210,6 +322,8 @@ pub fn parse(text: &str, origin: &str) -> Result<HostConfig, Refused> {
     Ok(HostConfig {
         interfaces,
         vips,
+        quic,
+        quic_file,
         bpffs,
         keep_dataplane_on_exit: raw.keep_dataplane_on_exit,
         client_mtu,
@@ -262,6 +376,75 @@ log_level = "loud"
                 r#"h.toml: log_level: "loud" is not recognised; allowed: "error", "warn", "info", "debug", "trace""#,
             ]
         );
+    }
+
+    #[test]
+    fn a_vip_table_carries_this_hosts_quic_server_id() {
+        let c = parse(
+            r#"
+interfaces = [{ name = "eth0" }]
+vips = [
+  "10.0.0.1",
+  { address = "10.0.0.2", quic_server_id = "0A01" },
+  { address = "fd00::2", quic_server_id = "000a01", quic_server_id_len = 3, quic_config_rotation = 6 },
+]
+quic_file = "/run/q/quic.json"
+"#,
+            "h.toml",
+        )
+        .unwrap();
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(c.vips, [ip("10.0.0.1"), ip("10.0.0.2"), ip("fd00::2")]);
+        assert_eq!(
+            c.quic,
+            [
+                QuicServer {
+                    vip: ip("10.0.0.2"),
+                    quic_server_id: "0a01".into(),
+                    quic_server_id_len: 2,
+                    quic_config_rotation: 0,
+                },
+                QuicServer {
+                    vip: ip("fd00::2"),
+                    quic_server_id: "000a01".into(),
+                    quic_server_id_len: 3,
+                    quic_config_rotation: 6,
+                },
+            ]
+        );
+        assert_eq!(c.quic_file, PathBuf::from("/run/q/quic.json"));
+        let e = parse(
+            r#"
+interfaces = [{ name = "eth0" }]
+vips = [
+  { address = "10.0.0.2", quic_server_id = "0000" },
+  { address = "10.0.0.3", quic_server_id = "0a01", quic_server_id_len = 9 },
+  { address = "10.0.0.4", quic_server_id = "0a01", quic_config_rotation = 7 },
+  { address = "10.0.0.5" },
+  { address = "10.0.0.6", quic_server_id = "a01" },
+]
+quic_file = "quic.json"
+"#,
+            "h.toml",
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.0,
+            [
+                r#"h.toml: vips[0].quic_server_id: "0000" is all zero; allowed: 4 hex digits (quic_server_id_len = 2 octets), not all zero, unique within the VIP, e.g. "0a01""#,
+                "h.toml: vips[1].quic_server_id_len: 9 is out of range; allowed: 1..=8 octets",
+                r#"h.toml: vips[2].quic_config_rotation: 7 is QUIC-LB's reserved "unroutable" codepoint; allowed: 0..=6"#,
+                r#"h.toml: vips[3].quic_server_id: missing (required in a VIP table); allowed: this host's server ID for the VIP in hex, e.g. "0a01" (write the VIP as a plain address when it has none)"#,
+                r#"h.toml: vips[4].quic_server_id: "a01" is not 2 octets of hex; allowed: 4 hex digits (quic_server_id_len = 2 octets), not all zero, unique within the VIP, e.g. "0a01""#,
+                "h.toml: quic_file: quic.json is not an absolute path of a file",
+            ]
+        );
+        let e = parse(
+            "interfaces = [{ name = \"eth0\" }]\nvips = [{ address = \"10.0.0.2\", quic_id = \"0a01\" }]\n",
+            "h.toml",
+        )
+        .unwrap_err();
+        assert!(e.0[0].contains("unknown field `quic_id`"), "{e}");
     }
 
     #[test]

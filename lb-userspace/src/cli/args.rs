@@ -10,7 +10,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
 use super::{flows, lb, live};
-use crate::state::{BackendSpec, FlowState, HashMode, Protocol};
+use crate::state::{BackendSpec, FlowState, HashMode, Protocol, QuicMode};
 
 /// The version `sluice --version` prints: the crate's and the git revision it was built from.
 pub const VERSION: &str = concat!(
@@ -344,6 +344,16 @@ pub struct VipAdd {
     /// backends, which must run sluice_decap; see docs/design.md).
     #[arg(long, default_value = "table", value_parser = serde_enum::<FlowState>(&["table", "second-chance"]))]
     pub(super) flow_state: FlowState,
+    /// QUIC routing of a UDP VIP: off, or cid (by the server ID in the connection ID; add
+    /// its backends with `sluice backend add --quic-server-id`).
+    #[arg(long, default_value = "off", value_parser = serde_enum::<QuicMode>(&["off", "cid"]))]
+    pub(super) quic: QuicMode,
+    /// Octets of a QUIC-LB server ID, 1 to 8 (default 2).
+    #[arg(long, value_name = "N")]
+    pub(super) quic_server_id_len: Option<u8>,
+    /// The config rotation codepoint of the VIP's connection IDs, 0 to 6 (default 0).
+    #[arg(long, value_name = "N")]
+    pub(super) quic_config_rotation: Option<u8>,
     /// A backend, with an optional weight (default 100); write IPv6 with a weight in
     /// brackets: [fd00::1]:50. Repeat for more backends.
     #[arg(long = "backend", value_name = "ADDR[:WEIGHT]", value_parser = parse_backend)]
@@ -364,6 +374,7 @@ pub enum BackendCommand {
 Examples:
   sluice backend add chat 10.1.0.3
   sluice backend add chat 10.1.0.4 --weight 50 --label zone=b --label gpu=h100 --max-sessions 64
+  sluice backend add chat-quic 10.1.0.5 --quic-server-id 0a05
 
 Like `sluice vip add`, the change lasts until the configuration file changes.")]
     Add {
@@ -380,6 +391,9 @@ Like `sluice vip add`, the change lasts until the configuration file changes.")]
         /// At most this many concurrent sessions (admission control); 0 means no limit.
         #[arg(long, value_name = "N")]
         max_sessions: Option<u32>,
+        /// Its QUIC-LB server ID in hex (required on a quic = "cid" VIP), e.g. 0a01.
+        #[arg(long, value_name = "HEX")]
+        quic_server_id: Option<String>,
     },
 
     /// Remove a backend now (its flows re-steer to the others; drain first to let them end)

@@ -247,6 +247,7 @@ pub(super) fn print_backends(out: &mut dyn Write, v: &Value) -> Result<()> {
                 cell(&b["traffic"]["packets"]),
                 cell(&b["traffic"]["bytes"]),
                 drain,
+                cell(&b["quic_server_id"]),
                 labels,
             ]
         })
@@ -270,6 +271,7 @@ pub(super) fn print_backends(out: &mut dyn Write, v: &Value) -> Result<()> {
             "PACKETS",
             "BYTES",
             "DRAIN",
+            "QUIC-ID",
             "LABELS",
         ],
         &rows,

@@ -28,6 +28,9 @@ pub(super) fn vip(cmd: &VipCommand, client: &Client, out: &mut Output) -> Result
             spec.priority = a.priority.unwrap_or(spec.priority);
             spec.ring_size = a.ring_size.unwrap_or(spec.ring_size);
             spec.flow_state = a.flow_state;
+            spec.quic = a.quic;
+            spec.quic_server_id_len = a.quic_server_id_len.unwrap_or(spec.quic_server_id_len);
+            spec.quic_config_rotation = a.quic_config_rotation.unwrap_or(spec.quic_config_rotation);
             let body = serde_json::to_value(NewVip {
                 vip: spec,
                 backends: a.backends.clone(),
@@ -68,11 +71,13 @@ pub(super) fn backend(cmd: &BackendCommand, client: &Client, out: &mut Output) -
             weight,
             labels,
             max_sessions,
+            quic_server_id,
         } => {
             let mut spec = backend_spec(*address);
             spec.weight = weight.unwrap_or(spec.weight);
             spec.labels = labels.iter().cloned().collect::<BTreeMap<_, _>>();
             spec.max_sessions = max_sessions.unwrap_or(spec.max_sessions);
+            spec.quic_server_id = quic_server_id.clone();
             let v = client.call("POST", &base(vip), Some(&serde_json::to_value(spec)?))?;
             out.show(&v, |out, v| {
                 Ok(writeln!(

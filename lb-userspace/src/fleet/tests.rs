@@ -69,6 +69,9 @@ fn add_vip() -> Op {
             ring_size: 251,
             flow_state: Default::default(),
             inband: false,
+            quic: Default::default(),
+            quic_server_id_len: 2,
+            quic_config_rotation: 0,
         },
         backends: ["10.1.0.1", "10.1.0.2", "10.1.0.3"]
             .iter()
@@ -77,6 +80,7 @@ fn add_vip() -> Op {
                 weight: 100,
                 labels: BTreeMap::new(),
                 max_sessions: 0,
+                quic_server_id: None,
             })
             .collect(),
     }
@@ -398,6 +402,7 @@ fn table_set_size_for_thousands_of_backends() {
                 weight: 100,
                 labels: [("zone".to_string(), "a".to_string())].into(),
                 max_sessions: 64,
+                quic_server_id: None,
             })
             .collect();
         state = state

@@ -38,8 +38,12 @@ pub struct VipDef {
     pub flow_state: &'static str,
     /// `affinity_window` in seconds (0: the daemon's default, none).
     pub affinity_secs: u32,
-    /// QUIC connection-ID routing (`quic = "cid"`, a UDP VIP): backend `i` gets the server
-    /// ID [`lab_quic_server_id`]`(i, server_id_len)`.
+    /// `quic = "cid"` (a UDP VIP) with `quic_server_id` `base + i` (four hex digits) on the
+    /// backend of topology index `i`; `None`: quic off (unless `quic` is given).
+    pub quic_id_base: Option<u16>,
+    /// QUIC connection-ID routing (`quic = "cid"`, a UDP VIP) with these settings written out:
+    /// backend `i` gets the server ID [`lab_quic_server_id`]`(i, server_id_len)`, as the
+    /// lab's QUIC servers ([`QuicServe`]) issue. Takes precedence over `quic_id_base`.
     pub quic: Option<QuicCid>,
 }
 
@@ -93,6 +97,7 @@ impl VipDef {
             inband: false,
             flow_state: "table",
             affinity_secs: 0,
+            quic_id_base: None,
             quic: None,
         }
     }
@@ -361,6 +366,8 @@ impl DaemonLab {
                     "quic = \"cid\"\nquic_server_id_len = {}\nquic_config_rotation = {}\n",
                     q.server_id_len, q.rotation
                 );
+            } else if v.quic_id_base.is_some() {
+                text += "quic = \"cid\"\n";
             }
             for &i in &v.backends {
                 let b = &self.topo.backends[i];
@@ -378,6 +385,8 @@ impl DaemonLab {
                         "  quic_server_id = \"{}\"\n",
                         hex(&lab_quic_server_id(i, q.server_id_len))
                     );
+                } else if let Some(base) = v.quic_id_base {
+                    text += &format!("  quic_server_id = \"{:04x}\"\n", base + i as u16);
                 }
                 if v.telemetry {
                     // A simulated accelerator serves one page per exporter; the fake

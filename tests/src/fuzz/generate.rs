@@ -142,7 +142,12 @@ fn to_vip(rng: &mut Rng, vips: &[Vip]) -> Vec<u8> {
         rng.below(65536) as u16
     };
     let sport = 40000 + rng.below(64) as u16;
-    let seg = l4(rng, proto, sport, dport);
+    let seg = match &v.quic {
+        Some((rotation, sids)) if proto == PROTO_UDP && rng.chance(80) => {
+            udp(sport, dport, &quic_payload(rng, *rotation, sids))
+        }
+        _ => l4(rng, proto, sport, dport),
+    };
     let dst = v.addr.to_string();
     if v.addr.is_ipv4() {
         let mut h = V4::new(rng.pick(&CLIENTS4), &dst, proto);
@@ -303,4 +308,47 @@ fn other_host(rng: &mut Rng) -> Vec<u8> {
     } else {
         ipv6(rng.pick(&CLIENTS6), rng.pick(&OTHERS6), proto, 0, 0, &seg)
     }
+}
+
+/// A QUIC packet, or something near one: a short or long header (versions 1, 2, 0 and
+/// another; every long-header type), a connection ID naming one of `sids` or another server,
+/// of this rotation or another, of any length up to a lying one, cut anywhere.
+fn quic_payload(rng: &mut Rng, rotation: u8, sids: &[[u8; 2]]) -> Vec<u8> {
+    let other = rng.below(8) as u8;
+    let low = rng.below(32) as u8;
+    let mut dcid = vec![rng.pick(&[rotation, rotation, rotation, 7, other]) << 5 | low];
+    let sid = if rng.chance(80) {
+        sids[rng.below(sids.len())]
+    } else {
+        [rng.next() as u8, rng.next() as u8]
+    };
+    dcid.extend_from_slice(&sid);
+    let nonce = rng.pick(&[4, 5, 8, 15]);
+    dcid.extend(rng.bytes(nonce));
+    dcid.truncate(rng.pick(&[20, 20, 20, 2, 3, 1, 0]));
+    let mut p = if rng.chance(50) {
+        let mut p = vec![0x40 | rng.below(64) as u8];
+        p.extend_from_slice(&dcid);
+        p
+    } else {
+        let mut p = vec![0x80 | rng.below(128) as u8];
+        p.extend_from_slice(
+            &rng.pick(&[1u32, 1, 0x6b33_43cf, 0, 0xff00_001d])
+                .to_be_bytes(),
+        );
+        let len = if rng.chance(90) {
+            dcid.len()
+        } else {
+            rng.below(256)
+        };
+        p.push(len as u8);
+        p.extend_from_slice(&dcid);
+        p
+    };
+    let tail = rng.pick(&[0, 1, 8, 20, 40, 1200]);
+    p.extend(rng.bytes(tail));
+    if rng.chance(10) {
+        p.truncate(rng.below(p.len() + 1));
+    }
+    p
 }

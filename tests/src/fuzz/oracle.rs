@@ -6,10 +6,10 @@ use std::net::IpAddr;
 use anyhow::{bail, ensure, Context, Result};
 use lb_common::{
     stat::{self, Kind},
-    PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP,
+    PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP,
 };
 
-use super::{hex, Vip, XDP_DROP, XDP_PASS, XDP_REDIRECT, XDP_TX};
+use super::{hex, Vip, QUIC_SID_LEN, XDP_DROP, XDP_PASS, XDP_REDIRECT, XDP_TX};
 use crate::{fib_neighbour_mac, frames::*, Lab, FALLBACK_MAC, FIB_LOCAL_MAC};
 
 /// The oracle for one frame.
@@ -44,6 +44,42 @@ pub(super) fn check(
     let (counter, _) = moved[0];
     let kind = stat::KINDS[counter];
     let ip = ip_packet(frame);
+    let quic = quic_expectation(vips, frame, ip.as_ref());
+    let quic_moved: Vec<&str> = QUIC_COUNTERS
+        .iter()
+        .filter(|c| delta[c.index()] != 0)
+        .map(|c| c.name())
+        .collect();
+    if quic.is_none() {
+        ensure!(
+            quic_moved.is_empty(),
+            "QUIC counters moved for a packet that is no UDP to the QUIC VIP: {quic_moved:?}"
+        );
+    }
+    // What the QUIC VIP's packet was routed by, once the program was seen to steer it: for
+    // a frame it passed or dropped, the oracle cannot tell whether it got that far.
+    let steered = |backend: Option<IpAddr>| -> Result<()> {
+        let Some((expect, vip)) = &quic else {
+            return Ok(());
+        };
+        let want = match expect {
+            Quic::Routed(_) => stat::QUIC_CID_ROUTED,
+            Quic::FiveTuple(c) => *c,
+        };
+        ensure!(
+            quic_moved == [want.name()],
+            "QUIC counters moved: {quic_moved:?}, expected [{}]",
+            want.name()
+        );
+        if let (Quic::Routed(i), Some(b)) = (expect, backend) {
+            ensure!(
+                b == vip.backends[*i].0,
+                "routed by its connection ID to {b}, which names {}",
+                vip.backends[*i].0
+            );
+        }
+        Ok(())
+    };
     let to_vip_addr = ip
         .as_ref()
         .is_some_and(|p| vips.iter().any(|v| v.addr == p.dst));
@@ -66,12 +102,14 @@ pub(super) fn check(
                     action == XDP_REDIRECT,
                     "redirect counted for action {action}"
                 );
-                encapsulation(lab, vips, frame, &ip, out, true)?;
+                let backend = encapsulation(lab, vips, frame, &ip, out, true)?;
+                steered(Some(backend))?;
                 return Ok(());
             }
             ensure!(action == XDP_TX, "action {action} counted as {names:?}");
             if counter == stat::ICMP_TOO_BIG_SENT.index() {
                 too_big_reply(vips, frame, &ip, out)?;
+                steered(None)?;
             } else if counter == stat::SHED_RST_SENT.index() {
                 ensure!(
                     vips.iter().any(|v| v.addr == ip.dst && v.shed_rst),
@@ -81,7 +119,8 @@ pub(super) fn check(
                 rst_reply(frame, &ip, out)?;
             } else {
                 ensure!(counter == stat::TX.index(), "XDP_TX counted as {names:?}");
-                encapsulation(lab, vips, frame, &ip, out, false)?;
+                let backend = encapsulation(lab, vips, frame, &ip, out, false)?;
+                steered(Some(backend))?;
             }
         }
         a => bail!("unexpected XDP action {a}"),
@@ -160,7 +199,7 @@ fn encapsulation(
     ip: &IpPacket,
     out: &[u8],
     fib: bool,
-) -> Result<()> {
+) -> Result<IpAddr> {
     ensure!(out.len() >= 14, "output shorter than Ethernet");
     let inner_proto = if ip.v4 { PROTO_IPIP } else { PROTO_IPV6 };
     let ety = u16::from_be_bytes([out[12], out[13]]);
@@ -249,7 +288,7 @@ fn encapsulation(
         &out[6..12],
         &out[0..6]
     );
-    Ok(())
+    Ok(backend)
 }
 
 /// `out` must be the exact ICMP "fragmentation needed" / ICMPv6 "packet too big" from the VIP
@@ -366,4 +405,82 @@ fn rst_reply(frame: &[u8], ip: &IpPacket, out: &[u8]) -> Result<()> {
     pseudo.extend_from_slice(ot);
     ensure!(csum(&pseudo) == 0, "RST TCP checksum");
     Ok(())
+}
+
+const QUIC_COUNTERS: [stat::Counter; 6] = [
+    stat::QUIC_CID_ROUTED,
+    stat::QUIC_CLIENT_CID,
+    stat::QUIC_UNKNOWN_ROTATION,
+    stat::QUIC_UNKNOWN_SERVER,
+    stat::QUIC_SERVER_DOWN,
+    stat::QUIC_MALFORMED,
+];
+
+/// How a packet to the QUIC VIP must be steered.
+enum Quic {
+    /// By its connection ID, to the backend of this index.
+    Routed(usize),
+    /// By its 5-tuple, for the reason this counter names.
+    FiveTuple(stat::Counter),
+}
+
+/// For a UDP packet (not an ICMP error) to the QUIC VIP's address and port: how it must be
+/// steered, read from its bytes by RFC 8999's invariants, RFC 9000's and RFC 9369's
+/// long-header types and the QUIC-LB layout. `None` for every other frame.
+fn quic_expectation<'a>(
+    vips: &'a [Vip],
+    frame: &[u8],
+    ip: Option<&IpPacket>,
+) -> Option<(Quic, &'a Vip)> {
+    let ip = ip?;
+    let vip = vips.iter().find(|v| v.quic.is_some() && v.addr == ip.dst)?;
+    let (rotation, sids) = vip.quic.as_ref()?;
+    let h = &frame[ip.off..];
+    // Not a fragment: no more-fragments bit, offset 0.
+    if !ip.v4 || h[9] != PROTO_UDP || u16::from_be_bytes([h[6], h[7]]) & 0x3fff != 0 {
+        return None;
+    }
+    let l4 = ip.off + 4 * (h[0] & 0x0f) as usize;
+    let end = ip.off + ip.len;
+    if l4 + 8 > end || u16::from_be_bytes([frame[l4 + 2], frame[l4 + 3]]) != vip.port {
+        return None;
+    }
+    let payload = &frame[l4 + 8..end];
+    let sid_len = QUIC_SID_LEN as usize;
+    let malformed = Quic::FiveTuple(stat::QUIC_MALFORMED);
+    let Some(&first) = payload.first() else {
+        return Some((malformed, vip));
+    };
+    let cid = if first & 0x80 == 0 {
+        1
+    } else {
+        if payload.len() < 6 {
+            return Some((malformed, vip));
+        }
+        let version = u32::from_be_bytes(payload[1..5].try_into().unwrap());
+        let kind = (first >> 4) & 3;
+        if !matches!((version, kind), (1, 2) | (0x6b33_43cf, 3)) {
+            return Some((Quic::FiveTuple(stat::QUIC_CLIENT_CID), vip));
+        }
+        let len = payload[5] as usize;
+        if len > 20 || len < 1 + sid_len || 6 + len > payload.len() {
+            return Some((malformed, vip));
+        }
+        6
+    };
+    // The program reads nine octets from the ID on, inside the frame.
+    if cid + 1 + sid_len > payload.len() || l4 + 8 + cid + 9 > frame.len() {
+        return Some((malformed, vip));
+    }
+    if payload[cid] >> 5 != *rotation {
+        return Some((Quic::FiveTuple(stat::QUIC_UNKNOWN_ROTATION), vip));
+    }
+    let sid = &payload[cid + 1..cid + 1 + sid_len];
+    let Some(i) = sids.iter().position(|s| s[..] == *sid) else {
+        return Some((Quic::FiveTuple(stat::QUIC_UNKNOWN_SERVER), vip));
+    };
+    if !vip.backends[i].1 {
+        return Some((Quic::FiveTuple(stat::QUIC_SERVER_DOWN), vip));
+    }
+    Some((Quic::Routed(i), vip))
 }

@@ -171,6 +171,7 @@ pub(in crate::config) fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipPart
         FlowState::Table,
     );
     let inband = r.inband.unwrap_or(false);
+    let mut backends_ok_quic = true;
     if inband && flow_state == Some(FlowState::SecondChance) {
         c.err(
             &p.key("inband"),
@@ -200,14 +201,48 @@ pub(in crate::config) fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipPart
         Some(Int(v)) => rules::ring_size(v).map_err(|e| c.err(&rs_path, e)).ok(),
     };
 
+    let quic = c.keyword(&p.key("quic"), r.quic.as_deref(), QuicMode::Off);
+    if let (Some(q), Some(proto)) = (quic, protocol) {
+        if !c.rule(
+            &p.key("quic"),
+            rules::quic_mode(q == QuicMode::Cid, proto == Protocol::Udp),
+        ) {
+            backends_ok_quic = false;
+        }
+    }
+    let quic_server_id_len = match r.quic_server_id_len {
+        None => Some(rules::QUIC_SERVER_ID_LEN_DEFAULT),
+        Some(Int(v)) => rules::quic_server_id_len(v)
+            .map_err(|e| c.err(&p.key("quic_server_id_len"), e))
+            .ok(),
+    };
+    let quic_config_rotation = match r.quic_config_rotation {
+        None => Some(0),
+        Some(Int(v)) => rules::quic_config_rotation(v)
+            .map_err(|e| c.err(&p.key("quic_config_rotation"), e))
+            .ok(),
+    };
+
     let mut backends = Vec::new();
     let mut backends_ok = true;
     let mut backend_addrs = Vec::new();
     let mut seen: HashMap<IpAddr, usize> = HashMap::new();
+    let mut server_ids: HashMap<u64, usize> = HashMap::new();
     let n = r.backend.len();
-    for (j, b) in r.backend.into_iter().enumerate() {
+    for (j, mut b) in r.backend.into_iter().enumerate() {
         let bp = p.key("backend").idx(j);
+        let sid = quic_server_id(
+            c,
+            &bp.key("quic_server_id"),
+            b.quic_server_id.take(),
+            quic.zip(quic_server_id_len),
+            (j, &mut server_ids),
+        );
         let (addr, config) = backend(c, &bp, b, address, port);
+        let config = config.zip(sid).map(|(b, sid)| BackendConfig {
+            quic_server_id: sid,
+            ..b
+        });
         if let Some(addr) = addr {
             if let Some(first) = seen.get(&addr) {
                 c.err(
@@ -280,6 +315,9 @@ pub(in crate::config) fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipPart
             ring_size: ring_size.filter(|_| ring_ok)?,
             flow_state: flow_state?,
             inband,
+            quic: quic.filter(|_| backends_ok_quic)?,
+            quic_server_id_len: quic_server_id_len?,
+            quic_config_rotation: quic_config_rotation?,
             backends: backends_ok.then_some(backends)?,
         })
     })();
@@ -349,9 +387,67 @@ pub(in crate::config) fn backend(
             engine: engine?,
             roce: roce?,
             health: health?,
+            quic_server_id: None,
         })
     })();
     (address, config)
+}
+
+/// A backend's `quic_server_id` under its VIP's `quic` mode and server-ID length (`None`
+/// when either is invalid): required with `quic = "cid"`, refused otherwise, unique within
+/// the VIP (`seen`: the value of each earlier backend's). `None` after recording why;
+/// `Some(id)` with the ID in lowercase.
+pub(in crate::config) fn quic_server_id(
+    c: &mut Checker,
+    p: &KeyPath,
+    raw: Option<String>,
+    quic: Option<(QuicMode, u8)>,
+    (j, seen): (usize, &mut HashMap<u64, usize>),
+) -> Option<Option<String>> {
+    match (raw, quic) {
+        (None, Some((QuicMode::Cid, len))) => {
+            c.missing(
+                p,
+                &format!(
+                    "{} hex digits (quic_server_id_len = {len} octets), not all zero, unique \
+                     within the VIP (every backend of a quic = \"cid\" VIP has one)",
+                    2 * len
+                ),
+            );
+            None
+        }
+        (None, _) => Some(None),
+        (Some(s), Some((QuicMode::Off, _))) => {
+            c.err(
+                p,
+                format!(
+                    "{} is set but the VIP's quic is \"off\"; allowed: quic_server_id only on \
+                     the backends of a quic = \"cid\" VIP",
+                    rules::quoted(&s)
+                ),
+            );
+            None
+        }
+        (Some(s), Some((QuicMode::Cid, len))) => {
+            let v = rules::quic_server_id(&s, len)
+                .map_err(|e| c.err(p, e))
+                .ok()?;
+            if let Some(first) = seen.get(&v) {
+                c.err(
+                    p,
+                    format!(
+                        "{s:?} is already the server ID of backend[{first}] of this VIP; \
+                         allowed: a server ID unique within the VIP"
+                    ),
+                );
+                return None;
+            }
+            seen.insert(v, j);
+            Some(Some(s.to_ascii_lowercase()))
+        }
+        // The VIP's quic settings are wrong (reported there).
+        (Some(s), None) => Some(Some(s.to_ascii_lowercase())),
+    }
 }
 
 pub(in crate::config) fn nonempty_list(
