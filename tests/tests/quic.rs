@@ -25,7 +25,7 @@ use sluice_tests::{
         hex, lab_quic_server_id, DaemonLab, DaemonLabOptions, QuicCid, QuicServe, VipDef,
     },
     net_lab::{backend_id, LabOptions, NetLab},
-    netns::{DEV, VIP4, VIP6},
+    netns::{Host, DEV, VIP4, VIP6},
     quic::{
         bind_here, lines, per_server, QuicStreams, SocketMaker, StreamOutcome, StreamsSpec,
         QUIC_PORT,
@@ -122,6 +122,22 @@ fn assert_all_stayed(out: &[StreamOutcome], what: &str) {
         out.len(),
         bad.join("\n")
     );
+}
+
+fn counter(lab: &DaemonLab, name: &str) -> u64 {
+    lab.counters().get(name).copied().unwrap_or(0)
+}
+
+/// The configuration the lab wrote has the QUIC keys (a check of the lab itself).
+fn assert_quic_config(lab: &DaemonLab) {
+    let text = lab.config_text();
+    for want in [
+        "quic = \"cid\"".to_string(),
+        "quic_server_id_len = 2".into(),
+        format!("quic_server_id = \"{}\"", hex(&lab_quic_server_id(2, 2))),
+    ] {
+        assert!(text.contains(&want), "{want} missing from\n{text}");
+    }
 }
 
 /// The namespace lab with the data plane programmed directly: a UDP VIP (id 4) at `vip`
@@ -266,6 +282,28 @@ fn data_plane_five_tuple_breaks_streams_on_a_rebind() {
     );
 }
 
+/// Connection-ID routing: every stream completes on the server that greeted it although its
+/// client moved to a new port or address mid-stream; the data plane routed its packets by
+/// the connection ID (`quic_cid_routed`).
+#[test]
+fn cid_routing_keeps_streams_on_their_server_across_a_rebind() {
+    let lab = start(options(true));
+    assert_quic_config(&lab);
+    let before = counter(&lab, "quic_cid_routed");
+    let out = run(&lab, spec(&lab));
+    assert_all_stayed(&out, "with quic = \"cid\"");
+    assert!(
+        per_server(&out).len() > 1,
+        "every stream went to one server, the test shows nothing: {:?}",
+        per_server(&out)
+    );
+    let routed = counter(&lab, "quic_cid_routed") - before;
+    assert!(
+        routed > (STREAMS as u64) * u64::from(TOKENS - REBIND_AFTER) / 4,
+        "only {routed} packets routed by connection ID"
+    );
+}
+
 /// The control: the same streams through a VIP with plain 5-tuple steering break when their
 /// client moves (a new 5-tuple lands on another backend for about two in three).
 #[test]
@@ -290,4 +328,143 @@ fn five_tuple_steering_breaks_streams_on_a_rebind() {
     for o in &broken {
         assert!(o.tokens >= REBIND_AFTER, "broke before the rebind: {o}");
     }
+}
+
+/// A backend drained mid-stream: its streams (and every other) complete across the rebind;
+/// a connection ID still reaches a draining backend. The streams outlast the flow idle
+/// timeout (3 s here): the LB's connection table holds a QUIC connection only for its
+/// Initial packets, so a drain must not be taken as complete (and the backend removed) when
+/// the table has no flows of it left while its connections still run.
+///
+/// Ignored while the controller counts a draining backend's flows in the connection table
+/// alone (`Controller::tick`: a UDP VIP's count is taken as complete): here the drain
+/// completes about 3.9 s after it starts ("no active flows left"), the backend and its
+/// `QUIC_SERVERS` entry go, and the streams on it break at their move.
+#[test]
+#[ignore = "a quic = \"cid\" VIP's drain completes on an empty connection table while its \
+            QUIC connections run (the controller counts only table entries)"]
+fn a_drained_backends_streams_complete_across_a_rebind() {
+    let lab = start(options(true));
+    let mut spec = spec(&lab);
+    // 6 s streams, moving after 4 s: past the idle timeout of the Initials' table entries.
+    spec.tokens = 120;
+    spec.rebind_after = Some(80);
+    let streams = QuicStreams::start(spec, &*client_sockets(&lab))
+        .unwrap_or_else(|e| panic!("starting the streams: {e:#}"));
+    let greeted = streams
+        .wait_greeted(Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    // The backend of the first stream, so that some stream is on it.
+    let drained = first_backend(&lab, &greeted).clone();
+    let on_drained = greeted
+        .iter()
+        .filter(|g| g.as_deref() == Some(drained.name.as_str()))
+        .count();
+    let out = lab.cli_ok(&["backend", "drain", VIP, &drained.v4.to_string()]);
+    assert!(out.contains("draining backend"), "drain said: {out}");
+    let out = streams
+        .finish()
+        .unwrap_or_else(|e| panic!("running the QUIC streams: {e:#}"));
+    eprintln!("{on_drained} on the drained backend:\n{}", lines(&out));
+    let events: Vec<String> = lab
+        .events()
+        .iter()
+        .filter(|e| e["backend"].as_str() == Some(drained.v4.to_string().as_str()))
+        .map(|e| e.to_string())
+        .collect();
+    let b = lab.backend(VIP, drained.v4.into()).unwrap_or_else(|| {
+        panic!(
+            "the drained backend was removed while {on_drained} QUIC streams ran on it; its \
+             events:\n{}\nstreams:\n{}",
+            events.join("\n"),
+            lines(&out)
+        )
+    });
+    assert_eq!(b["state"], "draining", "{b}");
+    assert_all_stayed(&out, "a backend drained mid-stream");
+}
+
+/// The topology backend that greeted the first stream.
+fn first_backend<'a>(lab: &'a DaemonLab, greeted: &[Option<String>]) -> &'a Host {
+    let name = greeted[0]
+        .as_deref()
+        .unwrap_or_else(|| panic!("the first stream broke before its greeting"));
+    lab.topo.backend(name).expect("a backend of the lab")
+}
+
+/// A backend's server killed mid-stream: its streams break, every other completes across
+/// the rebind.
+#[test]
+fn a_killed_backend_breaks_only_its_own_streams() {
+    let mut lab = start(options(true));
+    let mut spec = spec(&lab);
+    spec.tokens = 60;
+    spec.rebind_after = Some(30);
+    let streams = QuicStreams::start(spec, &*client_sockets(&lab))
+        .unwrap_or_else(|e| panic!("starting the streams: {e:#}"));
+    let greeted = streams
+        .wait_greeted(Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let victim = first_backend(&lab, &greeted).name.clone();
+    let index = lab
+        .topo
+        .backends
+        .iter()
+        .position(|b| b.name == victim)
+        .unwrap();
+    let id = lab.servers[index];
+    lab.topo.signal(id, libc::SIGKILL).unwrap();
+    let out = streams
+        .finish()
+        .unwrap_or_else(|e| panic!("running the QUIC streams: {e:#}"));
+    eprintln!("greeted by {greeted:?}:\n{}", lines(&out));
+    let mut victims = 0;
+    for o in &out {
+        if o.server() == Some(victim.as_str()) {
+            victims += 1;
+            assert!(!o.completed(), "survived its server's death: {o}");
+        } else {
+            assert!(o.completed() && o.servers.len() == 1, "{o}");
+        }
+    }
+    assert!(
+        victims > 0,
+        "no stream was on {victim}: {:?}",
+        per_server(&out)
+    );
+}
+
+/// The daemon replaced mid-stream (stopped with `keep_dataplane_on_exit`, started again):
+/// the data plane keeps routing by connection ID with no per-flow state to lose, and the
+/// streams move after the new daemon is up.
+#[test]
+fn streams_survive_a_daemon_replacement_and_move_after_it() {
+    let mut o = options(true);
+    o.set("daemon", "keep_dataplane_on_exit", "true");
+    let mut lab = start(o);
+    let mut spec = spec(&lab);
+    spec.tokens = 100;
+    spec.rebind_after = Some(70);
+    spec.read_timeout = Duration::from_secs(5);
+    let streams = QuicStreams::start(spec, &*client_sockets(&lab))
+        .unwrap_or_else(|e| panic!("starting the streams: {e:#}"));
+    streams
+        .wait_greeted(Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let t = Instant::now();
+    let status = lab.stop().unwrap();
+    assert!(status.success(), "the daemon exited with {status}");
+    lab.start_daemon()
+        .unwrap_or_else(|e| panic!("restarting the daemon: {e:#}"));
+    eprintln!("daemon replaced in {:?}", t.elapsed());
+    let rebound = streams
+        .snapshot()
+        .iter()
+        .filter(|o| o.rebound_to.is_some())
+        .count();
+    let out = streams
+        .finish()
+        .unwrap_or_else(|e| panic!("running the QUIC streams: {e:#}"));
+    eprintln!("{rebound} streams had moved when the new daemon was up");
+    assert_all_stayed(&out, "across a daemon replacement");
 }
