@@ -647,6 +647,37 @@ impl Drop for LocalServer {
     }
 }
 
+/// The config rotation codepoint and server ID `sluice backend-host` wrote for `vip` in its
+/// `quic_file` (`{"vips": [{"vip": "10.0.0.2", "quic_server_id": "0a01",
+/// "quic_server_id_len": 2, "quic_config_rotation": 0}]}`).
+pub fn id_from_backend_host_file(text: &str, vip: IpAddr) -> Result<(u8, Vec<u8>)> {
+    let v: serde_json::Value = serde_json::from_str(text).context("not JSON")?;
+    let entry = v["vips"]
+        .as_array()
+        .ok_or_else(|| anyhow!("no \"vips\" array"))?
+        .iter()
+        .find(|e| {
+            e["vip"]
+                .as_str()
+                .and_then(|a| a.parse::<IpAddr>().ok())
+                .is_some_and(|a| a == vip)
+        })
+        .ok_or_else(|| anyhow!("no entry for {vip}"))?;
+    let hex = entry["quic_server_id"]
+        .as_str()
+        .ok_or_else(|| anyhow!("{vip}: no quic_server_id"))?;
+    let id = sluice_quic_lb::parse_server_id(hex)
+        .ok_or_else(|| anyhow!("{vip}: quic_server_id {hex:?} is not 1 to 8 octets of hex"))?;
+    if let Some(len) = entry["quic_server_id_len"].as_u64() {
+        if len != id.len() as u64 {
+            bail!("{vip}: quic_server_id {hex:?} is not quic_server_id_len = {len} octets");
+        }
+    }
+    let rotation = entry["quic_config_rotation"].as_u64().unwrap_or(0);
+    let rotation = u8::try_from(rotation).context("quic_config_rotation")?;
+    Ok((rotation, id))
+}
+
 /// Binds a UDP socket on `addr` (None: the unspecified address) and port 0, in the calling
 /// thread's namespace.
 pub fn bind_here(addr: Option<IpAddr>, v6: bool) -> Result<UdpSocket> {
@@ -661,6 +692,28 @@ pub fn bind_here(addr: Option<IpAddr>, v6: bool) -> Result<UdpSocket> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn server_ids_come_from_the_backend_hosts_file() {
+        let text = r#"{"vips": [{"vip": "10.0.0.2", "quic_server_id": "0a01",
+            "quic_server_id_len": 2, "quic_config_rotation": 3},
+            {"vip": "fd00::2", "quic_server_id": "0b", "quic_server_id_len": 1}]}"#;
+        let v4: IpAddr = "10.0.0.2".parse().unwrap();
+        let v6: IpAddr = "fd00::2".parse().unwrap();
+        assert_eq!(
+            id_from_backend_host_file(text, v4).unwrap(),
+            (3, vec![0x0a, 0x01])
+        );
+        assert_eq!(
+            id_from_backend_host_file(text, v6).unwrap(),
+            (0, vec![0x0b])
+        );
+        let e = id_from_backend_host_file(text, "10.0.0.3".parse().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("no entry for 10.0.0.3"), "{e}");
+        let bad =
+            r#"{"vips": [{"vip": "10.0.0.2", "quic_server_id": "0a01", "quic_server_id_len": 3}]}"#;
+        assert!(id_from_backend_host_file(bad, v4).is_err());
+    }
 
     #[test]
     fn requests_round_trip_and_are_capped() {

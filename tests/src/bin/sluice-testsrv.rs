@@ -8,7 +8,10 @@
 //!   self-signed certificate. With `--quic-server-id HEX` (e.g. `0a01`) its connection IDs
 //!   carry that QUIC-LB server ID (`--quic-rotation N`, default 0; `--quic-nonce-len N`,
 //!   default 6), so a load balancer with `quic = "cid"` routes them here; without, quinn's
-//!   random ones.
+//!   random ones. With `--quic-id-file FILE` instead, each `--quic` address takes the ID and
+//!   rotation that `sluice backend-host` wrote for its VIP to its `quic_file`
+//!   (`{"vips": [{"vip": ..., "quic_server_id": "0a01", "quic_config_rotation": 0, ...}]}`),
+//!   as a QUIC server deployed behind Sluice would.
 //! - `--metrics ADDR=FILE` (repeatable): a fake Prometheus exporter (dcgm-exporter, vLLM,
 //!   node_exporter...): `GET /metrics` on ADDR answers the content of FILE, read again for
 //!   every request, so a test changes the values at run time by rewriting the file (write a
@@ -48,6 +51,7 @@ struct Opts {
     udp: Vec<SocketAddr>,
     quic: Vec<SocketAddr>,
     quic_server_id: Option<Vec<u8>>,
+    quic_id_file: Option<PathBuf>,
     quic_rotation: u8,
     quic_nonce_len: usize,
     metrics: Vec<(SocketAddr, PathBuf)>,
@@ -59,7 +63,7 @@ struct Opts {
 
 const USAGE: &str = "usage: sluice-testsrv serve --name NAME [--tcp ADDR:PORT]... \
 [--udp ADDR:PORT]... [--quic ADDR:PORT]... [--quic-server-id HEX] [--quic-rotation N] \
-[--quic-nonce-len N] [--metrics ADDR:PORT=FILE]... [--max-seconds N] [--max-conns N] \
+[--quic-nonce-len N] [--quic-id-file FILE] [--metrics ADDR:PORT=FILE]... [--max-seconds N] [--max-conns N] \
 [--tokens N] [--interval-ms N]";
 
 fn parse_args() -> Result<Opts, String> {
@@ -73,6 +77,7 @@ fn parse_args() -> Result<Opts, String> {
         udp: vec![],
         quic: vec![],
         quic_server_id: None,
+        quic_id_file: None,
         quic_rotation: 0,
         quic_nonce_len: 6,
         metrics: vec![],
@@ -97,6 +102,7 @@ fn parse_args() -> Result<Opts, String> {
                         .ok_or_else(|| bad(&"expected 1 to 8 octets in hex"))?,
                 )
             }
+            "--quic-id-file" => o.quic_id_file = Some(PathBuf::from(v)),
             "--quic-rotation" => o.quic_rotation = v.parse().map_err(|e| bad(&e))?,
             "--quic-nonce-len" => o.quic_nonce_len = v.parse().map_err(|e| bad(&e))?,
             "--metrics" => {
@@ -115,6 +121,11 @@ fn parse_args() -> Result<Opts, String> {
     }
     if o.name.is_empty() || o.name.contains(char::is_whitespace) {
         return Err(format!("--name is required (no spaces)\n{USAGE}"));
+    }
+    if o.quic_server_id.is_some() && o.quic_id_file.is_some() {
+        return Err(format!(
+            "--quic-server-id and --quic-id-file exclude each other\n{USAGE}"
+        ));
     }
     if o.tcp.is_empty() && o.udp.is_empty() && o.quic.is_empty() && o.metrics.is_empty() {
         return Err(format!(
@@ -223,16 +234,30 @@ fn main() {
 /// The QUIC servers (one endpoint per `--quic` address) on a thread with a tokio runtime;
 /// exits the process if one cannot start (before READY is printed).
 fn start_quic(o: &Opts, name: Arc<str>) -> thread::JoinHandle<()> {
-    let cids = match &o.quic_server_id {
-        None => None,
-        Some(id) => match QuicLbCids::new(o.quic_rotation, id, o.quic_nonce_len) {
-            Ok(c) => Some(c),
-            Err(e) => {
-                eprintln!("sluice-testsrv {}: --quic-server-id: {e}", o.name);
-                exit(2);
-            }
-        },
+    let fail = |e: String| -> ! {
+        eprintln!("sluice-testsrv {}: {e}", o.name);
+        exit(2);
     };
+    let file = o.quic_id_file.as_ref().map(|f| {
+        std::fs::read_to_string(f).unwrap_or_else(|e| fail(format!("{}: {e}", f.display())))
+    });
+    // The connection IDs of each --quic address.
+    let cids: Vec<Option<QuicLbCids>> = o
+        .quic
+        .iter()
+        .map(|addr| {
+            let (rotation, id) = match (&o.quic_server_id, &file) {
+                (Some(id), _) => (o.quic_rotation, id.clone()),
+                (None, Some(text)) => quic::id_from_backend_host_file(text, addr.ip())
+                    .unwrap_or_else(|e| fail(format!("--quic-id-file: {e:#}"))),
+                (None, None) => return None,
+            };
+            Some(
+                QuicLbCids::new(rotation, &id, o.quic_nonce_len)
+                    .unwrap_or_else(|e| fail(format!("QUIC server ID for {addr}: {e}"))),
+            )
+        })
+        .collect();
     let mut sockets = Vec::new();
     for addr in &o.quic {
         match UdpSocket::bind(addr) {
@@ -255,7 +280,7 @@ fn start_quic(o: &Opts, name: Arc<str>) -> thread::JoinHandle<()> {
         }
     };
     let mut endpoints = Vec::new();
-    for s in sockets {
+    for (s, cids) in sockets.into_iter().zip(&cids) {
         let _guard = rt.enter();
         match quic::server_endpoint(s, cids.as_ref()) {
             Ok(ep) => endpoints.push(ep),
