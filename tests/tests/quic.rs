@@ -41,9 +41,10 @@ const STREAMS: usize = 12;
 const TOKENS: u32 = 40;
 const INTERVAL_MS: u32 = 50;
 const REBIND_AFTER: u32 = 10;
+/// A rotation codepoint other than the default 0, so that the key is written and used.
 const CID: QuicCid = QuicCid {
     server_id_len: 2,
-    rotation: 0,
+    rotation: 1,
 };
 
 fn vip() -> SocketAddr {
@@ -134,6 +135,7 @@ fn assert_quic_config(lab: &DaemonLab) {
     for want in [
         "quic = \"cid\"".to_string(),
         "quic_server_id_len = 2".into(),
+        "quic_config_rotation = 1".into(),
         format!("quic_server_id = \"{}\"", hex(&lab_quic_server_id(2, 2))),
     ] {
         assert!(text.contains(&want), "{want} missing from\n{text}");
