@@ -193,6 +193,11 @@ impl BackendHost {
         })
     }
 
+    /// Where the lab has this host write its QUIC server IDs (`quic_file`), when it does.
+    pub fn quic_file(&self) -> PathBuf {
+        self.dir.join(format!("quic-{}.json", self.name))
+    }
+
     pub fn log_path(&self) -> PathBuf {
         self.dir.join(format!(
             "backend-host-{}-{}.log",

@@ -48,7 +48,9 @@ use sluice::dataplane::remove_pinned;
 
 use self::util::strip_ansi;
 pub use self::{
-    config::{Accel, DaemonLabOptions, FakeTelemetry, VipDef},
+    config::{
+        hex, lab_quic_server_id, Accel, DaemonLabOptions, FakeTelemetry, QuicCid, QuicServe, VipDef,
+    },
     environment::{
         next_lab_id, require_daemon_prerequisites, require_sluice_daemon_prerequisites,
         sluice_binary, sweep_stale, upgrade_binary, UPGRADE_TARGET_DIR,
@@ -160,6 +162,7 @@ impl DaemonLab {
             edge_dp,
             topo,
         };
+        lab.give_backend_hosts_quic_ids()?;
         lab.start_servers()?;
         lab.topo
             .resolve_backend_neighbours(Duration::from_secs(5))?;
@@ -172,6 +175,53 @@ impl DaemonLab {
             t.elapsed()
         );
         Ok(lab)
+    }
+
+    /// With [`DaemonLabOptions::quic`]: every backend host's VIP table gives the QUIC VIPs
+    /// this backend's server ID ([`lab_quic_server_id`]), and the host writes them to its
+    /// `quic_file` (restarted: `quic_file` is read at start; waits until the file is there).
+    fn give_backend_hosts_quic_ids(&mut self) -> Result<()> {
+        let Some(q) = self.opts.quic.clone() else {
+            return Ok(());
+        };
+        for (i, h) in self.backend_hosts.iter_mut().enumerate() {
+            let mut text = fs::read_to_string(&h.config)
+                .with_context(|| format!("reading {}", h.config.display()))?;
+            let id = hex(&lab_quic_server_id(i, q.cid.server_id_len));
+            let mut vips: Vec<IpAddr> = q.listen.iter().map(|a| a.ip()).collect();
+            vips.dedup();
+            for v in vips {
+                let plain = format!("\"{v}\"");
+                if !text.contains(&plain) {
+                    bail!("{}: VIP {v} is not in the backend host's vips", h.name);
+                }
+                text = text.replacen(
+                    &plain,
+                    &format!(
+                        "{{ address = \"{v}\", quic_server_id = \"{id}\", quic_server_id_len = \
+                         {}, quic_config_rotation = {} }}",
+                        q.cid.server_id_len, q.cid.rotation
+                    ),
+                    1,
+                );
+            }
+            let file = h.quic_file();
+            let _ = fs::remove_file(&file);
+            text = text.replacen(
+                "\n[metrics]",
+                &format!("quic_file = \"{}\"\n\n[metrics]", file.display()),
+                1,
+            );
+            write_atomic(&h.config, &text)?;
+            h.stop()?;
+            h.start()?;
+            wait_for(
+                &format!("{} to write {}", h.name, file.display()),
+                Duration::from_secs(10),
+                || Ok(file.exists().then_some(())),
+            )?;
+        }
+        Ok(())
     }
 
     fn start_servers(&mut self) -> Result<()> {
@@ -189,6 +239,15 @@ impl DaemonLab {
             for a in self.opts.serve.iter().chain(own.iter()) {
                 args.push("--tcp".to_string());
                 args.push(a.to_string());
+            }
+            if let Some(q) = &self.opts.quic {
+                for a in &q.listen {
+                    args.push("--quic".into());
+                    args.push(a.to_string());
+                }
+                // The server ID as a deployed server learns it: from its backend host.
+                args.push("--quic-id-file".into());
+                args.push(self.backend_hosts[i].quic_file().display().to_string());
             }
             let id =
                 self.topo

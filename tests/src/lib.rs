@@ -11,6 +11,7 @@ pub mod net_lab;
 pub mod netns;
 pub mod openai;
 pub mod pinned;
+pub mod quic;
 pub mod stream;
 
 use std::net::IpAddr;

@@ -18,6 +18,7 @@ const CRATES: &[&str] = &[
     "lb-ebpf/src",
     "bench/src",
     "accel-sim/src",
+    "quic-lb/src",
     "tests/src",
     "xtask/src",
 ];

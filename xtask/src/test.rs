@@ -24,7 +24,14 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     (
         "daemon-lab tests (`sluice run` in the namespace lab)",
-        &["daemon", "adaptive", "hostile", "observe", "inband_lab"],
+        &[
+            "daemon",
+            "adaptive",
+            "hostile",
+            "observe",
+            "inband_lab",
+            "quic",
+        ],
     ),
     (
         "fleet tests (three LB hosts behind a BIRD router with ECMP and BFD)",

@@ -4,6 +4,14 @@
 //! - `--tcp ADDR` (repeatable): token streams (see `sluice_tests::stream`): per connection a
 //!   greeting naming this backend, then tokens at the requested rate, then `[DONE]`.
 //! - `--udp ADDR` (repeatable): answers every datagram with `<name> <datagram>`.
+//! - `--quic ADDR` (repeatable): QUIC token streams (see `sluice_tests::quic`), quinn with a
+//!   self-signed certificate. With `--quic-server-id HEX` (e.g. `0a01`) its connection IDs
+//!   carry that QUIC-LB server ID (`--quic-rotation N`, default 0; `--quic-nonce-len N`,
+//!   default 6), so a load balancer with `quic = "cid"` routes them here; without, quinn's
+//!   random ones. With `--quic-id-file FILE` instead, each `--quic` address takes the ID and
+//!   rotation that `sluice backend-host` wrote for its VIP to its `quic_file`
+//!   (`{"vips": [{"vip": ..., "quic_server_id": "0a01", "quic_config_rotation": 0, ...}]}`),
+//!   as a QUIC server deployed behind Sluice would.
 //! - `--metrics ADDR=FILE` (repeatable): a fake Prometheus exporter (dcgm-exporter, vLLM,
 //!   node_exporter...): `GET /metrics` on ADDR answers the content of FILE, read again for
 //!   every request, so a test changes the values at run time by rewriting the file (write a
@@ -29,14 +37,23 @@ use std::{
     time::{Duration, Instant},
 };
 
-use sluice_tests::stream::{
-    done_event, hello_event, parse_request, response_head, token_event, MAX_HEADER_LINES,
+use sluice_quic_lb::QuicLbCids;
+use sluice_tests::{
+    quic,
+    stream::{
+        done_event, hello_event, parse_request, response_head, token_event, MAX_HEADER_LINES,
+    },
 };
 
 struct Opts {
     name: String,
     tcp: Vec<SocketAddr>,
     udp: Vec<SocketAddr>,
+    quic: Vec<SocketAddr>,
+    quic_server_id: Option<Vec<u8>>,
+    quic_id_file: Option<PathBuf>,
+    quic_rotation: u8,
+    quic_nonce_len: usize,
     metrics: Vec<(SocketAddr, PathBuf)>,
     max_seconds: u64,
     max_conns: usize,
@@ -45,7 +62,8 @@ struct Opts {
 }
 
 const USAGE: &str = "usage: sluice-testsrv serve --name NAME [--tcp ADDR:PORT]... \
-[--udp ADDR:PORT]... [--metrics ADDR:PORT=FILE]... [--max-seconds N] [--max-conns N] \
+[--udp ADDR:PORT]... [--quic ADDR:PORT]... [--quic-server-id HEX] [--quic-rotation N] \
+[--quic-nonce-len N] [--quic-id-file FILE] [--metrics ADDR:PORT=FILE]... [--max-seconds N] [--max-conns N] \
 [--tokens N] [--interval-ms N]";
 
 fn parse_args() -> Result<Opts, String> {
@@ -57,6 +75,11 @@ fn parse_args() -> Result<Opts, String> {
         name: String::new(),
         tcp: vec![],
         udp: vec![],
+        quic: vec![],
+        quic_server_id: None,
+        quic_id_file: None,
+        quic_rotation: 0,
+        quic_nonce_len: 6,
         metrics: vec![],
         max_seconds: 300,
         max_conns: 1024,
@@ -72,6 +95,16 @@ fn parse_args() -> Result<Opts, String> {
             "--name" => o.name = v,
             "--tcp" => o.tcp.push(v.parse().map_err(|e| bad(&e))?),
             "--udp" => o.udp.push(v.parse().map_err(|e| bad(&e))?),
+            "--quic" => o.quic.push(v.parse().map_err(|e| bad(&e))?),
+            "--quic-server-id" => {
+                o.quic_server_id = Some(
+                    sluice_quic_lb::parse_server_id(&v)
+                        .ok_or_else(|| bad(&"expected 1 to 8 octets in hex"))?,
+                )
+            }
+            "--quic-id-file" => o.quic_id_file = Some(PathBuf::from(v)),
+            "--quic-rotation" => o.quic_rotation = v.parse().map_err(|e| bad(&e))?,
+            "--quic-nonce-len" => o.quic_nonce_len = v.parse().map_err(|e| bad(&e))?,
             "--metrics" => {
                 let (addr, file) = v
                     .split_once('=')
@@ -89,9 +122,14 @@ fn parse_args() -> Result<Opts, String> {
     if o.name.is_empty() || o.name.contains(char::is_whitespace) {
         return Err(format!("--name is required (no spaces)\n{USAGE}"));
     }
-    if o.tcp.is_empty() && o.udp.is_empty() && o.metrics.is_empty() {
+    if o.quic_server_id.is_some() && o.quic_id_file.is_some() {
         return Err(format!(
-            "nothing to serve: give --tcp, --udp or --metrics\n{USAGE}"
+            "--quic-server-id and --quic-id-file exclude each other\n{USAGE}"
+        ));
+    }
+    if o.tcp.is_empty() && o.udp.is_empty() && o.quic.is_empty() && o.metrics.is_empty() {
+        return Err(format!(
+            "nothing to serve: give --tcp, --udp, --quic or --metrics\n{USAGE}"
         ));
     }
     Ok(o)
@@ -163,6 +201,9 @@ fn main() {
         let name = name.clone();
         threads.push(thread::spawn(move || echo(s, &name, deadline)));
     }
+    if !o.quic.is_empty() {
+        threads.push(start_quic(&o, name.clone()));
+    }
     let started = Instant::now();
     for (addr, file) in &o.metrics {
         let l = match TcpListener::bind(addr) {
@@ -188,6 +229,78 @@ fn main() {
     for t in threads {
         let _ = t.join();
     }
+}
+
+/// The QUIC servers (one endpoint per `--quic` address) on a thread with a tokio runtime;
+/// exits the process if one cannot start (before READY is printed).
+fn start_quic(o: &Opts, name: Arc<str>) -> thread::JoinHandle<()> {
+    let fail = |e: String| -> ! {
+        eprintln!("sluice-testsrv {}: {e}", o.name);
+        exit(2);
+    };
+    let file = o.quic_id_file.as_ref().map(|f| {
+        std::fs::read_to_string(f).unwrap_or_else(|e| fail(format!("{}: {e}", f.display())))
+    });
+    // The connection IDs of each --quic address.
+    let cids: Vec<Option<QuicLbCids>> = o
+        .quic
+        .iter()
+        .map(|addr| {
+            let (rotation, id) = match (&o.quic_server_id, &file) {
+                (Some(id), _) => (o.quic_rotation, id.clone()),
+                (None, Some(text)) => quic::id_from_backend_host_file(text, addr.ip())
+                    .unwrap_or_else(|e| fail(format!("--quic-id-file: {e:#}"))),
+                (None, None) => return None,
+            };
+            Some(
+                QuicLbCids::new(rotation, &id, o.quic_nonce_len)
+                    .unwrap_or_else(|e| fail(format!("QUIC server ID for {addr}: {e}"))),
+            )
+        })
+        .collect();
+    let mut sockets = Vec::new();
+    for addr in &o.quic {
+        match UdpSocket::bind(addr) {
+            Ok(s) => sockets.push(s),
+            Err(e) => {
+                eprintln!("sluice-testsrv {}: binding quic {addr}: {e}", o.name);
+                exit(1);
+            }
+        }
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("sluice-testsrv {}: starting tokio: {e}", o.name);
+            exit(1);
+        }
+    };
+    let mut endpoints = Vec::new();
+    for (s, cids) in sockets.into_iter().zip(&cids) {
+        let _guard = rt.enter();
+        match quic::server_endpoint(s, cids.as_ref()) {
+            Ok(ep) => endpoints.push(ep),
+            Err(e) => {
+                eprintln!("sluice-testsrv {}: quic: {e:#}", o.name);
+                exit(1);
+            }
+        }
+    }
+    thread::spawn(move || {
+        rt.block_on(async move {
+            let mut tasks = Vec::new();
+            for ep in endpoints {
+                tasks.push(tokio::spawn(quic::serve(ep, name.clone())));
+            }
+            for t in tasks {
+                let _ = t.await;
+            }
+        })
+    })
 }
 
 /// Serves one token stream.

@@ -39,8 +39,46 @@ pub struct VipDef {
     /// `affinity_window` in seconds (0: the daemon's default, none).
     pub affinity_secs: u32,
     /// `quic = "cid"` (a UDP VIP) with `quic_server_id` `base + i` (four hex digits) on the
-    /// backend of topology index `i`; `None`: quic off.
+    /// backend of topology index `i`; `None`: quic off (unless `quic` is given).
     pub quic_id_base: Option<u16>,
+    /// QUIC connection-ID routing (`quic = "cid"`, a UDP VIP) with these settings written out:
+    /// backend `i` gets the server ID [`lab_quic_server_id`]`(i, server_id_len)`, as the
+    /// lab's QUIC servers ([`QuicServe`]) issue. Takes precedence over `quic_id_base`.
+    pub quic: Option<QuicCid>,
+}
+
+/// A VIP's QUIC-LB settings: `quic_server_id_len` and `quic_config_rotation`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuicCid {
+    pub server_id_len: u8,
+    pub rotation: u8,
+}
+
+/// The QUIC servers of a lab (`sluice-testsrv serve --quic`): where every backend's server
+/// listens, and the QUIC-LB connection IDs it issues (backend `i`: server ID
+/// [`lab_quic_server_id`]`(i, server_id_len)`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuicServe {
+    pub listen: Vec<SocketAddr>,
+    pub cid: QuicCid,
+}
+
+/// The QUIC-LB server ID of backend `index` in the lab: `0a` then zeros then `index + 1`,
+/// `len` octets (`0a01`, `0a02`... for two; `01`, `02`... for one).
+pub fn lab_quic_server_id(index: usize, len: u8) -> Vec<u8> {
+    let mut id = vec![0u8; len as usize];
+    if let Some(last) = id.last_mut() {
+        *last = index as u8 + 1;
+    }
+    if len > 1 {
+        id[0] = 0x0a;
+    }
+    id
+}
+
+/// Octets in hex, as the configuration writes a server ID.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl VipDef {
@@ -60,6 +98,17 @@ impl VipDef {
             flow_state: "table",
             affinity_secs: 0,
             quic_id_base: None,
+            quic: None,
+        }
+    }
+
+    /// A UDP VIP on every backend, weight 100, no cap, with QUIC connection-ID routing if
+    /// `quic` is given (else plain 5-tuple steering).
+    pub fn udp(name: &str, addr: SocketAddr, backends: usize, quic: Option<QuicCid>) -> VipDef {
+        VipDef {
+            protocol: "udp",
+            quic,
+            ..VipDef::tcp(name, addr, backends)
         }
     }
 }
@@ -93,6 +142,8 @@ pub struct DaemonLabOptions {
     pub prefix: Vec<String>,
     /// Simulated accelerators instead of token servers (see the module docs).
     pub accel: Option<Accel>,
+    /// QUIC token servers on every backend, in the token server's process.
+    pub quic: Option<QuicServe>,
 }
 
 /// The simulated accelerators of a lab.
@@ -122,6 +173,7 @@ impl DaemonLabOptions {
             sluice: None,
             prefix: Vec::new(),
             accel: None,
+            quic: None,
         };
         for (section, key, value) in [
             ("daemon", "keep_dataplane_on_exit", "false"),
@@ -309,7 +361,12 @@ impl DaemonLab {
             if v.affinity_secs > 0 {
                 text += &format!("affinity_window = \"{}s\"\n", v.affinity_secs);
             }
-            if v.quic_id_base.is_some() {
+            if let Some(q) = v.quic {
+                text += &format!(
+                    "quic = \"cid\"\nquic_server_id_len = {}\nquic_config_rotation = {}\n",
+                    q.server_id_len, q.rotation
+                );
+            } else if v.quic_id_base.is_some() {
                 text += "quic = \"cid\"\n";
             }
             for &i in &v.backends {
@@ -323,7 +380,12 @@ impl DaemonLab {
                     v.max_sessions,
                     b.name
                 );
-                if let Some(base) = v.quic_id_base {
+                if let Some(q) = v.quic {
+                    text += &format!(
+                        "  quic_server_id = \"{}\"\n",
+                        hex(&lab_quic_server_id(i, q.server_id_len))
+                    );
+                } else if let Some(base) = v.quic_id_base {
                     text += &format!("  quic_server_id = \"{:04x}\"\n", base + i as u16);
                 }
                 if v.telemetry {
@@ -378,6 +440,14 @@ fn section(text: &mut String, name: &str, kv: Option<&BTreeMap<String, String>>)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lab_server_ids_are_distinct_and_not_zero() {
+        assert_eq!(hex(&lab_quic_server_id(0, 2)), "0a01");
+        assert_eq!(hex(&lab_quic_server_id(2, 2)), "0a03");
+        assert_eq!(hex(&lab_quic_server_id(1, 1)), "02");
+        assert_eq!(hex(&lab_quic_server_id(0, 4)), "0a000001");
+    }
 
     #[test]
     fn the_fake_page_has_every_exporter() {
