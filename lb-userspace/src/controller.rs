@@ -19,7 +19,9 @@ use serde_json::json;
 
 use crate::{
     private_file,
-    state::{Admin, Backend, BackendSpec, FlowState, Limits, Op, OpError, State, VipSpec},
+    state::{
+        Admin, Backend, BackendSpec, FlowState, Limits, Op, OpError, QuicMode, State, VipSpec,
+    },
 };
 
 /// What adaptive steering lays over the operator's state: it changes how new sessions are
@@ -552,9 +554,10 @@ impl<P: Plane> Controller<P> {
 
     /// Completes drains: a draining backend is removed once it has no active flow, or at
     /// its deadline (its remaining flows then re-steer). A TCP VIP in second-chance mode keeps
-    /// no flows in the LB's table, so a count of zero says nothing there: its drains end at
-    /// the deadline only (removing the backend earlier would break its streams, which the
-    /// second hop can reach only while it serves). Returns what happened.
+    /// no flows in the LB's table, and a `quic = "cid"` VIP's connections leave it after their
+    /// handshake (their packets are routed by connection ID), so a count of zero says nothing
+    /// there: their drains end at the deadline only (removing the backend earlier would break
+    /// its streams, which reach it only while it serves). Returns what happened.
     pub fn tick(&mut self, now_ms: u64) -> Result<Vec<Event>> {
         #[allow(clippy::type_complexity)]
         let draining: Vec<(String, IpAddr, u32, u64, Option<u64>, bool)> = self
@@ -572,8 +575,9 @@ impl<P: Plane> Controller<P> {
                         b.id,
                         since_ms,
                         deadline_ms,
-                        v.spec.flow_state == FlowState::Table
-                            || v.spec.protocol == crate::state::Protocol::Udp,
+                        (v.spec.flow_state == FlowState::Table
+                            || v.spec.protocol == crate::state::Protocol::Udp)
+                            && v.spec.quic != QuicMode::Cid,
                     )),
                     Admin::Active => None,
                 })
@@ -841,6 +845,48 @@ mod tests {
         assert!(c.plane().applied.last().unwrap().vips.is_empty());
         let audit = fs::read_to_string(d.join("audit.jsonl")).unwrap();
         assert!(audit.contains("injected failure"));
+    }
+
+    #[test]
+    fn a_quic_cid_vip_drains_until_its_deadline_whatever_the_lbs_table_counts() {
+        let (_dir, mut c) = fresh();
+        let Op::AddVip {
+            mut vip,
+            mut backends,
+        } = add_chat()
+        else {
+            unreachable!()
+        };
+        vip.protocol = crate::state::Protocol::Udp;
+        vip.quic = QuicMode::Cid;
+        for (i, b) in backends.iter_mut().enumerate() {
+            b.quic_server_id = Some(format!("0a0{}", i + 1));
+        }
+        c.submit(Op::AddVip { vip, backends }, Peer::default(), 0)
+            .unwrap();
+        let a: IpAddr = "10.1.0.1".parse().unwrap();
+        // The connections routed by their IDs have no entries: the count is zero.
+        c.plane().flows = BTreeMap::new();
+        c.submit(
+            Op::Drain {
+                vip: "chat".into(),
+                address: a,
+                deadline_ms: Some(1000),
+            },
+            Peer::default(),
+            10,
+        )
+        .unwrap();
+        assert!(
+            c.tick(500).unwrap().is_empty(),
+            "no flows counted, but QUIC connections are not in the table: still draining"
+        );
+        assert!(c.state().backend("chat", a).is_ok());
+        let ev = c.tick(1000).unwrap();
+        assert_eq!(
+            (ev[0].kind.as_str(), ev[0].backend),
+            ("drain-deadline", Some(a))
+        );
     }
 
     #[test]
