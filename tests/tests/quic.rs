@@ -337,14 +337,7 @@ fn five_tuple_steering_breaks_streams_on_a_rebind() {
 /// timeout (3 s here): the LB's connection table holds a QUIC connection only for its
 /// Initial packets, so a drain must not be taken as complete (and the backend removed) when
 /// the table has no flows of it left while its connections still run.
-///
-/// Ignored while the controller counts a draining backend's flows in the connection table
-/// alone (`Controller::tick`: a UDP VIP's count is taken as complete): here the drain
-/// completes about 3.9 s after it starts ("no active flows left"), the backend and its
-/// `QUIC_SERVERS` entry go, and the streams on it break at their move.
 #[test]
-#[ignore = "a quic = \"cid\" VIP's drain completes on an empty connection table while its \
-            QUIC connections run (the controller counts only table entries)"]
 fn a_drained_backends_streams_complete_across_a_rebind() {
     let lab = start(options(true));
     let mut spec = spec(&lab);
