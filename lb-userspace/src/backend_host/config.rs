@@ -150,118 +150,16 @@ pub fn parse(text: &str, origin: &str) -> Result<HostConfig, Refused> {
             .unwrap_or_default();
         Refused(vec![format!("{origin}{at}: {}", e.message())])
     })?;
-    let mut problems = Vec::new();
-    let mut bad = |key: &str, msg: String| problems.push(format!("{origin}: {key}: {msg}"));
-
-    let mut interfaces = Vec::new();
-    let mut names = BTreeSet::new();
-    if raw.interfaces.is_empty() {
-        bad(
-            "interfaces",
-            "at least one interface is needed (the one the LB's encapsulated packets arrive on)"
-                .into(),
-        );
-    }
-    for (i, itf) in raw.interfaces.iter().enumerate() {
-        let key = format!("interfaces[{i}]");
-        let n = &itf.name;
-        if n.is_empty()
-            || n.len() > 15
-            || n == "."
-            || n == ".."
-            || n.contains(['/', ':'])
-            || n.contains(char::is_whitespace)
-        {
-            bad(
-                &format!("{key}.name"),
-                format!("{n:?} is not a Linux interface name (1-15 bytes, no '/', ':' or spaces)"),
-            );
-        }
-        if !names.insert(n.clone()) {
-            bad(&format!("{key}.name"), format!("{n:?} is listed twice"));
-        }
-        let mode = match itf.mode.as_deref().map(str::parse::<AttachMode>) {
-            None => AttachMode::Auto,
-            Some(Ok(m)) => m,
-            Some(Err(e)) => {
-                bad(&format!("{key}.mode"), e.to_string());
-                AttachMode::Auto
-            }
-        };
-        interfaces.push(InterfaceConfig {
-            name: n.clone(),
-            mode,
-        });
-    }
-
-    let mut vips = Vec::new();
-    let mut quic = Vec::new();
-    for (i, v) in raw.vips.iter().enumerate() {
-        let v = match v {
-            RawVip::Address(a) => a,
-            RawVip::Quic(q) => {
-                let key = format!("vips[{i}]");
-                let len = match q.quic_server_id_len {
-                    None => Some(rules::QUIC_SERVER_ID_LEN_DEFAULT),
-                    Some(n) => rules::quic_server_id_len(n)
-                        .map_err(|e| bad(&format!("{key}.quic_server_id_len"), e))
-                        .ok(),
-                };
-                let rotation = match q.quic_config_rotation {
-                    None => Some(0),
-                    Some(n) => rules::quic_config_rotation(n)
-                        .map_err(|e| bad(&format!("{key}.quic_config_rotation"), e))
-                        .ok(),
-                };
-                let id = match (&q.quic_server_id, len) {
-                    (None, _) => {
-                        bad(
-                            &format!("{key}.quic_server_id"),
-                            "missing (required in a VIP table); allowed: this host's server ID \
-                             for the VIP in hex, e.g. \"0a01\" (write the VIP as a plain \
-                             address when it has none)"
-                                .into(),
-                        );
-                        None
-                    }
-                    (Some(s), Some(len)) => rules::quic_server_id(s, len)
-                        .map_err(|e| bad(&format!("{key}.quic_server_id"), e))
-                        .ok()
-                        .map(|_| s.to_ascii_lowercase()),
-                    (Some(_), None) => None,
-                };
-                if let (Ok(vip), Some(id), Some(len), Some(rot)) =
-                    (q.address.parse::<IpAddr>(), id, len, rotation)
-                {
-                    quic.push(QuicServer {
-                        vip,
-                        quic_server_id: id,
-                        quic_server_id_len: len,
-                        quic_config_rotation: rot,
-                    });
-                }
-                &q.address
-            }
-        };
-        match v.parse::<IpAddr>() {
-            Ok(a) if a.is_unspecified() || a.is_multicast() || a.is_loopback() => bad(
-                &format!("vips[{i}]"),
-                format!("{a} cannot be a VIP (unspecified, multicast or loopback)"),
-            ),
-            Ok(a) if vips.contains(&a) => {
-                bad(&format!("vips[{i}]"), format!("{a} is listed twice"))
-            }
-            Ok(a) => vips.push(a),
-            Err(_) => bad(
-                &format!("vips[{i}]"),
-                format!("{v:?} is not an IP address (a VIP is an address, e.g. \"10.0.0.1\")"),
-            ),
-        }
-    }
+    let mut p = Problems {
+        origin,
+        list: Vec::new(),
+    };
+    let interfaces = interfaces(&raw.interfaces, &mut p);
+    let (vips, quic) = vips(&raw.vips, &mut p);
 
     let bpffs = PathBuf::from(raw.bpffs.as_deref().unwrap_or(DEFAULT_BPFFS));
     if !bpffs.is_absolute() {
-        bad(
+        p.bad(
             "bpffs",
             format!("{} is not an absolute path", bpffs.display()),
         );
@@ -269,7 +167,7 @@ pub fn parse(text: &str, origin: &str) -> Result<HostConfig, Refused> {
 
     let quic_file = PathBuf::from(raw.quic_file.as_deref().unwrap_or(DEFAULT_QUIC_FILE));
     if !quic_file.is_absolute() || quic_file.file_name().is_none() {
-        bad(
+        p.bad(
             "quic_file",
             format!("{} is not an absolute path of a file", quic_file.display()),
         );
@@ -277,7 +175,7 @@ pub fn parse(text: &str, origin: &str) -> Result<HostConfig, Refused> {
 
     let client_mtu = raw.client_mtu.unwrap_or(1500);
     if !(576..=65535).contains(&client_mtu) {
-        bad(
+        p.bad(
             "client_mtu",
             format!("{client_mtu} is out of range; allowed: 576 to 65535"),
         );
@@ -288,7 +186,7 @@ pub fn parse(text: &str, origin: &str) -> Result<HostConfig, Refused> {
         match listen.parse::<SocketAddr>() {
             Ok(a) if a.port() != 0 => Some(a),
             _ => {
-                bad(
+                p.bad(
                     "metrics.listen",
                     format!("{listen:?} is not ADDRESS:PORT with a port other than 0"),
                 );
@@ -303,7 +201,7 @@ pub fn parse(text: &str, origin: &str) -> Result<HostConfig, Refused> {
         None => LogFormat::Human,
         Some(Ok(f)) => f,
         Some(Err(e)) => {
-            bad("log_format", e.to_string());
+            p.bad("log_format", e.to_string());
             LogFormat::Human
         }
     };
@@ -311,13 +209,13 @@ pub fn parse(text: &str, origin: &str) -> Result<HostConfig, Refused> {
         None => LogLevel::Info,
         Some(Ok(l)) => l,
         Some(Err(e)) => {
-            bad("log_level", e.to_string());
+            p.bad("log_level", e.to_string());
             LogLevel::Info
         }
     };
 
-    if !problems.is_empty() {
-        return Err(Refused(problems));
+    if !p.list.is_empty() {
+        return Err(Refused(p.list));
     }
     Ok(HostConfig {
         interfaces,
@@ -330,6 +228,132 @@ pub fn parse(text: &str, origin: &str) -> Result<HostConfig, Refused> {
         metrics,
         log_format,
         log_level,
+    })
+}
+
+/// The problems found in one file, each a line prefixed with its origin and key.
+struct Problems<'a> {
+    origin: &'a str,
+    list: Vec<String>,
+}
+
+impl Problems<'_> {
+    fn bad(&mut self, key: &str, msg: String) {
+        self.list.push(format!("{}: {key}: {msg}", self.origin));
+    }
+}
+
+fn interfaces(raw: &[RawInterface], p: &mut Problems) -> Vec<InterfaceConfig> {
+    let mut interfaces = Vec::new();
+    let mut names = BTreeSet::new();
+    if raw.is_empty() {
+        p.bad(
+            "interfaces",
+            "at least one interface is needed (the one the LB's encapsulated packets arrive on)"
+                .into(),
+        );
+    }
+    for (i, itf) in raw.iter().enumerate() {
+        let key = format!("interfaces[{i}]");
+        let n = &itf.name;
+        if n.is_empty()
+            || n.len() > 15
+            || n == "."
+            || n == ".."
+            || n.contains(['/', ':'])
+            || n.contains(char::is_whitespace)
+        {
+            p.bad(
+                &format!("{key}.name"),
+                format!("{n:?} is not a Linux interface name (1-15 bytes, no '/', ':' or spaces)"),
+            );
+        }
+        if !names.insert(n.clone()) {
+            p.bad(&format!("{key}.name"), format!("{n:?} is listed twice"));
+        }
+        let mode = match itf.mode.as_deref().map(str::parse::<AttachMode>) {
+            None => AttachMode::Auto,
+            Some(Ok(m)) => m,
+            Some(Err(e)) => {
+                p.bad(&format!("{key}.mode"), e.to_string());
+                AttachMode::Auto
+            }
+        };
+        interfaces.push(InterfaceConfig {
+            name: n.clone(),
+            mode,
+        });
+    }
+    interfaces
+}
+
+/// The VIP addresses, and this host's QUIC server IDs of those written as tables.
+fn vips(raw: &[RawVip], p: &mut Problems) -> (Vec<IpAddr>, Vec<QuicServer>) {
+    let mut vips = Vec::new();
+    let mut quic = Vec::new();
+    for (i, v) in raw.iter().enumerate() {
+        let v = match v {
+            RawVip::Address(a) => a,
+            RawVip::Quic(q) => {
+                quic.extend(quic_server(&format!("vips[{i}]"), q, p));
+                &q.address
+            }
+        };
+        match v.parse::<IpAddr>() {
+            Ok(a) if a.is_unspecified() || a.is_multicast() || a.is_loopback() => p.bad(
+                &format!("vips[{i}]"),
+                format!("{a} cannot be a VIP (unspecified, multicast or loopback)"),
+            ),
+            Ok(a) if vips.contains(&a) => {
+                p.bad(&format!("vips[{i}]"), format!("{a} is listed twice"))
+            }
+            Ok(a) => vips.push(a),
+            Err(_) => p.bad(
+                &format!("vips[{i}]"),
+                format!("{v:?} is not an IP address (a VIP is an address, e.g. \"10.0.0.1\")"),
+            ),
+        }
+    }
+    (vips, quic)
+}
+
+/// A VIP table's QUIC server ID, checked by the rules the LB's configuration follows; `None`
+/// when something is wrong (and said in `p`) or the address is (its problem is said apart).
+fn quic_server(key: &str, q: &RawQuicVip, p: &mut Problems) -> Option<QuicServer> {
+    let len = match q.quic_server_id_len {
+        None => Some(rules::QUIC_SERVER_ID_LEN_DEFAULT),
+        Some(n) => rules::quic_server_id_len(n)
+            .map_err(|e| p.bad(&format!("{key}.quic_server_id_len"), e))
+            .ok(),
+    };
+    let rotation = match q.quic_config_rotation {
+        None => Some(0),
+        Some(n) => rules::quic_config_rotation(n)
+            .map_err(|e| p.bad(&format!("{key}.quic_config_rotation"), e))
+            .ok(),
+    };
+    let id = match (&q.quic_server_id, len) {
+        (None, _) => {
+            p.bad(
+                &format!("{key}.quic_server_id"),
+                "missing (required in a VIP table); allowed: this host's server ID \
+                 for the VIP in hex, e.g. \"0a01\" (write the VIP as a plain \
+                 address when it has none)"
+                    .into(),
+            );
+            None
+        }
+        (Some(s), Some(len)) => rules::quic_server_id(s, len)
+            .map_err(|e| p.bad(&format!("{key}.quic_server_id"), e))
+            .ok()
+            .map(|_| s.to_ascii_lowercase()),
+        (Some(_), None) => None,
+    };
+    Some(QuicServer {
+        vip: q.address.parse::<IpAddr>().ok()?,
+        quic_server_id: id?,
+        quic_server_id_len: len?,
+        quic_config_rotation: rotation?,
     })
 }
 

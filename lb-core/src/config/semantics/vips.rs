@@ -223,19 +223,73 @@ pub(in crate::config) fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipPart
             .ok(),
     };
 
+    let n = r.backend.len();
+    let (backends, backend_addrs) = vip_backends(
+        c,
+        p,
+        r.backend,
+        (address, port),
+        quic.zip(quic_server_id_len),
+    );
+    let ring_ok = ring_size.is_none_or(|rs| ring_fits(c, &rs_path, rs, n));
+    if n == 0 {
+        c.warn(
+            p,
+            "has no backends, so its packets are dropped until backends are added",
+        );
+    }
+
+    let key = match (address, port, protocol) {
+        (Some(a), Some(p), Some(proto)) => Some((a, p, proto)),
+        _ => None,
+    };
+    let config = (|| {
+        Some(VipConfig {
+            name: name.clone()?,
+            address: address?,
+            port: port?,
+            protocol: protocol?,
+            hash: hash?,
+            affinity_window: affinity_window?,
+            priority: priority?,
+            ring_size: ring_size.filter(|_| ring_ok)?,
+            flow_state: flow_state?,
+            inband,
+            quic: quic.filter(|_| backends_ok_quic)?,
+            quic_server_id_len: quic_server_id_len?,
+            quic_config_rotation: quic_config_rotation?,
+            backends: backends?,
+        })
+    })();
+    VipParts {
+        name,
+        key,
+        backend_addrs,
+        config,
+    }
+}
+
+/// A VIP's backends, each checked, with the addresses of those whose address is valid;
+/// `None` for the list when any backend is refused or listed twice.
+fn vip_backends(
+    c: &mut Checker,
+    p: &KeyPath,
+    raw: Vec<RawBackend>,
+    (address, port): (Option<IpAddr>, Option<u16>),
+    quic: Option<(QuicMode, u8)>,
+) -> (Option<Vec<BackendConfig>>, Vec<(usize, IpAddr)>) {
     let mut backends = Vec::new();
     let mut backends_ok = true;
     let mut backend_addrs = Vec::new();
     let mut seen: HashMap<IpAddr, usize> = HashMap::new();
     let mut server_ids: HashMap<u64, usize> = HashMap::new();
-    let n = r.backend.len();
-    for (j, mut b) in r.backend.into_iter().enumerate() {
+    for (j, mut b) in raw.into_iter().enumerate() {
         let bp = p.key("backend").idx(j);
         let sid = quic_server_id(
             c,
             &bp.key("quic_server_id"),
             b.quic_server_id.take(),
-            quic.zip(quic_server_id_len),
+            quic,
             (j, &mut server_ids),
         );
         let (addr, config) = backend(c, &bp, b, address, port);
@@ -263,70 +317,38 @@ pub(in crate::config) fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipPart
             None => backends_ok = false,
         }
     }
+    (backends_ok.then_some(backends), backend_addrs)
+}
 
-    let mut ring_ok = true;
-    if let Some(rs) = ring_size {
-        let n32 = n as u32;
-        if n32 > rs {
-            c.err(
-                &rs_path,
-                format!(
-                    "{rs} is smaller than the VIP's {n} backends, so some would get no slot; \
-                     allowed: a prime of at least {n}, and at least 100 per backend is \
-                     recommended, e.g. {}",
-                    prime_at_least((100 * n32).min(RING_SIZE_MAX))
-                ),
-            );
-            ring_ok = false;
-        }
-        // With more than 655 backends even the largest ring gives fewer than 100 each.
-        let recommended = (100 * n32).min(RING_SIZE_MAX);
-        if ring_ok && n > 0 && rs < recommended {
-            c.warn(
-                &rs_path,
-                format!(
-                    "{rs} slots for {n} backends is fewer than 100 per backend, so their shares \
-                     may be off by more than 1%; use a prime of at least {recommended}, e.g. {}",
-                    prime_at_least(recommended)
-                ),
-            );
-        }
+/// Whether a ring of `rs` slots gives each of `n` backends one (an error otherwise); warns
+/// when they get fewer than 100 each.
+fn ring_fits(c: &mut Checker, rs_path: &KeyPath, rs: u32, n: usize) -> bool {
+    let n32 = n as u32;
+    if n32 > rs {
+        c.err(
+            rs_path,
+            format!(
+                "{rs} is smaller than the VIP's {n} backends, so some would get no slot; \
+                 allowed: a prime of at least {n}, and at least 100 per backend is \
+                 recommended, e.g. {}",
+                prime_at_least((100 * n32).min(RING_SIZE_MAX))
+            ),
+        );
+        return false;
     }
-    if n == 0 {
+    // With more than 655 backends even the largest ring gives fewer than 100 each.
+    let recommended = (100 * n32).min(RING_SIZE_MAX);
+    if n > 0 && rs < recommended {
         c.warn(
-            p,
-            "has no backends, so its packets are dropped until backends are added",
+            rs_path,
+            format!(
+                "{rs} slots for {n} backends is fewer than 100 per backend, so their shares \
+                 may be off by more than 1%; use a prime of at least {recommended}, e.g. {}",
+                prime_at_least(recommended)
+            ),
         );
     }
-
-    let key = match (address, port, protocol) {
-        (Some(a), Some(p), Some(proto)) => Some((a, p, proto)),
-        _ => None,
-    };
-    let config = (|| {
-        Some(VipConfig {
-            name: name.clone()?,
-            address: address?,
-            port: port?,
-            protocol: protocol?,
-            hash: hash?,
-            affinity_window: affinity_window?,
-            priority: priority?,
-            ring_size: ring_size.filter(|_| ring_ok)?,
-            flow_state: flow_state?,
-            inband,
-            quic: quic.filter(|_| backends_ok_quic)?,
-            quic_server_id_len: quic_server_id_len?,
-            quic_config_rotation: quic_config_rotation?,
-            backends: backends_ok.then_some(backends)?,
-        })
-    })();
-    VipParts {
-        name,
-        key,
-        backend_addrs,
-        config,
-    }
+    true
 }
 
 pub(in crate::config) fn backend(
