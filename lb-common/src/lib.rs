@@ -211,6 +211,8 @@ pub mod quic {
     /// Longest server ID the data plane reads (the draft allows up to 15 octets; eight keep
     /// the lookup key one word).
     pub const SERVER_ID_LEN_MAX: u8 = 8;
+    /// Shortest nonce a QUIC-LB server writes after its server ID.
+    pub const NONCE_LEN_MIN: usize = 4;
     /// Config rotation codepoints in the first octet's top three bits; `0b111` marks a
     /// connection ID that follows no configuration (QUIC-LB's "unroutable"), never configured.
     pub const ROTATION_SHIFT: u32 = 5;

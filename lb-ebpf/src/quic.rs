@@ -13,8 +13,8 @@ use aya_ebpf::programs::XdpContext;
 use lb_common::{
     hash,
     quic::{
-        HANDSHAKE_V1, HANDSHAKE_V2, LONG_HEADER, MAX_CID_LEN, ROTATION_SHIFT, SERVER_ID_LEN_MAX,
-        VERSION_1, VERSION_2,
+        HANDSHAKE_V1, HANDSHAKE_V2, LONG_HEADER, MAX_CID_LEN, NONCE_LEN_MIN, ROTATION_SHIFT,
+        SERVER_ID_LEN_MAX, VERSION_1, VERSION_2,
     },
     stat::{self, Counter},
     QuicServerKey, VipMeta,
@@ -28,8 +28,6 @@ use crate::{
 
 /// A long header's fixed part: first octet, version, destination connection-ID length.
 const LONG_FIXED: usize = 6;
-/// The shortest nonce a QUIC-LB server writes after its server ID.
-const NONCE_MIN: usize = 4;
 /// Octets read from a connection ID at once: its first octet and the eight after it, which
 /// hold any server ID this program reads (`SERVER_ID_LEN_MAX`); those past the server ID are
 /// masked off.
@@ -72,7 +70,7 @@ pub fn server(
     };
     // The server ID and the nonce's first four octets (a nonce has at least four) are the
     // same in every packet of the connection; octets after them may be the packet number.
-    let stable = (sid_len + NONCE_MIN).min(8) as u32;
+    let stable = (sid_len + NONCE_LEN_MIN).min(8) as u32;
     Ok((id, hash::cid_hash(cid.next >> (64 - 8 * stable), seed)))
 }
 

@@ -43,18 +43,19 @@
 
 use std::{fmt, time::Duration};
 
+use lb_common::quic;
 use quinn_proto::{ConnectionId, ConnectionIdGenerator, InvalidCid};
 
 /// Longest connection ID of QUIC versions 1 and 2.
-pub const MAX_CID_LEN: usize = 20;
+pub const MAX_CID_LEN: usize = quic::MAX_CID_LEN;
 /// Longest server ID Sluice's data plane reads.
-pub const MAX_SERVER_ID_LEN: usize = 8;
+pub const MAX_SERVER_ID_LEN: usize = quic::SERVER_ID_LEN_MAX as usize;
 /// Shortest nonce the draft allows.
-pub const MIN_NONCE_LEN: usize = 4;
-/// Highest config rotation codepoint (7 marks an unroutable connection ID).
-pub const MAX_CONFIG_ROTATION: u8 = 6;
+pub const MIN_NONCE_LEN: usize = quic::NONCE_LEN_MIN;
+/// Highest config rotation codepoint (the next marks an unroutable connection ID).
+pub const MAX_CONFIG_ROTATION: u8 = quic::ROTATION_UNROUTABLE - 1;
 /// The rotation codepoint's position in the first octet.
-pub const ROTATION_SHIFT: u32 = 5;
+pub const ROTATION_SHIFT: u32 = quic::ROTATION_SHIFT;
 const LOW_BITS: u8 = (1 << ROTATION_SHIFT) - 1;
 
 /// Why a [`QuicLbCids`] could not be made.
