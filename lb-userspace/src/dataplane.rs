@@ -577,29 +577,15 @@ impl Dataplane {
             self.quic_shadow = Some(current);
             return Ok(0);
         }
-        let mut m: HashMap<&mut MapData, QuicServerKey, u32> =
-            HashMap::try_from(self.map(maps::QUIC_SERVERS)?)?;
         let key = |(vip, id): state::QuicServerKey| QuicServerKey { vip, _pad: 0, id };
         // On failure the shadow stays unset, so the next sync reads the map again.
         for &(k, backend) in &changes.write {
-            m.insert(key(k), backend, 0).with_context(|| {
-                format!("writing QUIC_SERVERS (VIP {}, server ID {:#x})", k.0, k.1)
-            })?;
+            self.set_quic_server(&key(k), backend)
+                .with_context(|| format!("VIP {}, server ID {:#x}", k.0, k.1))?;
         }
         for &k in &changes.delete {
-            match m.remove(&key(k)) {
-                Ok(()) => {}
-                // Already gone (ENOENT): what was wanted.
-                Err(_) if matches!(m.get(&key(k), 0), Err(aya::maps::MapError::KeyNotFound)) => {}
-                Err(e) => {
-                    return Err(e).with_context(|| {
-                        format!(
-                            "deleting from QUIC_SERVERS (VIP {}, server ID {:#x})",
-                            k.0, k.1
-                        )
-                    })
-                }
-            }
+            self.remove_quic_server(&key(k))
+                .with_context(|| format!("VIP {}, server ID {:#x}", k.0, k.1))?;
         }
         self.quic_shadow = Some(desired.clone());
         Ok(changes.write.len() + changes.delete.len())
@@ -753,11 +739,6 @@ impl Dataplane {
         self.hash_set(maps::AFFINITY, key, e)
     }
 
-    /// The backend a VIP's QUIC-LB server ID routes to.
-    pub fn quic_server(&mut self, key: &QuicServerKey) -> Result<Option<u32>> {
-        self.hash_get(maps::QUIC_SERVERS, key)
-    }
-
     /// Routes a VIP's QUIC-LB server ID to backend `id`.
     pub fn set_quic_server(&mut self, key: &QuicServerKey, id: u32) -> Result<()> {
         self.hash_set(maps::QUIC_SERVERS, key, &id)
@@ -768,7 +749,9 @@ impl Dataplane {
         let mut m: HashMap<&mut MapData, QuicServerKey, u32> =
             HashMap::try_from(self.map(maps::QUIC_SERVERS)?)?;
         match m.remove(key) {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Ok(()) => Ok(()),
+            // A delete of a missing key fails with ENOENT, not `KeyNotFound`: ask the map.
+            Err(_) if matches!(m.get(key, 0), Err(aya::maps::MapError::KeyNotFound)) => Ok(()),
             Err(e) => Err(e).context("removing from QUIC_SERVERS"),
         }
     }
