@@ -12,7 +12,7 @@ pub mod trace;
 /// Bumped whenever a map's key or value layout changes, or the counter list does (`STATS`
 /// is read by index); pinned maps carry it so a newer program refuses to reuse maps it
 /// cannot read.
-pub const LAYOUT_VERSION: u32 = 7;
+pub const LAYOUT_VERSION: u32 = 8;
 
 pub const MAX_VIPS: u32 = 128;
 /// Backend ids index the backend array; id 0 is the "unset" sentinel (a ring slot or
@@ -71,6 +71,10 @@ pub const VIP_F_ADMISSION: u32 = 1 << 5;
 /// a client that changes address or port stays on its server. Every other packet takes the
 /// 5-tuple path.
 pub const VIP_F_QUIC_CID: u32 = 1 << 6;
+/// Tenants are configured: a new session of this VIP is matched to its client's tenant
+/// (`TENANT_PREFIXES`, longest prefix; tenant 0 when none matches) and refused while that
+/// tenant is over a limit here (`TenantLimits`). Packets of established flows never look.
+pub const VIP_F_TENANTS: u32 = 1 << 7;
 
 /// Key of the VIP hash map. `port` 0 matches every port of the address and protocol.
 #[repr(C)]
@@ -174,6 +178,82 @@ pub struct BackendEntry {
     pub _pad: u8,
     /// The VIP this backend serves (backends are per VIP so drains and weights are per VIP).
     pub vip: u32,
+}
+
+/// Tenants, including the default tenant 0 (clients no configured prefix matches).
+pub const MAX_TENANTS: u32 = 64;
+/// Client prefixes all tenants together may name.
+pub const MAX_TENANT_PREFIXES: u32 = 16384;
+
+/// The data of a `TENANT_PREFIXES` key (after the LPM key's prefix length, which counts 32
+/// bits for `family` and its padding, then the address's): one trie holds both families,
+/// an IPv4 prefix never matching an IPv6 client. `addr` as `FlowKey::src` holds it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct TenantPrefix {
+    pub family: u8,
+    pub _pad: [u8; 3],
+    pub addr: [u32; 4],
+}
+
+/// Bits of a `TENANT_PREFIXES` key before the address: `TenantPrefix::family` and padding.
+pub const TENANT_PREFIX_FAMILY_BITS: u32 = 32;
+
+/// A tenant's limits on one VIP: element `vip_id * MAX_TENANTS + tenant` of `TENANT_LIMITS`,
+/// written by the controller. All zero: no limit.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TenantLimits {
+    /// New sessions per second as a generic cell rate: one new session per `interval_ns`
+    /// sustained; 0 = no rate limit.
+    pub interval_ns: u64,
+    /// How far ahead of the sustained rate a burst may run: `burst * interval_ns`, so a
+    /// tenant idle for long enough opens `burst` sessions at once.
+    pub burst_ns: u64,
+    /// `TENANT_F_*` bits, set by the controller from the connection table's counts.
+    pub flags: u32,
+    pub _pad: u32,
+}
+
+/// `TenantLimits::flags`: the tenant's sessions on this VIP reached its `max_sessions`.
+pub const TENANT_F_CAPPED: u32 = 1 << 0;
+/// `TenantLimits::flags`: the VIP's pool is full and this tenant holds more than its
+/// weighted share of it: its new sessions are refused before any class is shed, so the room
+/// that frees up goes to the tenants under their share.
+pub const TENANT_F_OVER_SHARE: u32 = 1 << 1;
+
+/// A tenant's rate state on one VIP (`TENANT_BUCKETS`, same index as `TenantLimits`,
+/// shared by the CPUs): the theoretical arrival time of the next new session (GCRA). Two
+/// CPUs admitting at the same instant may both take the last token: the rate is exact to
+/// within one session per CPU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TenantBucket {
+    pub tat_ns: u64,
+}
+
+/// A tenant's new sessions on one VIP (`TENANT_STATS`, per CPU, same index): admitted by its
+/// limits (a session admitted here may still be shed by the pool's admission), and refused
+/// for each limit.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TenantStats {
+    pub admitted: u64,
+    pub refused_sessions: u64,
+    pub refused_share: u64,
+    pub refused_rate: u64,
+}
+
+impl TenantStats {
+    /// The sum of two CPUs' counters.
+    pub fn merged(self, o: &TenantStats) -> TenantStats {
+        TenantStats {
+            admitted: self.admitted + o.admitted,
+            refused_sessions: self.refused_sessions + o.refused_sessions,
+            refused_share: self.refused_share + o.refused_share,
+            refused_rate: self.refused_rate + o.refused_rate,
+        }
+    }
 }
 
 /// Key of `QUIC_SERVERS`: a VIP and one of its backends' QUIC-LB server IDs (value: the
@@ -479,6 +559,14 @@ pub mod maps {
     pub const INBAND_STATS: &str = "INBAND_STATS";
     /// `QuicServerKey → u32` (hash): the backend of a VIP's QUIC-LB server ID.
     pub const QUIC_SERVERS: &str = "QUIC_SERVERS";
+    /// `Key<TenantPrefix> → u32` (LPM trie): the tenant of a client prefix.
+    pub const TENANT_PREFIXES: &str = "TENANT_PREFIXES";
+    /// `[TenantLimits; MAX_VIPS * MAX_TENANTS]`: each tenant's limits per VIP.
+    pub const TENANT_LIMITS: &str = "TENANT_LIMITS";
+    /// `[TenantBucket; MAX_VIPS * MAX_TENANTS]`: each tenant's new-session rate state per VIP.
+    pub const TENANT_BUCKETS: &str = "TENANT_BUCKETS";
+    /// `[TenantStats; MAX_VIPS * MAX_TENANTS]` per CPU: each tenant's new sessions per VIP.
+    pub const TENANT_STATS: &str = "TENANT_STATS";
     /// Ring buffer of `trace::DecisionRecord`s (aya-log's map name).
     pub const AYA_LOGS: &str = "AYA_LOGS";
 }
@@ -655,6 +743,15 @@ pub mod stat {
         /// connection-ID length is over 20 octets, shorter than a server ID, or runs past the
         /// packet: the 5-tuple path.
         QUIC_MALFORMED = "quic_malformed", Event;
+        /// A new session refused because its tenant holds its `max_sessions` on the VIP;
+        /// followed by `SHED_RST_SENT` or `DROP_SHED`.
+        SHED_TENANT_SESSIONS = "shed_tenant_sessions", Event;
+        /// A new session refused because the VIP's pool is full and its tenant is over its
+        /// weighted share; followed by `SHED_RST_SENT` or `DROP_SHED`.
+        SHED_TENANT_SHARE = "shed_tenant_share", Event;
+        /// A new session refused because its tenant opens sessions faster than its rate and
+        /// burst allow; followed by `SHED_RST_SENT` or `DROP_SHED`.
+        SHED_TENANT_RATE = "shed_tenant_rate", Event;
     }
 }
 
@@ -677,4 +774,8 @@ mod pod {
     unsafe impl aya::Pod for InbandFlow {}
     unsafe impl aya::Pod for InbandStats {}
     unsafe impl aya::Pod for QuicServerKey {}
+    unsafe impl aya::Pod for TenantPrefix {}
+    unsafe impl aya::Pod for TenantLimits {}
+    unsafe impl aya::Pod for TenantBucket {}
+    unsafe impl aya::Pod for TenantStats {}
 }

@@ -9,12 +9,13 @@ use lb_common::{
     VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_CAPPED, BACKEND_F_FULL, BACKEND_F_GUE,
     BACKEND_F_NO_AFFINITY, CONN_F_HANDSHAKE, LB_F_WILDCARD_VIPS, MAX_PROBES, PROTO_TCP,
     RINGS_PER_VIP, RING_HISTORY, RING_SIZE_MAX, VIP_F_ADMISSION, VIP_F_SECOND_CHANCE, VIP_F_SHED,
-    VIP_F_SRC_HASH,
+    VIP_F_SRC_HASH, VIP_F_TENANTS,
 };
 
 use crate::{
     maps::{AFFINITY, BACKENDS, CONNS, FLOOD, MAGLEV_RINGS, VIPS},
     stats::{count, HANDSHAKE_COMPLETED, HANDSHAKE_STARTED},
+    tenant,
 };
 
 const NS_PER_SEC: u64 = 1_000_000_000;
@@ -163,7 +164,8 @@ pub fn decide(
 }
 
 /// A flow with no per-flow state here: the ring (and its history) picks the backend, and
-/// admission refuses a new session of a shedding VIP.
+/// admission refuses a new session over its tenant's limits (before any class rule: a full
+/// pool sheds the tenants over their share first) or of a shedding VIP.
 #[inline(always)]
 fn steer_new(
     key: &FlowKey,
@@ -173,6 +175,9 @@ fn steer_new(
     opens: bool,
 ) -> Result<Decision, Refusal> {
     let h = steering_hash(key, vip, cfg);
+    if opens && vip.flags & VIP_F_TENANTS != 0 {
+        tenant::admit(key, vip, now)?;
+    }
     if opens && vip.flags & VIP_F_SHED != 0 {
         return Err(Refusal::Shed(stat::SHED_PRIORITY));
     }

@@ -20,6 +20,7 @@ mod quic;
 mod rst;
 mod second_hop;
 mod stats;
+mod tenant;
 mod trace;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};

@@ -14,8 +14,9 @@ use aya_ebpf::{
 };
 use lb_common::{
     AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FloodWindow, FlowKey, InbandStats,
-    LbConfig, NextHop, QuicServerKey, RingSlot, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE,
-    CONN_TABLE_SIZE, MAX_BACKENDS, MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
+    LbConfig, NextHop, QuicServerKey, RingSlot, TenantBucket, TenantLimits, TenantPrefix,
+    TenantStats, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, MAX_BACKENDS,
+    MAX_TENANTS, MAX_TENANT_PREFIXES, MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
 };
 
 /// Per-CPU LRU lists: each CPU evicts from its own list, so flows steered by RSS to one CPU
@@ -99,3 +100,22 @@ pub static INBAND_STATS: PerCpuArray<InbandStats> = PerCpuArray::with_max_entrie
 #[btf_map]
 pub static QUIC_SERVERS: btf_maps::HashMap<QuicServerKey, u32, { MAX_BACKENDS as usize }> =
     btf_maps::HashMap::new();
+
+/// The tenant of each client prefix (longest prefix wins; no match: tenant 0).
+#[btf_map]
+pub static TENANT_PREFIXES: btf_maps::LpmTrie<TenantPrefix, u32, { MAX_TENANT_PREFIXES as usize }> =
+    btf_maps::LpmTrie::new();
+
+/// Each tenant's limits per VIP, element `vip_id * MAX_TENANTS + tenant`.
+#[btf_map]
+pub static TENANT_LIMITS: btf_maps::Array<TenantLimits, { (MAX_VIPS * MAX_TENANTS) as usize }> =
+    btf_maps::Array::new();
+
+/// Each tenant's new-session rate state per VIP (shared by the CPUs), same index.
+#[map]
+pub static TENANT_BUCKETS: Array<TenantBucket> = Array::with_max_entries(MAX_VIPS * MAX_TENANTS, 0);
+
+/// Each tenant's admitted and refused new sessions per VIP, same index.
+#[map]
+pub static TENANT_STATS: PerCpuArray<TenantStats> =
+    PerCpuArray::with_max_entries(MAX_VIPS * MAX_TENANTS, 0);
