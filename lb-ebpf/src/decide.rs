@@ -39,7 +39,7 @@ impl From<Counter> for Refusal {
 pub struct Decision {
     pub backend_id: u32,
     /// The backend's entry in `BACKENDS` (a reference, not a copy: the steering path's stack
-    /// is at the verifier's 512 bytes).
+    /// is close to the verifier's 512 bytes).
     pub backend: &'static BackendEntry,
     pub new_flow: bool,
     pub hash: u32,
@@ -135,12 +135,10 @@ pub fn decide(
     let now = unsafe { bpf_ktime_get_coarse_ns() };
 
     // Second chance: the backends hold TCP's per-flow state, the ring's history finds it.
-    if vip.flags & VIP_F_SECOND_CHANCE != 0 && key.proto == PROTO_TCP {
+    let second_chance = vip.flags & VIP_F_SECOND_CHANCE != 0 && key.proto == PROTO_TCP;
+    if second_chance {
         count(stat::SECOND_CHANCE_STEERED);
-        return steer_new(key, vip, cfg, now, opens && track);
-    }
-
-    if let Some(e) = CONNS.get_ptr_mut(key) {
+    } else if let Some(e) = CONNS.get_ptr_mut(key) {
         // A SYN on a 5-tuple whose entry outlived its connection (the client reused the
         // port) opens a new session.
         let reopens = opens && track && key.proto == PROTO_TCP;
@@ -160,7 +158,12 @@ pub fn decide(
     } else {
         count(stat::CONN_MISS);
     }
-    miss(key, vip, cfg, now, track, opens && track)
+    // One call site for every flow steered as new: the verifier sees admission once.
+    let mut d = steer_new(key, vip, cfg, now, opens && track)?;
+    if !second_chance {
+        pin(key, &mut d, cfg, now, track, opens && track);
+    }
+    Ok(d)
 }
 
 /// A flow with no per-flow state here: the ring (and its history) picks the backend, and
@@ -278,18 +281,10 @@ fn resteer(key: &FlowKey, vip: &VipMeta, e: *mut ConnEntry, now: u64) -> Result<
     })
 }
 
-/// A flow without an entry in table mode: steered as new, then pinned by an entry unless
-/// it is an ICMP error (`track` false) or the flood guard bypasses the table.
+/// A flow without an entry in table mode, steered as new: pinned by an entry unless it is an
+/// ICMP error (`track` false) or the flood guard bypasses the table.
 #[inline(always)]
-fn miss(
-    key: &FlowKey,
-    vip: &VipMeta,
-    cfg: &LbConfig,
-    now: u64,
-    track: bool,
-    opens: bool,
-) -> Result<Decision, Refusal> {
-    let mut d = steer_new(key, vip, cfg, now, opens)?;
+fn pin(key: &FlowKey, d: &mut Decision, cfg: &LbConfig, now: u64, track: bool, opens: bool) {
     // New to the table even when it opens no session (an entry evicted mid-stream).
     d.new_flow = true;
     if !track {
@@ -316,7 +311,6 @@ fn miss(
         // which no packet can cause. The flow then follows the ring, as a bypassed one does.
         let _ = CONNS.insert(key, e, 0);
     }
-    Ok(d)
 }
 
 #[inline(always)]

@@ -16,7 +16,12 @@ use crate::{
 #[inline(always)]
 pub fn admit(key: &FlowKey, vip: &VipMeta, now: u64) -> Result<(), Refusal> {
     let prefix = Key::new(
-        TENANT_PREFIX_FAMILY_BITS + if key.family == lb_common::FAMILY_V4 { 32 } else { 128 },
+        TENANT_PREFIX_FAMILY_BITS
+            + if key.family == lb_common::FAMILY_V4 {
+                32
+            } else {
+                128
+            },
         TenantPrefix {
             family: key.family,
             _pad: [0; 3],
