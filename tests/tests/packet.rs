@@ -2710,7 +2710,9 @@ fn without_quic_cid_a_vip_steers_quic_by_its_5_tuple_and_icmp_errors_never_by_id
 // `TENANT_LIMITS`, written here as the controller writes them. Tenant 1 holds 10.7.0.0/16
 // and 2001:db8:7::/48; tenant 2 the /24 and /56 inside them.
 
-const NS: u64 = 1_000_000_000;
+/// The rate tests' interval: one new session an hour, so no stall of a test run between
+/// reading the clock and sending its packets earns a token (no test races the clock).
+const HOUR_NS: u64 = 3600 * 1_000_000_000;
 const TENANT1_V4: &str = "10.7.9.5";
 const TENANT2_V4: &str = "10.7.3.5";
 const TENANT1_V6: &str = "2001:db8:7:900::5";
@@ -2736,12 +2738,11 @@ fn flagged(flags: u32) -> TenantLimits {
     }
 }
 
-/// `per_sec` new sessions a second with a burst of `burst`, as the controller writes them.
-fn rate(per_sec: u64, burst: u64) -> TenantLimits {
-    let interval_ns = NS / per_sec;
+/// One new session an hour with a burst of `burst`, as the controller writes a rate.
+fn hourly(burst: u64) -> TenantLimits {
     TenantLimits {
-        interval_ns,
-        burst_ns: burst * interval_ns,
+        interval_ns: HOUR_NS,
+        burst_ns: burst * HOUR_NS,
         ..Default::default()
     }
 }
@@ -2914,7 +2915,7 @@ fn a_tenant_capped_and_over_share_is_refused_once_for_its_sessions_and_keeps_its
     let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS, 0);
     lab.backends(&vip, &BACKENDS4);
     let mut t = tenant_maps(&mut lab);
-    let mut limits = rate(1, 1);
+    let mut limits = hourly(1);
     limits.flags = TENANT_F_CAPPED | TENANT_F_OVER_SHARE;
     t.set_limits(0, 1, limits).unwrap();
     let (a, _) = lab.run(&on_wire(&tcp_packet_to(TENANT1_V4, VIP4, 47300, SYN)));
@@ -2946,8 +2947,7 @@ fn a_tenants_rate_admits_its_burst_and_refuses_the_next_session_without_taking_a
     let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS | VIP_F_SHED_RST, 0);
     lab.backends(&vip, &BACKENDS4);
     let mut t = tenant_maps(&mut lab);
-    // One session a second: the test's packets, microseconds apart, earn no new token.
-    let limits = rate(1, BURST);
+    let limits = hourly(BURST);
     t.set_limits(0, 1, limits).unwrap();
     let start = sluice_tests::tenants::coarse_now_ns();
     for port in 0..BURST as u16 {
@@ -2997,7 +2997,7 @@ fn a_spent_tenant_bucket_admits_exactly_one_session_per_interval_that_passed() {
     let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS, 0);
     lab.backends(&vip, &BACKENDS4);
     let mut t = tenant_maps(&mut lab);
-    let limits = rate(1, BURST);
+    let limits = hourly(BURST);
     t.set_limits(0, 1, limits).unwrap();
     // Spent at `now - interval`: its theoretical arrival time is BURST intervals past that.
     let spent =
@@ -3051,10 +3051,10 @@ fn established_streams_of_a_tenant_over_every_limit_keep_flowing() {
     let udp_pkt = |n: u8| V4::new(TENANT1_V4, VIP4, PROTO_UDP).build(&udp(47601, 443, &[n; 30]));
     assert_steered(&mut lab, &udp_pkt(0), uwant, uh);
 
-    // Every limit at once, the bucket a minute ahead of now.
-    let mut over = rate(1, 1);
+    // Every limit at once, the bucket ten hours ahead of now.
+    let mut over = hourly(1);
     over.flags = TENANT_F_CAPPED | TENANT_F_OVER_SHARE;
-    let ahead = sluice_tests::tenants::coarse_now_ns() + 60 * NS;
+    let ahead = sluice_tests::tenants::coarse_now_ns() + 10 * HOUR_NS;
     for vip_id in 0..3 {
         t.set_limits(vip_id, 1, over).unwrap();
         t.set_bucket(vip_id, 1, ahead).unwrap();
@@ -3104,11 +3104,11 @@ fn a_vip_without_the_tenants_flag_ignores_the_tenant_maps() {
     let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_SHED_RST, 0);
     lab.backends(&vip, &BACKENDS4);
     let mut t = tenant_maps(&mut lab);
-    let mut over = rate(1, 1);
+    let mut over = hourly(1);
     over.flags = TENANT_F_CAPPED | TENANT_F_OVER_SHARE;
     t.set_limits(0, 1, over).unwrap();
     t.set_limits(0, 0, over).unwrap();
-    let ahead = sluice_tests::tenants::coarse_now_ns() + 60 * NS;
+    let ahead = sluice_tests::tenants::coarse_now_ns() + 10 * HOUR_NS;
     t.set_bucket(0, 1, ahead).unwrap();
     for (n, client) in [TENANT1_V4, TENANT1_V4, CLIENT4].into_iter().enumerate() {
         assert_tcp_forwarded(&mut lab, &vip, client, 47700 + n as u16, SYN);
