@@ -146,6 +146,15 @@ pub fn decide(
         let reopens = opens && track && key.proto == PROTO_TCP;
         if let Some(d) = established(key, vip, e, now, reopens, acks) {
             count(stat::CONN_HIT);
+            // A SYN on an entry whose handshake completed is the client's next session: its
+            // tenant's limits apply as to a SYN without entry. Refused, the entry's handshake
+            // stays completed, so the SYN's retransmission is checked again.
+            if d.handshake == HANDSHAKE_STARTED && vip.flags & VIP_F_TENANTS != 0 {
+                if let Err(r) = tenant::admit(key, vip, now) {
+                    unsafe { (*e).flags ^= CONN_F_HANDSHAKE };
+                    return Err(r);
+                }
+            }
             return Ok(d);
         }
         if !reopens {

@@ -329,6 +329,7 @@ pub fn run(frames: u64, seed: u64) -> Result<Summary> {
             before = lab.dp.stats()?;
         }
         let frame = frame(&mut rng, &vips);
+        tenants.before(&mut lab, &vips, &frame)?;
         let t0 = coarse_now_ns();
         let (action, out) = run_prog(&mut lab.dp, PROG_XDP, &frame)
             .with_context(|| format!("frame {i} (seed {seed:#x}): {}", hex(&frame)))?;

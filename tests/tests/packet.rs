@@ -7,9 +7,9 @@ use std::net::IpAddr;
 use lb_common::{
     quic, stat, AffinityEntry, AffinityKey, QuicServerKey, TenantLimits, TenantStats, BACKEND_DOWN,
     BACKEND_DRAINING, BACKEND_F_CAPPED, BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY,
-    PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP, TENANT_F_CAPPED,
-    TENANT_F_OVER_SHARE, VIP_F_ADMISSION, VIP_F_QUIC_CID, VIP_F_SECOND_CHANCE, VIP_F_SHED,
-    VIP_F_SHED_RST, VIP_F_SRC_HASH, VIP_F_TENANTS,
+    CONN_F_HANDSHAKE, PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP,
+    TENANT_F_CAPPED, TENANT_F_OVER_SHARE, VIP_F_ADMISSION, VIP_F_QUIC_CID, VIP_F_SECOND_CHANCE,
+    VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH, VIP_F_TENANTS,
 };
 use sluice::dataplane::PROG_DECAP;
 use sluice_tests::{flow, frames::*, run_prog, tenants::TenantMaps, Lab, FALLBACK_MAC};
@@ -3059,7 +3059,8 @@ fn established_streams_of_a_tenant_over_every_limit_keep_flowing() {
         t.set_limits(vip_id, 1, over).unwrap();
         t.set_bucket(vip_id, 1, ahead).unwrap();
     }
-    for flags in [ACK, ACK | PSH, SYN, 0x01 | ACK] {
+    // The SYN's retransmission (its handshake pending), then the stream.
+    for flags in [SYN, ACK, ACK | PSH, 0x01 | ACK] {
         assert_tcp_forwarded(&mut lab, &tcp_vip, TENANT1_V4, 47600, flags);
     }
     // A stream whose entry was lost opens no session: it is steered and pinned again.
@@ -3149,4 +3150,55 @@ fn a_tenants_admitted_counter_counts_each_new_session_once() {
     }
     assert_eq!(t.stats(1, 1).unwrap().admitted, 1);
     assert_eq!(t.stats(0, 1).unwrap().admitted, 2);
+}
+
+/// A SYN reusing the 5-tuple of a connection whose handshake completed is the client's next
+/// session (the data plane counts a new handshake for it): its tenant's limits apply as to a
+/// SYN without entry. Refused, the entry stays as it was and the old connection's packets
+/// still flow; admitted, it counts once, and its retransmission is not checked again.
+#[test]
+fn a_syn_reusing_a_finished_connections_5_tuple_is_held_to_its_tenants_limits() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS | VIP_F_SHED_RST, 0);
+    lab.backends(&vip, &BACKENDS4);
+    let mut t = tenant_maps(&mut lab);
+    let key = flow(TENANT1_V4, 47900, VIP4, 443, PROTO_TCP);
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47900, SYN);
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47900, ACK);
+    assert_eq!(
+        lab.dp.conn(&key).unwrap().unwrap().flags & CONN_F_HANDSHAKE,
+        0
+    );
+    t.set_limits(0, 1, flagged(TENANT_F_CAPPED)).unwrap();
+
+    let (a, out) = lab.run(&on_wire(&tcp_packet_to(TENANT1_V4, VIP4, 47900, SYN)));
+    assert_eq!((a, out), (XDP_TX, rst_to(TENANT1_V4, 47900)));
+    assert_eq!(
+        (
+            lab.stat(stat::SHED_TENANT_SESSIONS),
+            lab.stat(stat::SHED_RST_SENT)
+        ),
+        (1, 1)
+    );
+    assert_eq!(
+        t.stats(0, 1).unwrap(),
+        TenantStats {
+            admitted: 1,
+            refused_sessions: 1,
+            ..Default::default()
+        }
+    );
+    assert_eq!(
+        lab.dp.conn(&key).unwrap().unwrap().flags & CONN_F_HANDSHAKE,
+        0,
+        "a refused SYN leaves the entry's handshake completed"
+    );
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47900, ACK | PSH);
+
+    t.set_limits(0, 1, TenantLimits::default()).unwrap();
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47900, SYN);
+    t.set_limits(0, 1, flagged(TENANT_F_CAPPED)).unwrap();
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47900, SYN);
+    assert_eq!(t.stats(0, 1).unwrap().admitted, 2);
+    assert_eq!(lab.stat(stat::SHED_TENANT_SESSIONS), 1);
 }

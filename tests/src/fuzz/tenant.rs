@@ -4,7 +4,9 @@
 //!
 //! For every frame: at most one tenant counter moves, by one, and only for a packet that
 //! opens a session (a UDP packet, or a TCP SYN without ACK; not an ICMP error) on a VIP with
-//! tenants that reached the connection table's miss path; every such packet moves exactly
+//! tenants that reached the connection table's miss path, or a TCP SYN on an entry whose
+//! handshake had completed (the oracle reads the entry before the frame) that the entry
+//! steered (the client's next session on the same 5-tuple); every such packet moves exactly
 //! one, of the tenant the oracle matches, for the reason its limits give (capped, then over
 //! share, then the rate, else admitted). A refusal is counted under its own `shed_tenant_*`
 //! counter and ends in a RST (TCP on a VIP shedding by RST) or `drop_shed`; an admitted
@@ -16,11 +18,13 @@ use std::{collections::BTreeMap, net::IpAddr};
 
 use anyhow::{ensure, Result};
 use lb_common::{
-    stat, TenantLimits, TenantStats, PROTO_TCP, PROTO_UDP, TENANT_F_CAPPED, TENANT_F_OVER_SHARE,
+    stat, FlowKey, TenantLimits, TenantStats, CONN_F_HANDSHAKE, PROTO_TCP, PROTO_UDP,
+    TENANT_F_CAPPED, TENANT_F_OVER_SHARE,
 };
 
 use super::{oracle::l3_start, Vip};
 use crate::{
+    flow,
     frames::{ETH_IP, ETH_IPV6},
     tenants::TenantMaps,
     Lab,
@@ -76,6 +80,8 @@ pub(super) struct Tenants {
     tat: BTreeMap<(u32, u32), u64>,
     /// What each (VIP, tenant)'s counters must hold.
     stats: BTreeMap<(u32, u32), TenantStats>,
+    /// The frame about to run is a TCP SYN on a connection entry whose handshake completed.
+    syn_on_finished_entry: bool,
 }
 
 impl Tenants {
@@ -114,6 +120,7 @@ impl Tenants {
             prefixes,
             tat,
             stats: BTreeMap::new(),
+            syn_on_finished_entry: false,
         };
         t.stats = t.read_stats()?;
         Ok(t)
@@ -153,6 +160,19 @@ impl Tenants {
         Ok(())
     }
 
+    /// Reads what the oracle needs before `frame` runs: the connection entry of a TCP SYN to
+    /// a VIP with tenants.
+    pub(super) fn before(&mut self, lab: &mut Lab, vips: &[Vip], frame: &[u8]) -> Result<()> {
+        self.syn_on_finished_entry = match opening(vips, frame) {
+            Some(o) if o.tcp => lab
+                .dp
+                .conn(&o.key)?
+                .is_some_and(|e| e.flags & CONN_F_HANDSHAKE == 0),
+            _ => false,
+        };
+        Ok(())
+    }
+
     /// The oracle for one frame, sent to the program between coarse-clock reads `t0` and
     /// `t1`; `delta` is how the `stat` counters moved.
     pub(super) fn check(
@@ -169,8 +189,9 @@ impl Tenants {
             delta[stat::SHED_TENANT_RATE.index()],
         ];
         let missed = delta[stat::CONN_MISS.index()] + delta[stat::CONN_REOPEN_RESTEER.index()];
+        let reopened = self.syn_on_finished_entry && delta[stat::CONN_HIT.index()] != 0;
         let expect = match opening(vips, frame) {
-            Some((vip, client, tcp)) if missed != 0 => Some((vip, self.tenant_of(client), tcp)),
+            Some(o) if missed != 0 || reopened => Some((o.vip, self.tenant_of(o.client), o.tcp)),
             _ => None,
         };
         let Some((vip, tenant, tcp)) = expect else {
@@ -284,11 +305,19 @@ fn same_prefix(a: IpAddr, b: IpAddr, len: u32) -> bool {
     len == 0 || (a ^ b) >> (bits - len) == 0
 }
 
+/// A frame that opens a session on a VIP with tenants, as the oracle reads it.
+struct Opening<'a> {
+    vip: &'a Vip,
+    client: IpAddr,
+    tcp: bool,
+    key: FlowKey,
+}
+
 /// For a frame that opens a session (a UDP datagram, or a TCP segment with SYN and without
-/// ACK, not a fragment) to a VIP with tenants: that VIP, the client and whether it is TCP.
-/// Read by the oracle's own parser, which walks IPv4 options and the IPv6 extension headers
-/// that carry no fragment; `None` for every other frame.
-fn opening<'a>(vips: &'a [Vip], frame: &[u8]) -> Option<(&'a Vip, IpAddr, bool)> {
+/// ACK, not a fragment) to a VIP with tenants: that VIP, the client, whether it is TCP and
+/// its flow key. Read by the oracle's own parser, which walks IPv4 options and the IPv6
+/// extension headers that carry no fragment; `None` for every other frame.
+fn opening<'a>(vips: &'a [Vip], frame: &[u8]) -> Option<Opening<'a>> {
     let (l3, ty) = l3_start(frame)?;
     let h = frame.get(l3..)?;
     let (src, dst, mut next, mut l4) = match ty {
@@ -324,6 +353,7 @@ fn opening<'a>(vips: &'a [Vip], frame: &[u8]) -> Option<(&'a Vip, IpAddr, bool)>
             l4 += len;
         }
     }
+    let sport = u16::from_be_bytes(h.get(l4..l4 + 2)?.try_into().ok()?);
     let dport = u16::from_be_bytes(h.get(l4 + 2..l4 + 4)?.try_into().ok()?);
     let opens = match next {
         PROTO_UDP => true,
@@ -338,5 +368,10 @@ fn opening<'a>(vips: &'a [Vip], frame: &[u8]) -> Option<(&'a Vip, IpAddr, bool)>
             .find(|v| v.addr == dst && v.proto == next && v.port == port)
     };
     let vip = at(dport).or_else(|| at(0))?;
-    vip.tenants.then_some((vip, src, next == PROTO_TCP))
+    vip.tenants.then(|| Opening {
+        vip,
+        client: src,
+        tcp: next == PROTO_TCP,
+        key: flow(&src.to_string(), sport, &dst.to_string(), dport, next),
+    })
 }
