@@ -8,15 +8,20 @@ use lb_common::{
 };
 
 use crate::{
-    decide::Refusal,
     maps::{TENANT_BUCKETS, TENANT_LIMITS, TENANT_PREFIXES, TENANT_STATS},
+    refusal::Refusal,
 };
 
 /// Admits or refuses a new session of `vip` from `key.src`'s tenant, and counts it.
 #[inline(always)]
 pub fn admit(key: &FlowKey, vip: &VipMeta, now: u64) -> Result<(), Refusal> {
     let prefix = Key::new(
-        TENANT_PREFIX_FAMILY_BITS + if key.family == lb_common::FAMILY_V4 { 32 } else { 128 },
+        TENANT_PREFIX_FAMILY_BITS
+            + if key.family == lb_common::FAMILY_V4 {
+                32
+            } else {
+                128
+            },
         TenantPrefix {
             family: key.family,
             _pad: [0; 3],
