@@ -77,6 +77,15 @@ const QUIC_PORT: u16 = 443;
 const BACKENDS_QUIC: [(u32, &str); 2] = [(41, "10.1.0.3"), (42, "10.1.0.4")];
 /// The QUIC VIP's server IDs (two octets, config rotation 0), by backend of `BACKENDS_QUIC`.
 const QUIC_SIDS: [[u8; 2]; 2] = [[0x0a, 0x01], [0x0a, 0x02]];
+/// The tenants' VIP: the IPv4 VIP's address on another port, with `VIP_F_TENANTS`, its own
+/// backend ids on `BACKENDS4`'s hosts.
+const TENANT_PORT: u16 = 9443;
+const BACKENDS_TENANT: [(u32, &str); 4] = [
+    (51, "10.1.0.1"),
+    (52, "10.1.0.2"),
+    (53, "10.1.0.3"),
+    (54, "10.1.0.4"),
+];
 const BACKENDS4: [(u32, &str); 4] = [
     (1, "10.1.0.1"),
     (2, "10.1.0.2"),
@@ -379,6 +388,10 @@ fn run_meta(lab: &mut Lab, opts: &Opts, run: RunFacts) -> Result<Value> {
         .sum::<Result<u64>>()?;
     println!("in-band case: {inband_acked} bytes acknowledged in the data plane's aggregates");
 
+    // Every new session of the tenant case was looked up and admitted (warm-up included).
+    let tenant_admitted = lab.tenant_admitted()?;
+    println!("tenant case: {tenant_admitted} new sessions admitted by the tenant's limits");
+
     let possible = run.possible;
     let object = run.object;
     let (git_head, dirty) = sys::git_state();
@@ -419,6 +432,8 @@ fn run_meta(lab: &mut Lab, opts: &Opts, run: RunFacts) -> Result<Value> {
             "fib_egress_mtu": FIB_MTU,
             "mtu_check_1514B_frame_fib_netns": run.mtu_check,
             "vips": "IPv4 10.200.0.1:443/tcp and IPv6 fd00:200::1:443/tcp, 4 backends each, 65537-slot Maglev rings, no affinity, flood guard off",
+            "tenants": lab::TENANTS_DESCRIBED,
+            "tenant_admitted_new_sessions": tenant_admitted,
             "second_chance": "sc_* cases: the same VIPs with flow_state second-chance on a fourth data plane, backends marked as running the backend program (GUE); the ring was published twice, the second table moving every slot, so every packet's GUE names a previous backend (the most work). No conn-table lookup or insert for TCP",
             "backend": "backend_* cases (fib variant only): sluice_decap on the second-chance LB's GUE output, in the fib namespace with the VIP on lo: backend_socket_found carries an ACK of a TCP connection open on that host (bpf_skc_lookup_tcp finds it: decap, XDP_PASS); backend_forwarded an ACK for which only the VIP's listener is there (SYN-cookie check fails) and is readdressed to the previous backend (FIB lookup, XDP_REDIRECT). Baseline pass_gue: sluice_pass on the same GUE frame",
             "frames": "untagged Ethernet; TCP without options; 54 B (IPv4), 74 B (IPv6), 1514 B (IPv4, 1460 B payload)",

@@ -3,17 +3,16 @@
 
 use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
-    hash,
-    stat::{self, Counter},
-    AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FlowKey, InbandFlow, LbConfig, VipKey,
-    VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_CAPPED, BACKEND_F_FULL, BACKEND_F_GUE,
-    BACKEND_F_NO_AFFINITY, CONN_F_HANDSHAKE, LB_F_WILDCARD_VIPS, MAX_PROBES, PROTO_TCP,
-    RINGS_PER_VIP, RING_HISTORY, RING_SIZE_MAX, VIP_F_ADMISSION, VIP_F_SECOND_CHANCE, VIP_F_SHED,
-    VIP_F_SRC_HASH, VIP_F_TENANTS,
+    hash, stat, AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FlowKey, InbandFlow, LbConfig,
+    VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_CAPPED, BACKEND_F_FULL,
+    BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, CONN_F_HANDSHAKE, LB_F_WILDCARD_VIPS, MAX_PROBES,
+    PROTO_TCP, RINGS_PER_VIP, RING_HISTORY, RING_SIZE_MAX, VIP_F_ADMISSION, VIP_F_SECOND_CHANCE,
+    VIP_F_SHED, VIP_F_SRC_HASH, VIP_F_TENANTS,
 };
 
 use crate::{
     maps::{AFFINITY, BACKENDS, CONNS, FLOOD, MAGLEV_RINGS, VIPS},
+    refusal::Refusal,
     stats::{count, HANDSHAKE_COMPLETED, HANDSHAKE_STARTED},
     tenant,
 };
@@ -21,19 +20,6 @@ use crate::{
 const NS_PER_SEC: u64 = 1_000_000_000;
 
 const _: () = assert!(HANDSHAKE_STARTED == CONN_F_HANDSHAKE);
-
-/// Why a packet is not forwarded: dropped for a reason, or a new session shed by admission
-/// control (which may be answered with a RST). Each carries its counter.
-pub enum Refusal {
-    Drop(Counter),
-    Shed(Counter),
-}
-
-impl From<Counter> for Refusal {
-    fn from(counter: Counter) -> Self {
-        Refusal::Drop(counter)
-    }
-}
 
 /// What [`decide`] chose for a packet, and what the encapsulation and counters need of it.
 pub struct Decision {
@@ -144,6 +130,15 @@ pub fn decide(
         let reopens = opens && track && key.proto == PROTO_TCP;
         if let Some(d) = established(key, vip, e, now, reopens, acks) {
             count(stat::CONN_HIT);
+            // A SYN on an entry whose handshake completed is the client's next session: its
+            // tenant's limits apply as to a SYN without entry. Refused, the entry's handshake
+            // stays completed, so the SYN's retransmission is checked again.
+            if d.handshake == HANDSHAKE_STARTED && vip.flags & VIP_F_TENANTS != 0 {
+                if let Err(r) = tenant::admit(key, vip, now) {
+                    unsafe { (*e).flags ^= CONN_F_HANDSHAKE };
+                    return Err(r);
+                }
+            }
             return Ok(d);
         }
         if !reopens {

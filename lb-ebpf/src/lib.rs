@@ -17,6 +17,7 @@ mod inband;
 mod maps;
 mod parse;
 mod quic;
+mod refusal;
 mod rst;
 mod second_hop;
 mod stats;
@@ -28,7 +29,7 @@ use lb_common::{
     stat, LB_F_TRACE, PROTO_TCP, PROTO_UDP, VIP_F_INBAND, VIP_F_QUIC_CID, VIP_F_SHED_RST,
 };
 
-use crate::{decide::Refusal, encap::Forwarded, maps::CONFIG, stats::count};
+use crate::{encap::Forwarded, maps::CONFIG, refusal::Refusal, stats::count};
 
 #[xdp(frags)]
 pub fn sluice_xdp(ctx: XdpContext) -> u32 {

@@ -8,8 +8,8 @@ use lb_common::{
 };
 
 use crate::{
-    decide::Refusal,
     maps::{TENANT_BUCKETS, TENANT_LIMITS, TENANT_PREFIXES, TENANT_STATS},
+    refusal::Refusal,
 };
 
 /// Admits or refuses a new session of `vip` from `key.src`'s tenant, and counts it.

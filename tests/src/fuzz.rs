@@ -15,6 +15,9 @@
 //!   names a backend that is up goes to that backend and counts `quic_cid_routed`; any other
 //!   counts the one reason the oracle reads for it (client's ID, rotation, server, down,
 //!   malformed) and takes the 5-tuple path;
+//! - a new session on a VIP with tenants moves exactly one tenant counter, of the tenant the
+//!   oracle's own prefix match names, for the reason its limits and the oracle's GCRA give
+//!   ([`tenant`]); no other frame moves one;
 //! - at the end the outcome counters add up to the frames run.
 //!
 //! A run is replayed from its seed (`SLUICE_FUZZ_SEED`).
@@ -22,6 +25,7 @@
 mod decap;
 mod generate;
 mod oracle;
+mod tenant;
 
 use std::{
     collections::BTreeMap,
@@ -34,13 +38,13 @@ use lb_common::{
     quic,
     stat::{self, Kind},
     QuicServerKey, BACKEND_ACTIVE, BACKEND_DOWN, PROTO_TCP, PROTO_UDP, VIP_F_QUIC_CID, VIP_F_SHED,
-    VIP_F_SHED_RST,
+    VIP_F_SHED_RST, VIP_F_TENANTS,
 };
 use sluice::dataplane::PROG_XDP;
 
 pub use self::decap::run_decap;
-use self::{generate::frame, oracle::check};
-use crate::{fib_segment, frames::Mac, run_prog, Lab};
+use self::{generate::frame, oracle::check, tenant::Tenants};
+use crate::{fib_segment, frames::Mac, run_prog, tenants::coarse_now_ns, Lab};
 
 /// Frames a run in the test suite sends.
 pub const SUITE_FRAMES: u64 = 100_000;
@@ -118,14 +122,18 @@ impl Rng {
 
 /// A VIP of the fuzz lab and its backends: (address, active).
 struct Vip {
+    id: u32,
     addr: IpAddr,
     port: u16,
     proto: u8,
     backends: Vec<(IpAddr, bool)>,
     /// Backend ids, in the order of `backends`.
     ids: Vec<u32>,
-    /// New sessions are shed, TCP ones answered with a RST.
+    /// A refused new session (shed, or over its tenant's limits) is answered with a RST
+    /// where it is TCP.
     shed_rst: bool,
+    /// Tenants are configured (`VIP_F_TENANTS`).
+    tenants: bool,
     /// QUIC connection-ID routing: the rotation codepoint and each backend's server ID
     /// (`QUIC_SID_LEN` octets), in the order of `backends`.
     quic: Option<(u8, Vec<[u8; 2]>)>,
@@ -156,8 +164,9 @@ type VipSpec = (
 
 /// The lab: IPv4 and IPv6 VIPs over TCP and UDP, an all-ports VIP, IPv4 carried over IPv6
 /// backends, a VIP without backends (drops), VIPs shedding new sessions (by RST, by drop), a
-/// QUIC VIP routing by connection ID, and one backend down in each table (probed past, its
-/// flows re-steered; its server ID no longer routes).
+/// QUIC VIP routing by connection ID, tenants on five VIPs (their limits in [`tenant`]), and
+/// one backend down in each table (probed past, its flows re-steered; its server ID no
+/// longer routes).
 fn setup(lab: &mut Lab) -> Vec<Vip> {
     let specs: [VipSpec; 9] = [
         (
@@ -165,7 +174,7 @@ fn setup(lab: &mut Lab) -> Vec<Vip> {
             "10.200.0.1",
             443,
             PROTO_TCP,
-            0,
+            VIP_F_SHED_RST,
             &[(1, "10.1.0.1"), (2, "10.1.0.2"), (3, "10.1.0.3")],
         ),
         (
@@ -220,7 +229,10 @@ fn setup(lab: &mut Lab) -> Vec<Vip> {
         ),
     ];
     let mut vips = vec![];
-    for (id, addr, port, proto, flags, backends) in specs {
+    for (id, addr, port, proto, mut flags, backends) in specs {
+        if tenant::TENANT_VIPS.contains(&id) {
+            flags |= VIP_F_TENANTS;
+        }
         let key = lab.vip(id, addr, port, proto, flags, 0);
         let list: Vec<(u32, &str, u32)> = backends.iter().map(|(b, a)| (*b, *a, 1)).collect();
         if !list.is_empty() {
@@ -252,12 +264,14 @@ fn setup(lab: &mut Lab) -> Vec<Vip> {
             (QUIC_ROTATION, sids)
         });
         vips.push(Vip {
+            id,
             addr: addr.parse().unwrap(),
             port,
             proto,
             backends: bs,
             ids: backends.iter().map(|(b, _)| *b).collect(),
             shed_rst: flags & VIP_F_SHED_RST != 0,
+            tenants: flags & VIP_F_TENANTS != 0,
             quic,
         });
     }
@@ -294,6 +308,7 @@ fn index(name: &str) -> usize {
 pub fn run(frames: u64, seed: u64) -> Result<Summary> {
     let mut lab = Lab::with_max_vips(9);
     let mut vips = setup(&mut lab);
+    let mut tenants = Tenants::setup(&mut lab)?;
     let mut rng = Rng::new(seed);
     let start = Instant::now();
     let mut before = lab.dp.stats()?;
@@ -314,17 +329,31 @@ pub fn run(frames: u64, seed: u64) -> Result<Summary> {
             before = lab.dp.stats()?;
         }
         let frame = frame(&mut rng, &vips);
+        tenants.before(&mut lab, &vips, &frame)?;
+        let t0 = coarse_now_ns();
         let (action, out) = run_prog(&mut lab.dp, PROG_XDP, &frame)
             .with_context(|| format!("frame {i} (seed {seed:#x}): {}", hex(&frame)))?;
+        let t1 = coarse_now_ns();
         let after = lab.dp.stats()?;
-        check(&lab, &vips, &frame, action, &out, &before, &after).with_context(|| {
-            format!(
-                "frame {i} (seed {seed:#x}, replay with SLUICE_FUZZ_SEED={seed:#x}): action {action}\n  in:  {}\n  out: {}",
-                hex(&frame),
-                hex(&out)
-            )
-        })?;
+        let delta: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+        check(&lab, &vips, &frame, action, &out, &before, &after)
+            .and_then(|()| tenants.check(&vips, &frame, &delta, t0, t1))
+            .with_context(|| {
+                format!(
+                    "frame {i} (seed {seed:#x}, replay with SLUICE_FUZZ_SEED={seed:#x}): action {action}\n  in:  {}\n  out: {}",
+                    hex(&frame),
+                    hex(&out)
+                )
+            })?;
         before = after;
+        if i % tenant::AUDIT_FRAMES == tenant::AUDIT_FRAMES - 1 || i + 1 == frames {
+            let since = i - i % tenant::AUDIT_FRAMES;
+            tenants.audit().with_context(|| {
+                format!(
+                    "frames {since}..={i} (seed {seed:#x}, replay with SLUICE_FUZZ_SEED={seed:#x})"
+                )
+            })?;
+        }
     }
     let elapsed = start.elapsed();
     let total = lab.dp.stats()?;

@@ -13,6 +13,7 @@ pub mod openai;
 pub mod pinned;
 pub mod quic;
 pub mod stream;
+pub mod tenants;
 
 use std::net::IpAddr;
 

@@ -52,6 +52,9 @@ fn fuzzed_frames_meet_the_oracle_and_every_frame_has_one_outcome() {
             "quic_unknown_server",
             "quic_server_down",
             "quic_malformed",
+            "shed_tenant_sessions",
+            "shed_tenant_share",
+            "shed_tenant_rate",
         ] {
             assert!(
                 s.counters.get(c).copied().unwrap_or(0) > 0,

@@ -5,13 +5,14 @@
 use std::net::IpAddr;
 
 use lb_common::{
-    quic, stat, AffinityEntry, AffinityKey, QuicServerKey, BACKEND_DOWN, BACKEND_DRAINING,
-    BACKEND_F_CAPPED, BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, PROTO_ICMP,
-    PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP, VIP_F_ADMISSION, VIP_F_QUIC_CID,
-    VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH,
+    quic, stat, AffinityEntry, AffinityKey, QuicServerKey, TenantLimits, TenantStats, BACKEND_DOWN,
+    BACKEND_DRAINING, BACKEND_F_CAPPED, BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY,
+    CONN_F_HANDSHAKE, PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP,
+    TENANT_F_CAPPED, TENANT_F_OVER_SHARE, VIP_F_ADMISSION, VIP_F_QUIC_CID, VIP_F_SECOND_CHANCE,
+    VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH, VIP_F_TENANTS,
 };
 use sluice::dataplane::PROG_DECAP;
-use sluice_tests::{flow, frames::*, run_prog, Lab, FALLBACK_MAC};
+use sluice_tests::{flow, frames::*, run_prog, tenants::TenantMaps, Lab, FALLBACK_MAC};
 
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
@@ -2703,4 +2704,501 @@ fn without_quic_cid_a_vip_steers_quic_by_its_5_tuple_and_icmp_errors_never_by_id
     assert_steered(&mut lab, &icmp, b, h);
     assert_eq!(lab.stat(stat::QUIC_CID_ROUTED), 0);
     assert_eq!(lab.stat(stat::QUIC_CLIENT_CID), 1);
+}
+
+// Tenants: client prefixes in `TENANT_PREFIXES`, each tenant's limits per VIP in
+// `TENANT_LIMITS`, written here as the controller writes them. Tenant 1 holds 10.7.0.0/16
+// and 2001:db8:7::/48; tenant 2 the /24 and /56 inside them.
+
+/// The rate tests' interval: one new session an hour, so no stall of a test run between
+/// reading the clock and sending its packets earns a token (no test races the clock).
+const HOUR_NS: u64 = 3600 * 1_000_000_000;
+const TENANT1_V4: &str = "10.7.9.5";
+const TENANT2_V4: &str = "10.7.3.5";
+const TENANT1_V6: &str = "2001:db8:7:900::5";
+const TENANT2_V6: &str = "2001:db8:7:300::5";
+
+fn tenant_maps(lab: &mut Lab) -> TenantMaps {
+    let mut t = TenantMaps::open(&mut lab.dp).unwrap();
+    for (cidr, tenant) in [
+        ("10.7.0.0/16", 1),
+        ("10.7.3.0/24", 2),
+        ("2001:db8:7::/48", 1),
+        ("2001:db8:7:300::/56", 2),
+    ] {
+        t.set_prefix(cidr, tenant).unwrap();
+    }
+    t
+}
+
+fn flagged(flags: u32) -> TenantLimits {
+    TenantLimits {
+        flags,
+        ..Default::default()
+    }
+}
+
+/// One new session an hour with a burst of `burst`, as the controller writes a rate.
+fn hourly(burst: u64) -> TenantLimits {
+    TenantLimits {
+        interval_ns: HOUR_NS,
+        burst_ns: burst * HOUR_NS,
+        ..Default::default()
+    }
+}
+
+/// Sends a TCP segment from `client` to `vip_addr`:443 and asserts it left encapsulated, byte
+/// for byte, to the ring's backend.
+fn assert_tcp_forwarded(
+    lab: &mut Lab,
+    vip: &lb_common::VipKey,
+    client: &str,
+    sport: u16,
+    flags: u8,
+) {
+    let dst = sluice::addr::from_words(vip.addr, vip.family);
+    let key = flow(client, sport, &dst.to_string(), 443, PROTO_TCP);
+    let want = lab.ring_choice(vip, &key, false);
+    let h = lab.flow_hash(&key, false);
+    let l3 = tcp_packet_to(client, &dst.to_string(), sport, flags);
+    assert_steered(lab, &l3, want, h);
+}
+
+/// An IPv4 or IPv6 TCP segment without payload, by the addresses' family.
+fn tcp_packet_to(client: &str, dst: &str, sport: u16, flags: u8) -> Vec<u8> {
+    let seg = tcp(sport, 443, flags, b"");
+    if ip(client).is_ipv4() {
+        V4::new(client, dst, PROTO_TCP).build(&seg)
+    } else {
+        ipv6(client, dst, PROTO_TCP, 0, 0, &seg)
+    }
+}
+
+/// The frame an IPv4 client's SYN to VIP4:443 is refused with on a VIP with
+/// `VIP_F_SHED_RST`.
+fn rst_to(client: &str, sport: u16) -> Vec<u8> {
+    let rst = tcp_rst(ip(VIP4), ip(client), 443, sport, 1001);
+    eth(
+        CLIENT_MAC,
+        LB_MAC,
+        ETH_IP,
+        &V4::new(VIP4, client, PROTO_TCP).build(&rst),
+    )
+}
+
+#[test]
+fn the_longest_tenant_prefix_names_the_clients_tenant_and_no_match_is_the_default_tenant() {
+    let mut lab = Lab::new();
+    let vip4 = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS, 0);
+    lab.backends(&vip4, &BACKENDS4);
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, VIP_F_TENANTS, 0);
+    lab.backends(&vip6, &BACKENDS6);
+    let t = tenant_maps(&mut lab);
+    let cases = [
+        (&vip4, TENANT1_V4, 0, 1),
+        (&vip4, TENANT2_V4, 0, 2),
+        (&vip4, CLIENT4, 0, 0),
+        (&vip6, TENANT1_V6, 1, 1),
+        (&vip6, TENANT2_V6, 1, 2),
+        (&vip6, CLIENT6, 1, 0),
+    ];
+    for (n, (vip, client, vip_id, tenant)) in cases.into_iter().enumerate() {
+        let before = t.stats(vip_id, tenant).unwrap().admitted;
+        assert_tcp_forwarded(&mut lab, vip, client, 47000 + n as u16, SYN);
+        assert_eq!(
+            t.stats(vip_id, tenant).unwrap().admitted,
+            before + 1,
+            "{client} is tenant {tenant}"
+        );
+    }
+    for (vip_id, tenant) in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)] {
+        assert_eq!(
+            t.stats(vip_id, tenant).unwrap(),
+            TenantStats {
+                admitted: 1,
+                ..Default::default()
+            },
+            "VIP {vip_id}, tenant {tenant}: one session, nothing refused"
+        );
+    }
+}
+
+/// One trie holds both families: an IPv4 prefix whose 32 bits are the first word of an IPv6
+/// client's address (32.1.13.184 is 2001:db8) matches that IPv4 address, never the IPv6
+/// client, whose tenant stays the default one.
+#[test]
+fn an_ipv4_tenant_prefix_never_matches_an_ipv6_client() {
+    let mut lab = Lab::new();
+    let vip4 = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS, 0);
+    lab.backends(&vip4, &BACKENDS4);
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, VIP_F_TENANTS, 0);
+    lab.backends(&vip6, &BACKENDS6);
+    let mut t = tenant_maps(&mut lab);
+    t.set_prefix("32.1.13.184/32", 5).unwrap();
+    t.set_prefix("0.0.0.0/0", 6).unwrap();
+    t.set_limits(1, 5, flagged(TENANT_F_CAPPED)).unwrap();
+    t.set_limits(1, 6, flagged(TENANT_F_CAPPED)).unwrap();
+    assert_tcp_forwarded(&mut lab, &vip6, CLIENT6, 47100, SYN);
+    assert_eq!(t.stats(1, 0).unwrap().admitted, 1);
+    assert_tcp_forwarded(&mut lab, &vip4, "32.1.13.184", 47101, SYN);
+    assert_eq!(t.stats(0, 5).unwrap().admitted, 1);
+    assert_tcp_forwarded(&mut lab, &vip4, CLIENT4, 47102, SYN);
+    assert_eq!(
+        t.stats(0, 6).unwrap().admitted,
+        1,
+        "0.0.0.0/0 holds every IPv4 client"
+    );
+    for tenant in [5, 6] {
+        assert_eq!(t.stats(1, tenant).unwrap(), TenantStats::default());
+    }
+}
+
+/// A tenant flagged by the controller (`flag`) has each new session refused, counted under
+/// `counter` and in the tenant's `refused` field: answered with an exact RST where the VIP
+/// sheds by RST, dropped where it sheds by drop. Another tenant's SYN is forwarded.
+fn flagged_tenant_is_refused(flag: u32, counter: stat::Counter, refused: fn(&TenantStats) -> u64) {
+    let mut lab = Lab::new();
+    let rst_vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS | VIP_F_SHED_RST, 0);
+    lab.backends(&rst_vip, &BACKENDS4);
+    let drop_vip = lab.vip(1, VIP6, 443, PROTO_TCP, VIP_F_TENANTS, 0);
+    lab.backends(&drop_vip, &BACKENDS6);
+    let mut t = tenant_maps(&mut lab);
+    t.set_limits(0, 1, flagged(flag)).unwrap();
+    t.set_limits(1, 1, flagged(flag)).unwrap();
+
+    let (a, out) = lab.run(&on_wire(&tcp_packet_to(TENANT1_V4, VIP4, 47200, SYN)));
+    assert_eq!((a, out), (XDP_TX, rst_to(TENANT1_V4, 47200)));
+    assert_eq!((lab.stat(counter), lab.stat(stat::SHED_RST_SENT)), (1, 1));
+    let (a, _) = lab.run(&on_wire(&tcp_packet_to(TENANT1_V6, VIP6, 47201, SYN)));
+    assert_eq!(a, XDP_DROP);
+    assert_eq!((lab.stat(counter), lab.stat(stat::DROP_SHED)), (2, 1));
+    assert!(
+        lab.dp.conns().unwrap().is_empty(),
+        "a refused session leaves no entry"
+    );
+    for vip_id in [0, 1] {
+        let s = t.stats(vip_id, 1).unwrap();
+        assert_eq!((refused(&s), s.admitted), (1, 0), "VIP {vip_id}");
+        assert_eq!(
+            s.refused_sessions + s.refused_share + s.refused_rate,
+            1,
+            "one reason only"
+        );
+    }
+    // The tenant's /24 inside its /16 is another tenant, and so is everyone else.
+    assert_tcp_forwarded(&mut lab, &rst_vip, TENANT2_V4, 47202, SYN);
+    assert_tcp_forwarded(&mut lab, &drop_vip, CLIENT6, 47203, SYN);
+    assert_eq!(t.stats(0, 2).unwrap().admitted, 1);
+    assert_eq!(t.stats(1, 0).unwrap().admitted, 1);
+    assert_eq!(lab.stat(stat::SHED_PRIORITY), 0);
+}
+
+#[test]
+fn a_capped_tenants_syn_is_refused_by_rst_or_drop_and_counted_while_others_pass() {
+    flagged_tenant_is_refused(TENANT_F_CAPPED, stat::SHED_TENANT_SESSIONS, |s| {
+        s.refused_sessions
+    });
+}
+
+#[test]
+fn an_over_share_tenants_syn_is_refused_by_rst_or_drop_and_counted_while_others_pass() {
+    flagged_tenant_is_refused(TENANT_F_OVER_SHARE, stat::SHED_TENANT_SHARE, |s| {
+        s.refused_share
+    });
+}
+
+/// Capped and over share at once: the session limit is the reason counted, once; a refused
+/// session takes no token from the tenant's rate.
+#[test]
+fn a_tenant_capped_and_over_share_is_refused_once_for_its_sessions_and_keeps_its_tokens() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS, 0);
+    lab.backends(&vip, &BACKENDS4);
+    let mut t = tenant_maps(&mut lab);
+    let mut limits = hourly(1);
+    limits.flags = TENANT_F_CAPPED | TENANT_F_OVER_SHARE;
+    t.set_limits(0, 1, limits).unwrap();
+    let (a, _) = lab.run(&on_wire(&tcp_packet_to(TENANT1_V4, VIP4, 47300, SYN)));
+    assert_eq!(a, XDP_DROP);
+    let shed = [
+        stat::SHED_TENANT_SESSIONS,
+        stat::SHED_TENANT_SHARE,
+        stat::SHED_TENANT_RATE,
+        stat::DROP_SHED,
+    ]
+    .map(|c| lab.stat(c));
+    assert_eq!(shed, [1, 0, 0, 1]);
+    assert_eq!(
+        t.stats(0, 1).unwrap(),
+        TenantStats {
+            refused_sessions: 1,
+            ..Default::default()
+        }
+    );
+    assert_eq!(t.bucket(0, 1).unwrap(), 0, "no token taken");
+}
+
+/// GCRA with a burst of `BURST`: an idle tenant opens `BURST` sessions at once (distinct
+/// ports), the next is refused, counted, and moves nothing in the bucket.
+#[test]
+fn a_tenants_rate_admits_its_burst_and_refuses_the_next_session_without_taking_a_token() {
+    const BURST: u64 = 3;
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS | VIP_F_SHED_RST, 0);
+    lab.backends(&vip, &BACKENDS4);
+    let mut t = tenant_maps(&mut lab);
+    let limits = hourly(BURST);
+    t.set_limits(0, 1, limits).unwrap();
+    let start = sluice_tests::tenants::coarse_now_ns();
+    for port in 0..BURST as u16 {
+        assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47400 + port, SYN);
+    }
+    let tat = t.bucket(0, 1).unwrap();
+    // The first session found the bucket idle: its theoretical arrival time starts now.
+    assert!(
+        tat >= start + BURST * limits.interval_ns
+            && tat <= sluice_tests::tenants::coarse_now_ns() + BURST * limits.interval_ns,
+        "after the burst the bucket is BURST intervals ahead of the first session"
+    );
+    let next = 47400 + BURST as u16;
+    let (a, out) = lab.run(&on_wire(&tcp_packet_to(TENANT1_V4, VIP4, next, SYN)));
+    assert_eq!((a, out), (XDP_TX, rst_to(TENANT1_V4, next)));
+    assert_eq!(
+        (
+            lab.stat(stat::SHED_TENANT_RATE),
+            lab.stat(stat::SHED_RST_SENT)
+        ),
+        (1, 1)
+    );
+    assert_eq!(
+        t.stats(0, 1).unwrap(),
+        TenantStats {
+            admitted: BURST,
+            refused_rate: 1,
+            ..Default::default()
+        }
+    );
+    assert_eq!(
+        t.bucket(0, 1).unwrap(),
+        tat,
+        "a refused session takes no token"
+    );
+    // Other tenants keep their own buckets.
+    assert_tcp_forwarded(&mut lab, &vip, TENANT2_V4, next, SYN);
+}
+
+/// The bucket refills at the tenant's rate: a burst spent one interval ago has earned one
+/// session back, and exactly one passes. The bucket is set from the data plane's own clock
+/// (CLOCK_MONOTONIC_COARSE).
+#[test]
+fn a_spent_tenant_bucket_admits_exactly_one_session_per_interval_that_passed() {
+    const BURST: u64 = 4;
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS, 0);
+    lab.backends(&vip, &BACKENDS4);
+    let mut t = tenant_maps(&mut lab);
+    let limits = hourly(BURST);
+    t.set_limits(0, 1, limits).unwrap();
+    // Spent at `now - interval`: its theoretical arrival time is BURST intervals past that.
+    let spent =
+        sluice_tests::tenants::coarse_now_ns() - limits.interval_ns + BURST * limits.interval_ns;
+    t.set_bucket(0, 1, spent).unwrap();
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47500, SYN);
+    assert_eq!(t.bucket(0, 1).unwrap(), spent + limits.interval_ns);
+    let (a, _) = lab.run(&on_wire(&tcp_packet_to(TENANT1_V4, VIP4, 47501, SYN)));
+    assert_eq!(a, XDP_DROP);
+    assert_eq!(t.bucket(0, 1).unwrap(), spent + limits.interval_ns);
+    assert_eq!(
+        t.stats(0, 1).unwrap(),
+        TenantStats {
+            admitted: 1,
+            refused_rate: 1,
+            ..Default::default()
+        }
+    );
+    assert_eq!(
+        (lab.stat(stat::SHED_TENANT_RATE), lab.stat(stat::DROP_SHED)),
+        (1, 1)
+    );
+}
+
+/// Limits refuse new sessions only: a stream whose session was admitted keeps flowing, byte
+/// for byte, once its tenant is capped, over share and out of tokens; so does its SYN's
+/// retransmission, a mid-stream packet whose entry was lost, a mid-stream packet of a
+/// second-chance VIP (no table) and a UDP flow's later packets.
+#[test]
+fn established_streams_of_a_tenant_over_every_limit_keep_flowing() {
+    let mut lab = Lab::with_max_vips(8);
+    let tcp_vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS | VIP_F_SHED_RST, 0);
+    lab.backends(&tcp_vip, &BACKENDS4);
+    let udp_vip = lab.vip(1, VIP4, 443, PROTO_UDP, VIP_F_TENANTS, 0);
+    lab.backends(&udp_vip, &[(21, "10.1.0.21", 1), (22, "10.1.0.22", 1)]);
+    let sc_vip = lab.vip(
+        2,
+        VIP6,
+        443,
+        PROTO_TCP,
+        VIP_F_TENANTS | VIP_F_SECOND_CHANCE,
+        0,
+    );
+    lab.backends(&sc_vip, &BACKENDS6);
+    let mut t = tenant_maps(&mut lab);
+
+    assert_tcp_forwarded(&mut lab, &tcp_vip, TENANT1_V4, 47600, SYN);
+    let ukey = flow(TENANT1_V4, 47601, VIP4, 443, PROTO_UDP);
+    let uwant = lab.ring_choice(&udp_vip, &ukey, false);
+    let uh = lab.flow_hash(&ukey, false);
+    let udp_pkt = |n: u8| V4::new(TENANT1_V4, VIP4, PROTO_UDP).build(&udp(47601, 443, &[n; 30]));
+    assert_steered(&mut lab, &udp_pkt(0), uwant, uh);
+
+    // Every limit at once, the bucket ten hours ahead of now.
+    let mut over = hourly(1);
+    over.flags = TENANT_F_CAPPED | TENANT_F_OVER_SHARE;
+    let ahead = sluice_tests::tenants::coarse_now_ns() + 10 * HOUR_NS;
+    for vip_id in 0..3 {
+        t.set_limits(vip_id, 1, over).unwrap();
+        t.set_bucket(vip_id, 1, ahead).unwrap();
+    }
+    // The SYN's retransmission (its handshake pending), then the stream.
+    for flags in [SYN, ACK, ACK | PSH, 0x01 | ACK] {
+        assert_tcp_forwarded(&mut lab, &tcp_vip, TENANT1_V4, 47600, flags);
+    }
+    // A stream whose entry was lost opens no session: it is steered and pinned again.
+    assert_tcp_forwarded(&mut lab, &tcp_vip, TENANT1_V4, 47602, ACK | PSH);
+    for n in 1..4 {
+        assert_steered(&mut lab, &udp_pkt(n), uwant, uh);
+    }
+    // A second-chance VIP keeps no entries: its SYN is refused, its mid-stream ACK is not.
+    let (a, _) = lab.run(&on_wire(&tcp_packet_to(TENANT1_V6, VIP6, 47603, SYN)));
+    assert_eq!(a, XDP_DROP);
+    assert_tcp_forwarded(&mut lab, &sc_vip, TENANT1_V6, 47603, ACK);
+    assert_tcp_forwarded(&mut lab, &sc_vip, TENANT1_V6, 47603, ACK | PSH);
+
+    // New sessions are refused meanwhile: the limits are in force.
+    let (a, out) = lab.run(&on_wire(&tcp_packet_to(TENANT1_V4, VIP4, 47604, SYN)));
+    assert_eq!((a, out), (XDP_TX, rst_to(TENANT1_V4, 47604)));
+    let new_udp = V4::new(TENANT1_V4, VIP4, PROTO_UDP).build(&udp(47605, 443, b"initial"));
+    assert_eq!(lab.run(&on_wire(&new_udp)).0, XDP_DROP);
+    assert_eq!(lab.stat(stat::SHED_TENANT_SESSIONS), 3);
+    for vip_id in 0..3 {
+        let s = t.stats(vip_id, 1).unwrap();
+        assert_eq!(s.refused_sessions, 1, "VIP {vip_id}");
+        assert_eq!(
+            t.bucket(vip_id, 1).unwrap(),
+            ahead,
+            "VIP {vip_id}: no token moved"
+        );
+    }
+    assert_eq!(
+        (
+            t.stats(0, 1).unwrap().admitted,
+            t.stats(1, 1).unwrap().admitted
+        ),
+        (1, 1),
+        "the admitted sessions, once each"
+    );
+}
+
+#[test]
+fn a_vip_without_the_tenants_flag_ignores_the_tenant_maps() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_SHED_RST, 0);
+    lab.backends(&vip, &BACKENDS4);
+    let mut t = tenant_maps(&mut lab);
+    let mut over = hourly(1);
+    over.flags = TENANT_F_CAPPED | TENANT_F_OVER_SHARE;
+    t.set_limits(0, 1, over).unwrap();
+    t.set_limits(0, 0, over).unwrap();
+    let ahead = sluice_tests::tenants::coarse_now_ns() + 10 * HOUR_NS;
+    t.set_bucket(0, 1, ahead).unwrap();
+    for (n, client) in [TENANT1_V4, TENANT1_V4, CLIENT4].into_iter().enumerate() {
+        assert_tcp_forwarded(&mut lab, &vip, client, 47700 + n as u16, SYN);
+    }
+    for tenant in [0, 1] {
+        assert_eq!(t.stats(0, tenant).unwrap(), TenantStats::default());
+    }
+    assert_eq!(t.bucket(0, 1).unwrap(), ahead);
+    let shed = [
+        stat::SHED_TENANT_SESSIONS,
+        stat::SHED_TENANT_SHARE,
+        stat::SHED_TENANT_RATE,
+        stat::SHED_RST_SENT,
+        stat::DROP_SHED,
+    ];
+    assert!(shed.iter().all(|c| lab.stat(*c) == 0));
+}
+
+/// `admitted` counts sessions, not packets: a SYN's retransmission, the stream's later
+/// packets and a UDP flow's later datagrams add nothing; each new session adds one.
+#[test]
+fn a_tenants_admitted_counter_counts_each_new_session_once() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS, 0);
+    lab.backends(&vip, &BACKENDS4);
+    let uvip = lab.vip(1, VIP4, 443, PROTO_UDP, VIP_F_TENANTS, 0);
+    lab.backends(&uvip, &[(21, "10.1.0.21", 1)]);
+    let t = tenant_maps(&mut lab);
+    for flags in [SYN, SYN, ACK, ACK | PSH] {
+        assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47800, flags);
+    }
+    assert_eq!(t.stats(0, 1).unwrap().admitted, 1);
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47801, SYN);
+    assert_eq!(t.stats(0, 1).unwrap().admitted, 2);
+    for n in 0..3u8 {
+        let d = V4::new(TENANT1_V4, VIP4, PROTO_UDP).build(&udp(47802, 443, &[n; 8]));
+        assert_eq!(lab.run(&on_wire(&d)).0, XDP_TX);
+    }
+    assert_eq!(t.stats(1, 1).unwrap().admitted, 1);
+    assert_eq!(t.stats(0, 1).unwrap().admitted, 2);
+}
+
+/// A SYN reusing the 5-tuple of a connection whose handshake completed is the client's next
+/// session (the data plane counts a new handshake for it): its tenant's limits apply as to a
+/// SYN without entry. Refused, the entry stays as it was and the old connection's packets
+/// still flow; admitted, it counts once, and its retransmission is not checked again.
+#[test]
+fn a_syn_reusing_a_finished_connections_5_tuple_is_held_to_its_tenants_limits() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS | VIP_F_SHED_RST, 0);
+    lab.backends(&vip, &BACKENDS4);
+    let mut t = tenant_maps(&mut lab);
+    let key = flow(TENANT1_V4, 47900, VIP4, 443, PROTO_TCP);
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47900, SYN);
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47900, ACK);
+    assert_eq!(
+        lab.dp.conn(&key).unwrap().unwrap().flags & CONN_F_HANDSHAKE,
+        0
+    );
+    t.set_limits(0, 1, flagged(TENANT_F_CAPPED)).unwrap();
+
+    let (a, out) = lab.run(&on_wire(&tcp_packet_to(TENANT1_V4, VIP4, 47900, SYN)));
+    assert_eq!((a, out), (XDP_TX, rst_to(TENANT1_V4, 47900)));
+    assert_eq!(
+        (
+            lab.stat(stat::SHED_TENANT_SESSIONS),
+            lab.stat(stat::SHED_RST_SENT)
+        ),
+        (1, 1)
+    );
+    assert_eq!(
+        t.stats(0, 1).unwrap(),
+        TenantStats {
+            admitted: 1,
+            refused_sessions: 1,
+            ..Default::default()
+        }
+    );
+    assert_eq!(
+        lab.dp.conn(&key).unwrap().unwrap().flags & CONN_F_HANDSHAKE,
+        0,
+        "a refused SYN leaves the entry's handshake completed"
+    );
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47900, ACK | PSH);
+
+    t.set_limits(0, 1, TenantLimits::default()).unwrap();
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47900, SYN);
+    t.set_limits(0, 1, flagged(TENANT_F_CAPPED)).unwrap();
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47900, SYN);
+    assert_eq!(t.stats(0, 1).unwrap().admitted, 2);
+    assert_eq!(lab.stat(stat::SHED_TENANT_SESSIONS), 1);
 }

@@ -56,6 +56,10 @@ pub enum CaseId {
     /// connection ID (no table).
     EstablishedUdp,
     QuicCid,
+    /// A VIP with tenants: a new session (its client's tenant looked up in a trie of 1,000
+    /// prefixes, its limits checked and its rate bucket moved), and an established flow.
+    SynNewTenants,
+    EstablishedTenants,
 }
 
 /// Which loaded data plane (and so which conn table) a case runs against.
@@ -127,6 +131,18 @@ pub const CASES: &[CaseDef] = &[
         headline: true,
     },
     CaseDef {
+        id: CaseId::SynNewTenants,
+        key: "syn_new_flow_tenants",
+        label: "SYN, new flow, VIP with tenants",
+        dp: Dp::New,
+        prog: PROG_XDP,
+        baseline: Some(CaseId::Pass),
+        aim: Some(8.0),
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
+    },
+    CaseDef {
         id: CaseId::SynFull,
         key: "syn_new_flow_full_table",
         label: "SYN, new flow, full table (evicts)",
@@ -149,6 +165,18 @@ pub const CASES: &[CaseDef] = &[
         katran: Some(3.3),
         katran_net_ns: Some(138.0),
         headline: true,
+    },
+    CaseDef {
+        id: CaseId::EstablishedTenants,
+        key: "established_tenants",
+        label: "established flow, VIP with tenants",
+        dp: Dp::Main,
+        prog: PROG_XDP,
+        baseline: Some(CaseId::Pass),
+        aim: Some(2.5),
+        katran: None,
+        katran_net_ns: None,
+        headline: false,
     },
     CaseDef {
         id: CaseId::Established200k,

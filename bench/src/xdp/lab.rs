@@ -9,9 +9,9 @@ use aya::{
     programs::{TestRun, TestRunOptions},
 };
 use lb_common::{
-    maps, quic, stat, BackendEntry, ConnEntry, FlowKey, LbConfig, QuicServerKey, VipKey, VipMeta,
-    AFFINITY_TABLE_SIZE, BACKEND_ACTIVE, BACKEND_F_GUE, PROTO_TCP, PROTO_UDP, VIP_F_INBAND,
-    VIP_F_QUIC_CID, VIP_F_SECOND_CHANCE,
+    maps, quic, stat, BackendEntry, ConnEntry, FlowKey, LbConfig, QuicServerKey, TenantLimits,
+    VipKey, VipMeta, AFFINITY_TABLE_SIZE, BACKEND_ACTIVE, BACKEND_F_GUE, PROTO_TCP, PROTO_UDP,
+    VIP_F_INBAND, VIP_F_QUIC_CID, VIP_F_SECOND_CHANCE, VIP_F_TENANTS,
 };
 use serde_json::{json, Value};
 use sluice::{
@@ -21,15 +21,16 @@ use sluice::{
 };
 use sluice_tests::{
     frames::{Mac, ACK, SYN},
+    tenants::TenantMaps,
     FALLBACK_MAC, RING, SEED,
 };
 
 use super::{
     cases::{Dp, Variant},
     traffic::{patch_v4, v4_tcp_frame, TestFrames},
-    Opts, BACKENDS4, BACKENDS6, BACKENDS_INBAND, BACKENDS_QUIC, BACKENDS_UDP, BLOCK_MANY,
-    BLOCK_SYN_FULL, FIB_DEV_MAC, FIB_MTU, FULL_TABLE_PER_CPU, INBAND_PORT, QUIC_PORT, QUIC_SIDS,
-    UDP_PORT, VIP4, VIP6, VIP_PORT, XDP_PASS, XDP_REDIRECT, XDP_TX,
+    Opts, BACKENDS4, BACKENDS6, BACKENDS_INBAND, BACKENDS_QUIC, BACKENDS_TENANT, BACKENDS_UDP,
+    BLOCK_MANY, BLOCK_SYN_FULL, FIB_DEV_MAC, FIB_MTU, FULL_TABLE_PER_CPU, INBAND_PORT, QUIC_PORT,
+    QUIC_SIDS, TENANT_PORT, UDP_PORT, VIP4, VIP6, VIP_PORT, XDP_PASS, XDP_REDIRECT, XDP_TX,
 };
 use crate::sys;
 
@@ -114,6 +115,77 @@ fn add_vip(
     Ok(())
 }
 
+/// The tenants' VIP id.
+const TENANT_VIP: u32 = 5;
+/// The tenant of the generated new flows (100.80.0.0/12, inside tenant 3's 100.64.0.0/10)
+/// and of the established flow's client (192.0.2.0/24).
+const TENANT_NEW: u32 = 7;
+const TENANT_ESTABLISHED: u32 = 9;
+
+pub(super) const TENANTS_DESCRIBED: &str = "10.200.0.1:9443/tcp with VIP_F_TENANTS (4 backends, as the IPv4 VIP) on every data plane; TENANT_PREFIXES holds 1,000 prefixes: 498 IPv4 (/8 to /28) and 498 IPv6 (/24 to /64) spread over tenants 1..=63, 100.64.0.0/10 (tenant 3), 100.80.0.0/12 inside it (tenant 7: the new flows' clients), 192.0.2.0/24 (tenant 9: the established flow's client) and 2001:db8:c::/48; every tenant's limits on the VIP admit: a rate of 1e9 new sessions/s with a burst of 1e9 (the GCRA bucket is read and written on every new session), no flags. syn_new_flow_tenants sends syn_new_flow's generated SYNs to this port; established_tenants an ACK of a flow the VIP admitted";
+
+/// Fills `TENANT_PREFIXES` with 1,000 prefixes of both families (a fixed pseudo-random
+/// spread, none overlapping the clients' 100.64.0.0/10, 192.0.2.0/24, 2001:db8:c::/48) and
+/// gives every tenant limits on the tenants' VIP that admit.
+fn add_tenants(dp: &mut Dataplane) -> Result<()> {
+    let mut t = TenantMaps::open(dp)?;
+    let mut seen = std::collections::BTreeSet::new();
+    let mut x: u64 = 0x5eed_7e4a;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut fixed = vec![
+        ("100.64.0.0/10".to_string(), 3),
+        ("100.80.0.0/12".to_string(), TENANT_NEW),
+        ("192.0.2.0/24".to_string(), TENANT_ESTABLISHED),
+        ("2001:db8:c::/48".to_string(), TENANT_ESTABLISHED),
+    ];
+    let mut v4 = 0;
+    while v4 < 498 {
+        let len = 8 + (next() % 21) as u32;
+        let addr = (next() as u32) & (u32::MAX << (32 - len));
+        let first = addr >> 24;
+        // Not 100/8 nor 192/8: the clients' prefixes stay the longest match of theirs.
+        if first == 100 || first == 192 || !seen.insert((4, addr as u128, len)) {
+            continue;
+        }
+        let a = std::net::Ipv4Addr::from(addr);
+        fixed.push((format!("{a}/{len}"), 1 + (next() % 63) as u32));
+        v4 += 1;
+    }
+    let mut v6 = 0;
+    while v6 < 498 {
+        let len = 24 + (next() % 41) as u32;
+        // Inside 2400::/8..2fff::/8: never 2001:db8::/32.
+        let hi = (0x24u128 + (next() % 12) as u128) << 120;
+        let addr = (hi | ((next() as u128) << 56)) & (u128::MAX << (128 - len));
+        if !seen.insert((6, addr, len)) {
+            continue;
+        }
+        let a = std::net::Ipv6Addr::from(addr);
+        fixed.push((format!("{a}/{len}"), 1 + (next() % 63) as u32));
+        v6 += 1;
+    }
+    for (cidr, tenant) in &fixed {
+        t.set_prefix(cidr, *tenant)?;
+    }
+    for tenant in 0..lb_common::MAX_TENANTS {
+        t.set_limits(
+            TENANT_VIP,
+            tenant,
+            TenantLimits {
+                interval_ns: 1,
+                burst_ns: 1_000_000_000,
+                ..Default::default()
+            },
+        )?;
+    }
+    Ok(())
+}
+
 /// Loads one data plane with the benchmark's VIPs (IPv4 and IPv6, 4 backends each, full
 /// 65537-slot Maglev rings, in table or second-chance mode) and a conn table of
 /// `conn_table_size`.
@@ -121,7 +193,7 @@ fn load_dp(object: &[u8], conn_table_size: u32, second_chance: bool) -> Result<D
     let opts = LoadOptions {
         conn_table_size,
         affinity_table_size: AFFINITY_TABLE_SIZE,
-        max_vips: 5,
+        max_vips: 6,
         ..Default::default()
     };
     let mut dp = Dataplane::load(object, &opts).context("loading the data plane")?;
@@ -156,6 +228,14 @@ fn load_dp(object: &[u8], conn_table_size: u32, second_chance: bool) -> Result<D
         };
         dp.set_quic_server(&key, *id)?;
     }
+    add_vip(
+        &mut dp,
+        TENANT_VIP,
+        (VIP4, TENANT_PORT, PROTO_TCP),
+        VIP_F_TENANTS,
+        &BACKENDS_TENANT,
+    )?;
+    add_tenants(&mut dp)?;
     Ok(dp)
 }
 
@@ -233,6 +313,7 @@ fn enter_variant(ns: &OwnedFd, dps: &mut [Dataplane]) -> Result<()> {
         .chain(&BACKENDS6)
         .chain(&BACKENDS_UDP)
         .chain(&BACKENDS_QUIC)
+        .chain(&BACKENDS_TENANT)
         .map(|(id, _)| *id);
     for dp in dps.iter_mut() {
         dp.flush_next_hops(ids.clone())?;
@@ -320,6 +401,12 @@ impl Lab {
     pub(super) fn dp(&mut self, which: Dp) -> &mut Dataplane {
         &mut self.dps[which as usize]
     }
+
+    /// New sessions of the new-flow tenant admitted on the new-flow data plane.
+    pub(super) fn tenant_admitted(&mut self) -> Result<u64> {
+        let t = TenantMaps::open(self.dp(Dp::New))?;
+        Ok(t.stats(TENANT_VIP, TENANT_NEW)?.admitted)
+    }
 }
 
 /// Pre-populates the established flows (each sent once as a SYN) and fills the small table;
@@ -341,6 +428,7 @@ pub(super) fn populate(
             &fr.ack_ib,
             &fr.req_ib,
             &fr.udp4,
+            &fr.syn_tenant,
         ] {
             let (a, _) = run_once(dp, PROG_XDP, f, out)?;
             if a != XDP_TX {
@@ -365,11 +453,20 @@ pub(super) fn populate(
             bail!("the QUIC frame was not routed by its connection ID (action {a})");
         }
         let s = counters(dp)?;
-        let want = flows as u64 + 5;
+        let want = flows as u64 + 6;
         // (An object built without the miss counter shows 0 misses: not an error.)
         let misses = s[stat::CONN_MISS.index()];
         if misses != want && misses != 0 {
             bail!("populating: {misses} misses (expected {want})");
+        }
+        // The tenants' VIP looked its client's tenant up: the established flow is admitted.
+        let admitted = TenantMaps::open(dp)?
+            .stats(TENANT_VIP, TENANT_ESTABLISHED)?
+            .admitted;
+        if admitted != 1 {
+            bail!(
+                "populating: tenant {TENANT_ESTABLISHED} admitted {admitted} sessions, expected 1"
+            );
         }
     }
     let mut full_next: u64 = 0;
@@ -383,7 +480,7 @@ pub(super) fn populate(
         }
     }
     println!(
-        "populated {} established flows (+5) and filled the {}-entry-per-CPU table in {:.2} s",
+        "populated {} established flows (+6) and filled the {}-entry-per-CPU table in {:.2} s",
         flows,
         FULL_TABLE_PER_CPU,
         t.elapsed().as_secs_f64()

@@ -208,8 +208,20 @@ pub(super) fn case_sources(
         (CaseId::Pass, Frames::Fixed(fr.ack4.clone())),
         (CaseId::Pass1500, Frames::Fixed(fr.data1500.clone())),
         (CaseId::SynNew, fresh(BLOCK_SYN, 0)),
+        (
+            CaseId::SynNewTenants,
+            Frames::Fresh {
+                frame: fr.syn_tenant_tpl.clone(),
+                block: BLOCK_SYN,
+                next: 0,
+            },
+        ),
         (CaseId::SynFull, fresh(BLOCK_SYN_FULL, full_next)),
         (CaseId::Established, Frames::Fixed(fr.ack4.clone())),
+        (
+            CaseId::EstablishedTenants,
+            Frames::Fixed(fr.ack_tenant.clone()),
+        ),
         (CaseId::Established200k, many()),
         (CaseId::NonVip, Frames::Fixed(fr.non_vip.clone())),
         (CaseId::Established1500, Frames::Fixed(fr.data1500.clone())),
@@ -433,9 +445,10 @@ fn delete_fresh(
     f: &Frames,
     start: u64,
 ) -> Result<()> {
-    if let Frames::Fresh { block, next, .. } = f {
+    if let Frames::Fresh { frame, block, next } = f {
+        let dport = u16::from_be_bytes([frame[36], frame[37]]);
         for n in start..*next {
-            m.remove(&gen_key(*block, n))
+            m.remove(&gen_key(*block, n, dport))
                 .with_context(|| format!("deleting new flow {n}: was it inserted?"))?;
         }
     }

@@ -10,7 +10,7 @@ use sluice_tests::{
 
 use super::{
     BLOCK_BITS, BLOCK_SYN, CLIENT4, CLIENT6, CLIENT_MAC, INBAND_PORT, LB_MAC, NON_VIP4, QUIC_PORT,
-    QUIC_SIDS, UDP_PORT, VIP4, VIP6, VIP_PORT,
+    QUIC_SIDS, TENANT_PORT, UDP_PORT, VIP4, VIP6, VIP_PORT,
 };
 
 pub(super) fn v4_tcp_frame(
@@ -55,14 +55,15 @@ fn gen_flow(block: u32, n: u64) -> (u32, u16) {
     (addr, port)
 }
 
-pub(super) fn gen_key(block: u32, n: u64) -> FlowKey {
+/// The data plane's key of generated flow `n` of `block` to `VIP4`:`dport`.
+pub(super) fn gen_key(block: u32, n: u64, dport: u16) -> FlowKey {
     let (addr, port) = gen_flow(block, n);
     let (dst, _) = to_words(VIP4.parse().unwrap());
     FlowKey {
         src: [u32::from_ne_bytes(addr.to_be_bytes()), 0, 0, 0],
         dst,
         sport: port.to_be(),
-        dport: VIP_PORT.to_be(),
+        dport: dport.to_be(),
         proto: PROTO_TCP,
         family: FAMILY_V4,
         _pad: [0; 2],
@@ -183,6 +184,11 @@ pub(super) struct TestFrames {
     pub(super) req_ib: Vec<u8>,
     pub(super) many_tpl: Vec<u8>,
     pub(super) syn_tpl: Vec<u8>,
+    /// The tenants' VIP: new flows (generated as `syn_tpl`'s, to its port), and an
+    /// established flow's SYN and ACK.
+    pub(super) syn_tenant_tpl: Vec<u8>,
+    pub(super) syn_tenant: Vec<u8>,
+    pub(super) ack_tenant: Vec<u8>,
     /// A datagram of the plain UDP VIP's flow, and a QUIC short header whose connection ID
     /// names the QUIC VIP's second backend (both 54-byte frames, as `ack4`).
     pub(super) udp4: Vec<u8>,
@@ -205,7 +211,7 @@ impl TestFrames {
             let mut f = syn_tpl.clone();
             patch_v4(&mut f, BLOCK_SYN, 5 + (3 << BLOCK_BITS));
             assert_eq!(
-                gen_key(BLOCK_SYN, 5 + (3 << BLOCK_BITS)),
+                gen_key(BLOCK_SYN, 5 + (3 << BLOCK_BITS), VIP_PORT),
                 flow("100.80.0.5", 1027, VIP4, VIP_PORT, PROTO_TCP)
             );
             let want = V4::new("100.80.0.5", VIP4, PROTO_TCP).build(&tcp(1027, VIP_PORT, SYN, b""));
@@ -228,6 +234,9 @@ impl TestFrames {
             req_ib,
             many_tpl: v4_tcp_frame("100.64.0.0", 1024, VIP4, VIP_PORT, ACK, b""),
             syn_tpl,
+            syn_tenant_tpl: v4_tcp_frame("100.80.0.0", 1024, VIP4, TENANT_PORT, SYN, b""),
+            syn_tenant: v4_tcp_frame(CLIENT4, 40005, VIP4, TENANT_PORT, SYN, b""),
+            ack_tenant: v4_tcp_frame(CLIENT4, 40005, VIP4, TENANT_PORT, ACK, b""),
             udp4: v4_udp_frame(40003, UDP_PORT, &[0x5a; 12]),
             quic4: v4_udp_frame(40004, QUIC_PORT, &quic_short_header(QUIC_SIDS[1])),
         }
