@@ -130,15 +130,6 @@ pub fn decide(
         let reopens = opens && track && key.proto == PROTO_TCP;
         if let Some(d) = established(key, vip, e, now, reopens, acks) {
             count(stat::CONN_HIT);
-            // A SYN on an entry whose handshake completed is the client's next session: its
-            // tenant's limits apply as to a SYN without entry. Refused, the entry's handshake
-            // stays completed, so the SYN's retransmission is checked again.
-            if d.handshake == HANDSHAKE_STARTED && vip.flags & VIP_F_TENANTS != 0 {
-                if let Err(r) = tenant::admit(key, vip, now) {
-                    unsafe { (*e).flags ^= CONN_F_HANDSHAKE };
-                    return Err(r);
-                }
-            }
             return Ok(d);
         }
         if !reopens {
@@ -196,7 +187,9 @@ fn steer_new(
 /// reopening SYN its old backend as an affinity entry would, only while that backend keeps
 /// its clients: one draining, moved away or down gets no new session from a stale entry. (A
 /// retransmitted SYN whose backend left meanwhile moves too; its half-open connection there
-/// times out.)
+/// times out.) On a VIP that refuses new sessions (tenant limits, class shedding) a SYN on an
+/// entry whose handshake completed is steered as a miss, through admission: it opens the
+/// client's next session, and a stale entry must not let it skip the limits.
 #[inline(always)]
 fn established(
     key: &FlowKey,
@@ -208,7 +201,11 @@ fn established(
 ) -> Option<Decision> {
     let id = unsafe { (*e).backend };
     let b = backend(id, vip)?;
+    let pending = unsafe { (*e).flags } & CONN_F_HANDSHAKE;
     if !takes(b, false) || (reopens && !keeps_affinity(b, true)) {
+        return None;
+    }
+    if reopens && pending == 0 && vip.flags & (VIP_F_TENANTS | VIP_F_SHED) != 0 {
         return None;
     }
     // The coarse clock moves once a tick: most packets leave the line clean.
@@ -229,7 +226,6 @@ fn established(
     // Toggling the bit: `HANDSHAKE_STARTED` is `CONN_F_HANDSHAKE`. Written so, the entry's
     // handshake state adds no branch; a branch per flag would split the verifier's paths
     // through everything after it (docs/design.md, "The verifier's budget").
-    let pending = unsafe { (*e).flags } & CONN_F_HANDSHAKE;
     let handshake = if reopens {
         pending ^ HANDSHAKE_STARTED
     } else if pending != 0 && acks {

@@ -3153,9 +3153,10 @@ fn a_tenants_admitted_counter_counts_each_new_session_once() {
 }
 
 /// A SYN reusing the 5-tuple of a connection whose handshake completed is the client's next
-/// session (the data plane counts a new handshake for it): its tenant's limits apply as to a
-/// SYN without entry. Refused, the entry stays as it was and the old connection's packets
-/// still flow; admitted, it counts once, and its retransmission is not checked again.
+/// session: on a VIP with tenants the finished connection's entry goes and the SYN is
+/// steered as a miss, through its tenant's limits. Refused, nothing is pinned (a late packet
+/// of the old connection is steered as a lost entry's is); admitted, it counts once, and its
+/// retransmission is not checked again.
 #[test]
 fn a_syn_reusing_a_finished_connections_5_tuple_is_held_to_its_tenants_limits() {
     let mut lab = Lab::new();
@@ -3189,9 +3190,9 @@ fn a_syn_reusing_a_finished_connections_5_tuple_is_held_to_its_tenants_limits() 
         }
     );
     assert_eq!(
-        lab.dp.conn(&key).unwrap().unwrap().flags & CONN_F_HANDSHAKE,
-        0,
-        "a refused SYN leaves the entry's handshake completed"
+        lab.dp.conn(&key).unwrap(),
+        None,
+        "the finished connection's entry goes: the SYN was steered as a miss"
     );
     assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47900, ACK | PSH);
 
@@ -3201,4 +3202,29 @@ fn a_syn_reusing_a_finished_connections_5_tuple_is_held_to_its_tenants_limits() 
     assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47900, SYN);
     assert_eq!(t.stats(0, 1).unwrap().admitted, 2);
     assert_eq!(lab.stat(stat::SHED_TENANT_SESSIONS), 1);
+}
+
+/// Class shedding holds a reused 5-tuple's SYN as tenant limits do: the finished
+/// connection's entry does not carry the client's next session past a shedding VIP.
+#[test]
+fn a_syn_reusing_a_finished_connections_5_tuple_is_shed_by_its_vips_class() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_SHED_RST, 0);
+    lab.backends(&vip, &BACKENDS4);
+    let key = flow(TENANT1_V4, 47901, VIP4, 443, PROTO_TCP);
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47901, SYN);
+    assert_tcp_forwarded(&mut lab, &vip, TENANT1_V4, 47901, ACK);
+    lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_SHED | VIP_F_SHED_RST, 0);
+
+    let (a, out) = lab.run(&on_wire(&tcp_packet_to(TENANT1_V4, VIP4, 47901, SYN)));
+    assert_eq!((a, out), (XDP_TX, rst_to(TENANT1_V4, 47901)));
+    assert_eq!(
+        (
+            lab.stat(stat::CONN_REOPEN_RESTEER),
+            lab.stat(stat::SHED_PRIORITY),
+            lab.stat(stat::SHED_RST_SENT)
+        ),
+        (1, 1, 1)
+    );
+    assert_eq!(lab.dp.conn(&key).unwrap(), None);
 }

@@ -4,9 +4,10 @@
 //!
 //! For every frame: at most one tenant counter moves, by one, and only for a packet that
 //! opens a session (a UDP packet, or a TCP SYN without ACK; not an ICMP error) on a VIP with
-//! tenants that reached the connection table's miss path, or a TCP SYN on an entry whose
-//! handshake had completed (the oracle reads the entry before the frame) that the entry
-//! steered (the client's next session on the same 5-tuple); every such packet moves exactly
+//! tenants that reached the connection table's miss path (a TCP SYN on an entry whose
+//! handshake had completed, the client's next session on the same 5-tuple, is steered as a
+//! miss there); should such a SYN ever be steered by its entry (the oracle reads the entry
+//! before the frame), it must still pass the limits; every such packet moves exactly
 //! one, of the tenant the oracle matches, for the reason its limits give (capped, then over
 //! share, then the rate, else admitted). A refusal is counted under its own `shed_tenant_*`
 //! counter and ends in a RST (TCP on a VIP shedding by RST) or `drop_shed`; an admitted
