@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::{
+    config::TenantConfig,
     private_file,
     state::{
         Admin, Backend, BackendSpec, FlowState, Limits, Op, OpError, QuicMode, State, VipSpec,
@@ -233,6 +234,7 @@ pub struct Controller<P: Plane> {
 
 fn affected(state: &State, op: &Op) -> serde_json::Value {
     let vip = match op {
+        Op::SetTenants(_) => return serde_json::to_value(&state.tenants).unwrap_or_default(),
         Op::AddVip { vip, .. } => &vip.name,
         Op::RemoveVip { vip }
         | Op::AddBackend { vip, .. }
@@ -435,13 +437,14 @@ impl<P: Plane> Controller<P> {
     pub fn reload(
         &mut self,
         specs: &[(VipSpec, Vec<BackendSpec>)],
+        tenants: &[TenantConfig],
         config_hash: u64,
         now_ms: u64,
     ) -> Result<(), RequestError> {
         let same_file = config_hash == self.settings.config_hash;
         let new = self
             .state
-            .for_config(same_file, specs, &self.settings.limits)?;
+            .for_config(same_file, specs, tenants, &self.settings.limits)?;
         let result = self.write(new);
         if result.is_ok() {
             self.settings.config_hash = config_hash;
@@ -795,7 +798,7 @@ mod tests {
         };
         let specs = vec![(vip, backends)];
         // A file (hash 8) and runtime changes on top.
-        c.reload(&specs, 8, 1).unwrap();
+        c.reload(&specs, &[], 8, 1).unwrap();
         let added = be("10.1.0.9");
         c.submit(
             Op::AddBackend {
@@ -818,13 +821,13 @@ mod tests {
         )
         .unwrap();
         let runtime = c.state().clone();
-        c.reload(&specs, 8, 4).unwrap();
+        c.reload(&specs, &[], 8, 4).unwrap();
         assert_eq!(
             c.state(),
             &runtime,
             "the same file keeps every runtime change"
         );
-        c.reload(&specs, 9, 5).unwrap();
+        c.reload(&specs, &[], 9, 5).unwrap();
         let chat = &c.state().vips["chat"];
         assert!(!chat.backends.contains_key(&added.address));
         assert_eq!(chat.backends[&a].spec.weight, 100);

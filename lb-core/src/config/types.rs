@@ -778,7 +778,7 @@ impl Serialize for SocketMode {
 }
 
 /// An IP prefix with zero host bits, written `ADDRESS/LENGTH`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Cidr {
     pub addr: IpAddr,
     pub prefix: u8,
