@@ -29,7 +29,10 @@ use tokio::{
 };
 
 pub use self::socket::{bind, AdminSocket};
-pub(crate) use self::{socket::group_name, views::Snapshot};
+pub(crate) use self::{
+    socket::group_name,
+    views::{Snapshot, TenantRow},
+};
 use self::{
     socket::{may_administer, supplementary_groups},
     views::{flows, stats, vip_detail, BackendView, VipView},

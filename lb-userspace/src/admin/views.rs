@@ -27,6 +27,8 @@ pub(crate) struct Snapshot {
     pub event_counts: BTreeMap<String, u64>,
     /// Backend id → the adaptive policy's latest view (score, state, cooldown, telemetry).
     pub steering: BTreeMap<u32, BackendDecision>,
+    /// Each tenant on each VIP ([`tenant_rows`]).
+    pub tenants: Vec<TenantRow>,
 }
 
 impl Snapshot {
@@ -34,6 +36,7 @@ impl Snapshot {
         let mut ctl = ctl.lock().await;
         let flows = ctl.active_flows().context("counting active flows")?;
         let counters = ctl.counters().context("reading the data-plane counters")?;
+        let tenants = tenant_rows(&mut ctl)?;
         let state = ctl.state().clone();
         let effective = state
             .vips
@@ -55,6 +58,7 @@ impl Snapshot {
             counters,
             event_counts: ctl.event_counts().clone(),
             steering,
+            tenants,
         })
     }
 
