@@ -605,6 +605,11 @@ mod tests {
             backends: vec![crate::state::testing::quic_be("10.1.0.5", "0A05")],
         };
         c.submit(quic, Peer::default(), 1).unwrap();
+        let tenants = serde_json::json!({"op": "set-tenants", "tenant": [
+            {"name": "acme", "prefixes": ["10.0.2.0/24"], "weight": 3}
+        ]});
+        c.submit(serde_json::from_value(tenants).unwrap(), Peer::default(), 1)
+            .unwrap();
         let drain = Op::Drain {
             vip: "chat".into(),
             address: "10.1.0.1".parse().unwrap(),
