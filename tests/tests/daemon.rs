@@ -1142,7 +1142,8 @@ prefixes = ["10.0.3.0/24"]
 
 /// Tenants from the file reach the pinned maps and `sluice tenant list`; a bad
 /// `sluice tenant set` changes nothing and says why; a good one and a SIGHUP reload of a
-/// changed file change the maps, and a removed tenant's prefixes leave the trie.
+/// changed file change the maps, and a removed tenant's prefixes leave the trie, also a
+/// previous run's leftover after a restart over the pinned maps.
 #[test]
 fn tenants_reach_the_maps_and_follow_api_changes_and_reloads() {
     let mut opts = options();
@@ -1238,10 +1239,40 @@ fn tenants_reach_the_maps_and_follow_api_changes_and_reloads() {
         "after the reload"
     );
     assert_eq!(tenant_limits(&lab, VIP, 2), Default::default());
+
+    // A crash, a leftover prefix, and a restart over the pinned maps: the leftover goes.
+    lab.kill9().unwrap();
+    {
+        use aya::maps::{lpm_trie::Key, LpmTrie, Map, MapData};
+        let m = MapData::from_pin(lab.bpffs.join(lb_common::maps::TENANT_PREFIXES)).unwrap();
+        let mut m: LpmTrie<_, lb_common::TenantPrefix, u32> =
+            LpmTrie::try_from(Map::LpmTrie(m)).unwrap();
+        let stale = lb_common::TenantPrefix {
+            family: lb_common::FAMILY_V4,
+            _pad: [0; 3],
+            addr: [u32::from_ne_bytes([10, 9, 0, 0]), 0, 0, 0],
+        };
+        m.insert(
+            &Key::new(lb_common::TENANT_PREFIX_FAMILY_BITS + 16, stale),
+            7,
+            0,
+        )
+        .unwrap();
+    }
+    assert_eq!(tenant_prefixes(&lab).len(), 2);
+    lab.start_daemon().unwrap();
+    let log = lab.log();
+    assert!(log.contains("data plane ready reused=true"), "{log}");
+    assert_eq!(
+        tenant_prefixes(&lab),
+        prefixes(&[("10.0.5.0/24", 1)]),
+        "after the restart"
+    );
+
     // No tenants at all: the VIP no longer looks tenants up.
     lab.reconfigure(|o| o.tenants.clear()).unwrap();
     lab.sighup().unwrap();
-    wait_reloaded(&lab, 2);
+    wait_reloaded(&lab, 1);
     assert!(tenant_prefixes(&lab).is_empty());
     assert_eq!(vip_flags(&lab) & lb_common::VIP_F_TENANTS, 0);
     assert!(lab.stop().unwrap().success());
