@@ -202,6 +202,8 @@ pub struct MapPlane {
     pub conn_entries: u64,
     /// When the latest count used was taken, and its walk's duration.
     counted: crate::controller::FlowCount,
+    /// The tenant prefixes the walker counts by.
+    walker_tenants: std::collections::BTreeMap<crate::config::Cidr, u32>,
 }
 
 impl MapPlane {
@@ -214,6 +216,7 @@ impl MapPlane {
             walker,
             conn_entries: 0,
             counted: Default::default(),
+            walker_tenants: Default::default(),
         })
     }
 }
@@ -221,8 +224,12 @@ impl MapPlane {
 impl crate::controller::Plane for MapPlane {
     fn apply(&mut self, old: &State, new: &State, overlay: &Overlay) -> Result<()> {
         let done = apply(&mut self.dp, old, new, self.seed, overlay)?;
-        if old.tenants.list != new.tenants.list || old.tenants.ids != new.tenants.ids {
-            self.walker.set_tenants(&new.tenant_prefixes());
+        // Compared with what the walker counts by, not with `old`: a start over a restored
+        // state writes the same tenants the walker has not been given yet.
+        let prefixes = new.tenant_prefixes();
+        if prefixes != self.walker_tenants {
+            self.walker.set_tenants(&prefixes);
+            self.walker_tenants = prefixes;
         }
         tracing::debug!(?done, "data plane updated");
         Ok(())

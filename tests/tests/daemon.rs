@@ -1277,3 +1277,55 @@ fn tenants_reach_the_maps_and_follow_api_changes_and_reloads() {
     assert_eq!(vip_flags(&lab) & lb_common::VIP_F_TENANTS, 0);
     assert!(lab.stop().unwrap().success());
 }
+
+/// A tenant's established streams are counted as its sessions (the flow walker matches the
+/// client to its prefix), its cap flags it `capped` at the next policy step, and the
+/// established streams run to their end: a limit never cuts one.
+#[test]
+fn a_tenants_streams_count_as_its_sessions_and_its_cap_cuts_none() {
+    let mut lab = start(options());
+    let streams: Vec<Running> = (0..2)
+        .map(|_| {
+            lab.stream(vip(), 40, 100)
+                .unwrap_or_else(|e| panic!("opening a stream: {e:#}"))
+        })
+        .collect();
+    let client = streams[0].local.ip();
+    let body = json!({"tenant": [
+        {"name": "acme", "prefixes": [format!("{client}/32")], "max_sessions": 2}
+    ]});
+    let (st, v) = lab.api("PUT", "/v1/tenants", Some(&body)).unwrap();
+    assert_eq!(st, 200, "{v}");
+    let row = wait_for(
+        "the tenant's streams to be counted and its cap to apply",
+        Duration::from_secs(10),
+        || {
+            let (_, v) = lab.api("GET", "/v1/tenants", None).unwrap();
+            let acme = v["tenants"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|t| t["tenant"] == "acme")
+                .cloned()
+                .unwrap();
+            if acme["sessions"] == 2 && acme["state"] == "capped" {
+                Ok(Some(acme))
+            } else {
+                Err(format!("{v}"))
+            }
+        },
+    )
+    .unwrap();
+    assert_eq!(row["vip"], VIP);
+    let list = lab.cli_ok(&["tenant", "list"]);
+    assert!(
+        list.lines()
+            .any(|l| l.starts_with("acme ") && l.ends_with("capped")),
+        "{list}"
+    );
+    let page = lab.metrics_page().unwrap();
+    let line = format!(r#"sluice_tenant_limited{{tenant="acme",vip="{VIP}",limit="sessions"}} 1"#);
+    assert!(page.lines().any(|l| l == line), "{line} missing:\n{page}");
+    finish_all(streams, "the capped tenant's established streams");
+    assert!(lab.stop().unwrap().success());
+}
