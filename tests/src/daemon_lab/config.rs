@@ -144,6 +144,8 @@ pub struct DaemonLabOptions {
     pub accel: Option<Accel>,
     /// QUIC token servers on every backend, in the token server's process.
     pub quic: Option<QuicServe>,
+    /// `[[tenant]]` tables, as raw TOML written at the end of the file.
+    pub tenants: String,
 }
 
 /// The simulated accelerators of a lab.
@@ -174,6 +176,7 @@ impl DaemonLabOptions {
             prefix: Vec::new(),
             accel: None,
             quic: None,
+            tenants: String::new(),
         };
         for (section, key, value) in [
             ("daemon", "keep_dataplane_on_exit", "false"),
@@ -410,6 +413,7 @@ impl DaemonLab {
                 section(&mut text, sec, s.get(sec));
             }
         }
+        text += &o.tenants;
         text
     }
 
