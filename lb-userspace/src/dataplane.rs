@@ -175,15 +175,6 @@ fn check_pinned(dir: &Path, opts: &LoadOptions) -> Result<bool> {
     if present.is_empty() {
         return Ok(false);
     }
-    if present.len() != layouts.len() {
-        bail!(
-            "{} holds only some of Sluice's pinned maps ({} of {}): it was left by a failed \
-             start or another program; remove it (`sluice cleanup`) and start again",
-            dir.display(),
-            present.len(),
-            layouts.len()
-        );
-    }
     let incompatible = |what: String| {
         anyhow!(
             "the data plane pinned in {} was created by an incompatible Sluice ({what}); this \
@@ -192,6 +183,28 @@ fn check_pinned(dir: &Path, opts: &LoadOptions) -> Result<bool> {
             dir.display()
         )
     };
+    // A newer or older layout may have another set of maps: its version says so first.
+    let version = || -> Result<u32> {
+        let meta: Array<MapData, u32> = Array::try_from(aya::maps::Map::Array(
+            MapData::from_pin(dir.join(maps::META)).context("opening pinned META")?,
+        ))?;
+        Ok(meta.get(&0, 0)?)
+    };
+    if present.len() != layouts.len() {
+        if dir.join(maps::META).exists() {
+            let v = version()?;
+            if v != LAYOUT_VERSION {
+                return Err(incompatible(format!("layout version {v}")));
+            }
+        }
+        bail!(
+            "{} holds only some of Sluice's pinned maps ({} of {}): it was left by a failed \
+             start or another program; remove it (`sluice cleanup`) and start again",
+            dir.display(),
+            present.len(),
+            layouts.len()
+        );
+    }
     for (name, key, value, entries) in layouts {
         let info = MapInfo::from_pin(dir.join(name))
             .with_context(|| format!("reading pinned map {}", dir.join(name).display()))?;
@@ -209,12 +222,9 @@ fn check_pinned(dir: &Path, opts: &LoadOptions) -> Result<bool> {
             )));
         }
     }
-    let meta: Array<MapData, u32> = Array::try_from(aya::maps::Map::Array(
-        MapData::from_pin(dir.join(maps::META)).context("opening pinned META")?,
-    ))?;
-    let version = meta.get(&0, 0)?;
-    if version != LAYOUT_VERSION {
-        return Err(incompatible(format!("layout version {version}")));
+    let v = version()?;
+    if v != LAYOUT_VERSION {
+        return Err(incompatible(format!("layout version {v}")));
     }
     Ok(true)
 }

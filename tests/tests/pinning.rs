@@ -179,14 +179,27 @@ fn pinned_maps_of_another_layout_are_refused_with_a_clear_message() {
     );
     assert!(err.contains("incompatible Sluice (layout version"), "{err}");
     assert!(err.contains("sluice cleanup"), "{err}");
-    // Partial state is refused too.
-    std::fs::remove_file(dir.0.join(maps::CONNS)).unwrap();
-    let err = format!(
-        "{:#}",
-        Dataplane::load(BPF_OBJECT, &opts(&dir))
-            .err()
-            .expect("must refuse")
-    );
+    // Another layout may have another set of maps (an older one lacks the newer maps): its
+    // version, not the missing maps, is what the operator is told.
+    std::fs::remove_file(dir.0.join(maps::TENANT_STATS)).unwrap();
+    let refusal = || {
+        format!(
+            "{:#}",
+            Dataplane::load(BPF_OBJECT, &opts(&dir))
+                .err()
+                .expect("must refuse")
+        )
+    };
+    let err = refusal();
+    assert!(err.contains("incompatible Sluice (layout version"), "{err}");
+    // Partial state of this layout is refused as such.
+    {
+        let m = aya::maps::MapData::from_pin(dir.0.join(maps::META)).unwrap();
+        let mut a: aya::maps::Array<aya::maps::MapData, u32> =
+            aya::maps::Array::try_from(aya::maps::Map::Array(m)).unwrap();
+        a.set(0, LAYOUT_VERSION, 0).unwrap();
+    }
+    let err = refusal();
     assert!(
         err.contains("holds only some of Sluice's pinned maps"),
         "{err}"
