@@ -340,40 +340,10 @@ pub(super) fn raw_from_document(
             "policy" => raw.policy = read(root, v, issues),
             "bgp" => raw.bgp = read(root, v, issues),
             "fleet" => raw.fleet = read(root, v, issues),
-            "vip" => match v.get_ref() {
-                DeValue::Array(vips) => {
-                    for vip in vips.iter() {
-                        if let Some(r) = read_vip(root, vip, issues) {
-                            raw.vip.push(r);
-                        }
-                    }
-                }
-                _ => issues.push((
-                    v.span(),
-                    "vip".to_owned(),
-                    format!(
-                        "invalid type: {}, expected an array of tables ([[vip]])",
-                        v.get_ref().type_str()
-                    ),
-                )),
-            },
-            "tenant" => match v.get_ref() {
-                DeValue::Array(tenants) => {
-                    for t in tenants.iter() {
-                        if let Some(r) = read(root, t, issues) {
-                            raw.tenant.push(r);
-                        }
-                    }
-                }
-                _ => issues.push((
-                    v.span(),
-                    "tenant".to_owned(),
-                    format!(
-                        "invalid type: {}, expected an array of tables ([[tenant]])",
-                        v.get_ref().type_str()
-                    ),
-                )),
-            },
+            "vip" => raw.vip = read_tables(v, "vip", issues, |t, issues| read_vip(root, t, issues)),
+            "tenant" => {
+                raw.tenant = read_tables(v, "tenant", issues, |t, issues| read(root, t, issues))
+            }
             other => issues.push((
                 k.span(),
                 KeyPath::default().key(other).to_string(),
@@ -383,6 +353,30 @@ pub(super) fn raw_from_document(
     }
 
     raw
+}
+
+/// Reads an array of tables (`[[name]]`) with `each`, recording a shape error for anything
+/// else.
+fn read_tables<T>(
+    v: &Spanned<DeValue>,
+    name: &str,
+    issues: &mut Vec<ShapeIssue>,
+    mut each: impl FnMut(&Spanned<DeValue>, &mut Vec<ShapeIssue>) -> Option<T>,
+) -> Vec<T> {
+    match v.get_ref() {
+        DeValue::Array(tables) => tables.iter().filter_map(|t| each(t, issues)).collect(),
+        _ => {
+            issues.push((
+                v.span(),
+                name.to_owned(),
+                format!(
+                    "invalid type: {}, expected an array of tables ([[{name}]])",
+                    v.get_ref().type_str()
+                ),
+            ));
+            Vec::new()
+        }
+    }
 }
 
 /// Deserializes one table, recording a shape error with its span and key path.
