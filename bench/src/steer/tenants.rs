@@ -76,10 +76,13 @@ pub fn tenant_of(addr: &str) -> Option<&'static Tenant> {
     })
 }
 
-/// The lab's client addresses that belong to a tenant (`noisy`: only the noisy tenant's);
-/// fails when a tenant has none (too few `--sources` to reach its prefix).
+/// The lab's client addresses that belong to a tenant (`noisy_only`: only the noisy
+/// tenant's), interleaved across the tenants (the first of each, then the second of each...):
+/// the generator deals conversations to its addresses round robin, so each tenant gets every
+/// fourth conversation rather than runs of 32 in a row. Fails when a tenant has none (too few
+/// `--sources` to reach its prefix).
 pub fn sources(all: &[IpAddr], noisy_only: bool) -> Result<Vec<IpAddr>> {
-    let mut out = Vec::new();
+    let mut each = Vec::new();
     for t in TENANTS.iter().filter(|t| t.noisy || !noisy_only) {
         let mine: Vec<IpAddr> = all
             .iter()
@@ -95,9 +98,12 @@ pub fn sources(all: &[IpAddr], noisy_only: bool) -> Result<Vec<IpAddr>> {
                 all.len()
             );
         }
-        out.extend(mine);
+        each.push(mine);
     }
-    Ok(out)
+    let longest = each.iter().map(Vec::len).max().unwrap_or(0);
+    Ok((0..longest)
+        .flat_map(|i| each.iter().filter_map(move |m| m.get(i).copied()))
+        .collect())
 }
 
 /// The limits an operator derives from the fleet's capacity (docs/benchmarks.md): each
@@ -233,7 +239,13 @@ mod tests {
         let all: Vec<IpAddr> = (75..=254u8)
             .map(|k| IpAddr::V4(Ipv4Addr::new(10, 111, 0, k)))
             .collect();
-        assert_eq!(sources(&all, false).unwrap().len(), 128);
+        let quiet_and_noisy = sources(&all, false).unwrap();
+        assert_eq!(quiet_and_noisy.len(), 128);
+        let first: Vec<&str> = quiet_and_noisy[..5]
+            .iter()
+            .map(|a| tenant_of(&a.to_string()).unwrap().name)
+            .collect();
+        assert_eq!(first, ["quiet-a", "quiet-b", "quiet-c", "noisy", "quiet-a"]);
         let noisy = sources(&all, true).unwrap();
         assert_eq!(noisy.len(), 32);
         assert!(noisy
