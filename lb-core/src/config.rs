@@ -172,23 +172,49 @@ impl<'de> Deserialize<'de> for Config {
     fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let raw = RawConfig::deserialize(d)?;
         let (config, issues, _) = validate(raw);
-        match config {
-            Some(c) if issues.is_empty() => Ok(c),
-            _ => {
-                let err = ConfigError {
-                    origin: "config".to_owned(),
-                    issues: issues
-                        .into_iter()
-                        .map(|(path, message)| Issue {
-                            line: None,
-                            column: None,
-                            key: path.to_string(),
-                            message,
-                        })
-                        .collect(),
-                };
-                Err(de::Error::custom(err))
-            }
-        }
+        checked(config, issues, "config")
+    }
+}
+
+/// The `[[tenant]]` tables on their own, in the file's shape (`{"tenant": [...]}`): what
+/// `PUT /v1/tenants` takes and `sluice tenant set` sends.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct TenantList {
+    #[serde(rename = "tenant")]
+    pub tenants: Vec<TenantConfig>,
+}
+
+impl<'de> Deserialize<'de> for TenantList {
+    /// Validates with the file's checks of `[[tenant]]` (errors carry key paths such as
+    /// `tenant[1].prefixes[0]`).
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw = RawTenantList::deserialize(d)?;
+        let mut c = Checker::default();
+        let tenants = tenants(&mut c, &KeyPath::default(), raw.tenant);
+        let (issues, _) = c.into_found();
+        checked(
+            tenants.map(|tenants| TenantList { tenants }),
+            issues,
+            "tenants",
+        )
+    }
+}
+
+/// `value` when no issue was found, else the issues as one error naming `origin`.
+fn checked<T, E: de::Error>(value: Option<T>, issues: Found, origin: &str) -> Result<T, E> {
+    match value {
+        Some(v) if issues.is_empty() => Ok(v),
+        _ => Err(de::Error::custom(ConfigError {
+            origin: origin.to_owned(),
+            issues: issues
+                .into_iter()
+                .map(|(path, message)| Issue {
+                    line: None,
+                    column: None,
+                    key: path.to_string(),
+                    message,
+                })
+                .collect(),
+        })),
     }
 }

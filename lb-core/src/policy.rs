@@ -45,6 +45,7 @@ mod inband;
 mod pool;
 mod refusing;
 mod score;
+mod tenants;
 #[cfg(test)]
 mod tests;
 
@@ -61,6 +62,7 @@ pub use self::{
     event::{EventKind, PolicyEvent},
     refusing::Handshakes,
     score::Reason,
+    tenants::{TenantDecision, TenantInput},
 };
 use self::{
     admission::{ShedChange, Shedder},
@@ -152,6 +154,8 @@ pub struct Decisions {
     /// Per VIP name.
     pub shed: BTreeMap<String, Shed>,
     pub events: Vec<PolicyEvent>,
+    /// Per (VIP, tenant), in input order within each pool.
+    pub tenants: Vec<TenantDecision>,
 }
 
 impl Decisions {
@@ -233,6 +237,7 @@ pub struct Policy {
     harm: harm::Checks,
     /// VIPs without headroom at the last step ([`HEADROOM`]).
     crowded: BTreeSet<String>,
+    tenants: tenants::Memory,
 }
 
 /// A backend's view within one step.
@@ -262,6 +267,7 @@ impl Policy {
             mismatched: BTreeSet::new(),
             harm: harm::Checks::default(),
             crowded: BTreeSet::new(),
+            tenants: tenants::Memory::default(),
         }
     }
 
@@ -273,6 +279,20 @@ impl Policy {
 
     /// One control interval. Backends missing from `inputs` are forgotten.
     pub fn step(&mut self, now: Duration, inputs: &[BackendInput]) -> Decisions {
+        self.step_with_tenants(now, inputs, &[])
+    }
+
+    /// [`Policy::step`] with the VIPs' tenants: their flags are decided with each pool's
+    /// admission ([`tenants`]).
+    pub fn step_with_tenants(
+        &mut self,
+        now: Duration,
+        inputs: &[BackendInput],
+        tenant_inputs: &[TenantInput],
+    ) -> Decisions {
+        let activity = self.tenants.observe(now, tenant_inputs);
+        let tenant_work: Vec<(&TenantInput, tenants::Activity)> =
+            tenant_inputs.iter().zip(activity).collect();
         let ids: BTreeSet<u32> = inputs.iter().map(|i| i.id).collect();
         self.backends.retain(|id, _| ids.contains(id));
         let vips: BTreeSet<&str> = inputs.iter().map(|i| i.vip).collect();
@@ -326,6 +346,7 @@ impl Policy {
             backends: Vec::with_capacity(inputs.len()),
             shed: BTreeMap::new(),
             events,
+            tenants: Vec::new(),
         };
         for (i, w) in work.iter().enumerate() {
             let cap = caps.get(w.input.vip).copied();
@@ -340,7 +361,7 @@ impl Policy {
         for vip in vips {
             let pool = &pools[vip];
             if done.insert(pool.clone()) {
-                self.shed(now, pool, &work, &mut out);
+                self.shed(now, pool, &work, &tenant_work, &mut out);
             }
         }
         self.started = true;
@@ -774,7 +795,17 @@ impl Policy {
     /// Admission for one pool: the VIPs that share backend hosts. While all of the pool's
     /// backends are full its shedder tightens, and each VIP of a class below what it admits
     /// sheds its new sessions: capacity that frees up goes to the higher classes.
-    fn shed(&mut self, now: Duration, pool: &str, work: &[Work], out: &mut Decisions) {
+    ///
+    /// The pool's tenants are flagged first ([`tenants`]); while one of them is over its
+    /// share the shedder does not tighten.
+    fn shed(
+        &mut self,
+        now: Duration,
+        pool: &str,
+        work: &[Work],
+        tenant_work: &[(&TenantInput, tenants::Activity)],
+        out: &mut Decisions,
+    ) {
         let members: BTreeSet<&str> = pool.split(POOL_SEP).collect();
         let (mut full, mut backends) = (0, 0);
         for (w, d) in work.iter().zip(&out.backends) {
@@ -803,7 +834,22 @@ impl Policy {
             .map(|w| w.input.class)
             .min()
             .unwrap_or(LOWEST_CLASS);
-        if let Some(change) = shedder.update(now, all_full, self.cfg.cooldown_base, top) {
+        // Tenants' shares count whenever every backend is full: configuring tenants asks
+        // for their admission, whether or not classes shed.
+        let pool_full = backends > 0 && full == backends;
+        let mut over_share = false;
+        for &vip in &members {
+            let of_vip: Vec<(&TenantInput, tenants::Activity)> = tenant_work
+                .iter()
+                .filter(|(t, _)| t.vip == vip)
+                .copied()
+                .collect();
+            let decided = tenants::decide(pool_full, &of_vip);
+            over_share |= decided.iter().any(|d| d.over_share);
+            out.tenants.extend(decided);
+        }
+        let period = self.cfg.cooldown_base;
+        if let Some(change) = shedder.update(now, all_full, period, top, over_share) {
             let admit = shedder.admit_max();
             let (kind, why) = match change {
                 ShedChange::Tighten => (

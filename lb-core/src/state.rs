@@ -5,11 +5,11 @@
 
 use std::{collections::BTreeMap, net::IpAddr, time::Duration};
 
-use lb_common::MAX_BACKENDS;
+use lb_common::{TenantLimits, MAX_BACKENDS, MAX_TENANTS};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    config::{self, rules},
+    config::{self, rules, Cidr, TenantConfig, TenantList, TenantOverride},
     maglev,
 };
 
@@ -53,6 +53,9 @@ pub struct VipSpec {
     /// The config rotation codepoint of its connection IDs, 0..=6.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub quic_config_rotation: u8,
+    /// Its `[[vip.tenant]]` overrides of the tenants' limits.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantOverride>,
 }
 
 fn default_quic_len() -> u8 {
@@ -181,6 +184,49 @@ pub struct State {
     /// Next backend id to hand out; ids are not reused until the space wraps, so a stale
     /// connection entry never points at a different backend.
     pub next_backend_id: u32,
+    /// The tenants and their data-plane ids (none: no tenant isolation). Left out of the
+    /// JSON when empty, so a state file without tenants reads as before.
+    #[serde(default, skip_serializing_if = "Tenants::is_empty")]
+    pub tenants: Tenants,
+}
+
+/// The `[[tenant]]` tables in force and the data-plane id of each named tenant.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tenants {
+    pub list: Vec<TenantConfig>,
+    /// Name → id in `1..MAX_TENANTS`; the default tenant is id 0 and not listed. An id is
+    /// kept while its name exists, so its counters and rate state persist.
+    pub ids: BTreeMap<String, u32>,
+}
+
+impl Tenants {
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    /// The data-plane id of a tenant name (`"default"`: 0).
+    pub fn id(&self, name: &str) -> Option<u32> {
+        if name == rules::DEFAULT_TENANT {
+            return Some(0);
+        }
+        self.ids.get(name).copied()
+    }
+
+    /// Every tenant with its id, the default tenant first (its table, or one without
+    /// limits).
+    pub fn with_ids(&self) -> Vec<(u32, TenantConfig)> {
+        let default = self
+            .list
+            .iter()
+            .find(|t| t.name == rules::DEFAULT_TENANT)
+            .cloned()
+            .unwrap_or_else(TenantConfig::unlimited_default);
+        let named = self
+            .list
+            .iter()
+            .filter_map(|t| Some((self.ids.get(&t.name).copied()?, t.clone())));
+        std::iter::once((0, default)).chain(named).collect()
+    }
 }
 
 /// A change requested through the admin API (also what the audit log records).
@@ -223,6 +269,8 @@ pub enum Op {
         address: IpAddr,
         healthy: bool,
     },
+    /// Replaces the `[[tenant]]` tables (`{"op": "set-tenants", "tenant": [...]}`).
+    SetTenants(TenantList),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -357,7 +405,57 @@ impl State {
             .map_err(|e| invalid("quic_server_id_len", e))?;
         rules::quic_config_rotation(spec.quic_config_rotation.into())
             .map_err(|e| invalid("quic_config_rotation", e))?;
+        Self::check_overrides(spec, &self.tenants.list)
+    }
+
+    /// A VIP's tenant overrides against the tenant tables, as the configuration file checks
+    /// them.
+    fn check_overrides(spec: &VipSpec, tenants: &[TenantConfig]) -> Result<(), OpError> {
+        for (j, o) in spec.tenants.iter().enumerate() {
+            rules::tenant_override(o, tenants).map_err(|(key, e)| {
+                OpError::Invalid(format!("VIP {:?}: tenant[{j}].{key}: {e}", spec.name))
+            })?;
+        }
         Ok(())
+    }
+
+    /// This state with the tenant tables `list` (checked already, as `TenantList` reads
+    /// them): the VIPs' overrides must still name tenants; a tenant that stays keeps its id,
+    /// a new one takes the lowest free id.
+    pub fn with_tenants(&self, list: &[TenantConfig]) -> Result<State, OpError> {
+        for v in self.vips.values() {
+            Self::check_overrides(&v.spec, list)?;
+        }
+        let mut ids: BTreeMap<String, u32> = self
+            .tenants
+            .ids
+            .iter()
+            .filter(|(name, _)| list.iter().any(|t| &t.name == *name))
+            .map(|(n, id)| (n.clone(), *id))
+            .collect();
+        for t in list {
+            if t.name == rules::DEFAULT_TENANT || ids.contains_key(&t.name) {
+                continue;
+            }
+            let id = (1..MAX_TENANTS)
+                .find(|id| !ids.values().any(|used| used == id))
+                .ok_or_else(|| {
+                    OpError::Invalid(format!(
+                        "tenant {:?}: all {} tenant ids are in use; allowed: at most {} named \
+                         tenants",
+                        t.name,
+                        MAX_TENANTS - 1,
+                        MAX_TENANTS - 1
+                    ))
+                })?;
+            ids.insert(t.name.clone(), id);
+        }
+        let mut s = self.clone();
+        s.tenants = Tenants {
+            list: list.to_vec(),
+            ids,
+        };
+        Ok(s)
     }
 
     /// A backend's QUIC-LB server ID on `vip`, as the configuration file checks it:
@@ -456,18 +554,20 @@ impl State {
     /// backends and the runtime state (`self`: the persisted state at a start, the running
     /// one at a reload). While the file is the one that state was built from (`same_file`),
     /// the runtime state is kept whole: backends added, weights set, drains and health
-    /// survive until the file changes. A changed file gives its own VIPs and backends, with
-    /// the ids, drains and health of those that stay ([`State::with_specs`]).
+    /// survive until the file changes. A changed file gives its own VIPs, backends and
+    /// tenants, with the ids, drains and health of those that stay ([`State::with_specs`],
+    /// [`State::with_tenants`]).
     pub fn for_config(
         &self,
         same_file: bool,
         specs: &[(VipSpec, Vec<BackendSpec>)],
+        tenants: &[TenantConfig],
         limits: &Limits,
     ) -> Result<State, OpError> {
         if same_file {
             Ok(self.clone())
         } else {
-            self.with_specs(specs, limits)
+            self.with_specs(specs, limits)?.with_tenants(tenants)
         }
     }
 
@@ -479,9 +579,12 @@ impl State {
         specs: &[(VipSpec, Vec<BackendSpec>)],
         limits: &Limits,
     ) -> Result<State, OpError> {
+        // The tenants stay as they are: their overrides are checked with the tenants the
+        // caller sets next ([`State::with_tenants`]).
         let mut s = State {
             vips: BTreeMap::new(),
             next_backend_id: self.next_backend_id,
+            tenants: self.tenants.clone(),
         };
         // Keep ids of the VIPs that stay before handing out new ones.
         let kept = |spec: &VipSpec| {
@@ -619,6 +722,7 @@ impl State {
                 address,
                 healthy,
             } => s.set_health(vip, *address, *healthy)?,
+            Op::SetTenants(list) => s = s.with_tenants(&list.tenants)?,
         }
         Ok(s)
     }
@@ -643,6 +747,7 @@ pub fn specs(cfg: &config::Config) -> Vec<(VipSpec, Vec<BackendSpec>)> {
                 quic: v.quic,
                 quic_server_id_len: v.quic_server_id_len,
                 quic_config_rotation: v.quic_config_rotation,
+                tenants: v.tenants.clone(),
             };
             let backends = v
                 .backends
@@ -679,6 +784,45 @@ impl State {
                 })
             })
             .collect()
+    }
+}
+
+impl State {
+    /// What `TENANT_PREFIXES` holds for this state: each named tenant's prefixes and its id.
+    pub fn tenant_prefixes(&self) -> BTreeMap<Cidr, u32> {
+        self.tenants
+            .list
+            .iter()
+            .filter_map(|t| Some((self.tenants.ids.get(&t.name).copied()?, t)))
+            .flat_map(|(id, t)| t.prefixes.iter().map(move |p| (*p, id)))
+            .collect()
+    }
+
+    /// What `TENANT_LIMITS` holds for this state, by index `vip_id * MAX_TENANTS + tenant`:
+    /// each tenant's rate on each VIP, with `flags` (`TENANT_F_*` by the same index) laid
+    /// over. Entries left out are all zero (no limit).
+    pub fn tenant_limits(&self, flags: &BTreeMap<u32, u32>) -> BTreeMap<u32, TenantLimits> {
+        if self.tenants.is_empty() {
+            return BTreeMap::new();
+        }
+        let tenants = self.tenants.with_ids();
+        let mut out = BTreeMap::new();
+        for v in self.vips.values() {
+            for (id, t) in &tenants {
+                let index = v.id * MAX_TENANTS + id;
+                let (interval_ns, burst_ns) = t.limits_on(&v.spec.tenants).gcra_ns();
+                let l = TenantLimits {
+                    interval_ns,
+                    burst_ns,
+                    flags: flags.get(&index).copied().unwrap_or(0),
+                    _pad: 0,
+                };
+                if l != TenantLimits::default() {
+                    out.insert(index, l);
+                }
+            }
+        }
+        out
     }
 }
 
@@ -740,6 +884,7 @@ pub mod testing {
             quic: QuicMode::Off,
             quic_server_id_len: rules::QUIC_SERVER_ID_LEN_DEFAULT,
             quic_config_rotation: 0,
+            tenants: Vec::new(),
         }
     }
 
@@ -1069,7 +1214,7 @@ mod tests {
         ];
         let runtime = ops.iter().fold(base(), |s, op| s.apply(op, 1, &L).unwrap());
         assert_eq!(
-            runtime.for_config(true, &file, &L).unwrap(),
+            runtime.for_config(true, &file, &[], &L).unwrap(),
             runtime,
             "the file it was built from: every runtime change stays"
         );
@@ -1081,7 +1226,7 @@ mod tests {
             ),
             (vip("new", "10.0.0.5"), vec![be("10.2.0.1")]),
         ];
-        let r = runtime.for_config(false, &changed, &L).unwrap();
+        let r = runtime.for_config(false, &changed, &[], &L).unwrap();
         let chat = &r.vips["chat"];
         assert_eq!(chat.id, runtime.vips["chat"].id);
         assert!(!chat.backends.contains_key(&c), "the file's backends only");
@@ -1091,7 +1236,7 @@ mod tests {
         assert!(r.vips.contains_key("new"));
         // The same decision whoever asks: what a restart runs after a reload is what the
         // reload ran.
-        assert_eq!(r.for_config(true, &changed, &L).unwrap(), r);
+        assert_eq!(r.for_config(true, &changed, &[], &L).unwrap(), r);
     }
 
     #[test]
@@ -1364,5 +1509,124 @@ address = "10.1.0.1"
         assert!(c.delete.is_empty());
         let c = quic_server_changes(&want, &BTreeMap::new());
         assert_eq!(c.delete, vec![(0, 1), (0, 2), (1, 4)]);
+    }
+
+    fn tenant(name: &str, prefixes: &[&str]) -> TenantConfig {
+        TenantConfig {
+            name: name.into(),
+            prefixes: prefixes.iter().map(|p| p.parse().unwrap()).collect(),
+            weight: 1,
+            max_sessions: 0,
+            new_sessions_per_sec: 0,
+            burst: 0,
+        }
+    }
+
+    fn set_tenants(list: serde_json::Value) -> Result<Op, serde_json::Error> {
+        let mut op = serde_json::json!({ "op": "set-tenants" });
+        op["tenant"] = list;
+        serde_json::from_value(op)
+    }
+
+    #[test]
+    fn tenant_ids_are_kept_by_name_and_new_names_take_the_lowest_free_id() {
+        let s = base()
+            .with_tenants(&[tenant("a", &["10.0.1.0/24"]), tenant("b", &["10.0.2.0/24"])])
+            .unwrap();
+        assert_eq!(
+            s.tenants.ids,
+            BTreeMap::from([("a".into(), 1), ("b".into(), 2)])
+        );
+        // "a" goes, "c" comes: "b" keeps 2 and "c" takes the freed 1 (zeroed by the plane).
+        let s = s
+            .with_tenants(&[tenant("b", &["10.0.2.0/24"]), tenant("c", &["10.0.3.0/24"])])
+            .unwrap();
+        assert_eq!(
+            s.tenants.ids,
+            BTreeMap::from([("b".into(), 2), ("c".into(), 1)])
+        );
+        assert_eq!(s.tenants.id("default"), Some(0));
+        assert_eq!(
+            s.tenant_prefixes(),
+            BTreeMap::from([
+                ("10.0.2.0/24".parse().unwrap(), 2),
+                ("10.0.3.0/24".parse().unwrap(), 1)
+            ])
+        );
+    }
+
+    #[test]
+    fn tenant_limits_hold_each_vips_rate_and_the_controllers_flags() {
+        let add_web = Op::AddVip {
+            vip: vip("web", "10.0.0.2"),
+            backends: vec![],
+        };
+        let mut s = base().apply(&add_web, 0, &L).unwrap();
+        s.vips.get_mut("web").unwrap().spec.tenants = vec![TenantOverride {
+            name: "a".into(),
+            weight: None,
+            max_sessions: None,
+            new_sessions_per_sec: Some(10),
+            burst: Some(5),
+        }];
+        let mut a = tenant("a", &["10.0.1.0/24"]);
+        a.new_sessions_per_sec = 100;
+        let s = s.with_tenants(&[a]).unwrap();
+        let web = s.vips["web"].id;
+        let idx = web * MAX_TENANTS + 1;
+        let flags = BTreeMap::from([(web * MAX_TENANTS, lb_common::TENANT_F_OVER_SHARE)]);
+        let l = s.tenant_limits(&flags);
+        assert_eq!(l[&idx].interval_ns, 100_000_000);
+        assert_eq!(l[&idx].burst_ns, 500_000_000);
+        assert_eq!(
+            l[&(web * MAX_TENANTS)].flags,
+            lb_common::TENANT_F_OVER_SHARE
+        );
+        assert_eq!(l[&(web * MAX_TENANTS)].interval_ns, 0);
+        // The other VIP: the tenant's own rate.
+        let chat = s.vips["chat"].id;
+        assert_eq!(l[&(chat * MAX_TENANTS + 1)].interval_ns, 10_000_000);
+        // No tenants: nothing to write.
+        assert!(base().tenant_limits(&flags).is_empty());
+    }
+
+    #[test]
+    fn set_tenants_refuses_bad_tables_and_tenants_a_vip_still_overrides() {
+        let mut s = base()
+            .with_tenants(&[tenant("a", &["10.0.1.0/24"])])
+            .unwrap();
+        s.vips.get_mut("chat").unwrap().spec.tenants = vec![TenantOverride {
+            name: "a".into(),
+            weight: Some(2),
+            max_sessions: None,
+            new_sessions_per_sec: None,
+            burst: None,
+        }];
+        let e = set_tenants(serde_json::json!([{"name": "b", "prefixes": ["10.0.1.1/24"]}]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tenant[0].prefixes[0]: \"10.0.1.1/24\" has bits set"),
+            "{e}"
+        );
+        let op =
+            set_tenants(serde_json::json!([{"name": "b", "prefixes": ["10.0.2.0/24"]}])).unwrap();
+        let e = s.apply(&op, 0, &L).unwrap_err();
+        assert_eq!(e.http_status(), 400);
+        assert!(
+            e.to_string()
+                .starts_with("VIP \"chat\": tenant[0].name: \"a\" names no [[tenant]]"),
+            "{e}"
+        );
+        let op = set_tenants(serde_json::json!([
+            {"name": "a", "prefixes": ["10.0.1.0/24"]},
+            {"name": "b", "prefixes": ["10.0.2.0/24"]}
+        ]))
+        .unwrap();
+        let s2 = s.apply(&op, 0, &L).unwrap();
+        assert_eq!(s2.tenants.ids["b"], 2);
+        // The op reads back from its JSON (the audit log's record).
+        let back: Op = serde_json::from_value(serde_json::to_value(&op).unwrap()).unwrap();
+        assert_eq!(back, op);
     }
 }

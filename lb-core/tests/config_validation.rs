@@ -86,7 +86,7 @@ colour = "blue"
 x = 1
 "#,
         errors: &[
-            "t.toml:6:2: bogus: unknown section `bogus`, expected one of daemon, admin, metrics, dataplane, vip, health, telemetry, policy, bgp, fleet",
+            "t.toml:6:2: bogus: unknown section `bogus`, expected one of daemon, admin, metrics, dataplane, vip, health, telemetry, policy, bgp, fleet, tenant",
         ],
     },
     Case {
@@ -131,7 +131,7 @@ port = 1
 "#,
         errors: &[
             "t.toml:7:1: daemon.log_levl: unknown field `log_levl`, expected one of `bpffs`, `state_file`, `keep_dataplane_on_exit`, `log_format`, `log_level`",
-            "t.toml:10:1: vip[0].adress: unknown field `adress`, expected one of `name`, `address`, `port`, `protocol`, `hash`, `affinity_window`, `priority`, `ring_size`, `flow_state`, `inband`, `quic`, `quic_server_id_len`, `quic_config_rotation`, `backend`",
+            "t.toml:10:1: vip[0].adress: unknown field `adress`, expected one of `name`, `address`, `port`, `protocol`, `hash`, `affinity_window`, `priority`, `ring_size`, `flow_state`, `inband`, `quic`, `quic_server_id_len`, `quic_config_rotation`, `backend`, `tenant`",
             "t.toml:17:3: vip[1].backend[0].wieght: unknown field `wieght`, expected one of `address`, `weight`, `labels`, `max_sessions`, `dcgm`, `engine`, `roce`, `health`, `quic_server_id`",
         ],
     },
@@ -1216,6 +1216,150 @@ quic_server_id = "0a01"
             "t.toml:44:18: vip[1].backend[0].quic_server_id: \"0a01\" is set but the VIP's quic is \"off\"; allowed: quic_server_id only on the backends of a quic = \"cid\" VIP",
         ],
     },
+    Case {
+        name: "tenant names and prefixes",
+        base: true,
+        text: r#"[[tenant]]
+name = "Acme"
+prefixes = ["10.0.2.0/24"]
+[[tenant]]
+name = "beta"
+[[tenant]]
+name = "gamma"
+prefixes = []
+[[tenant]]
+name = "default"
+prefixes = ["10.9.0.0/16"]
+[[tenant]]
+name = "delta"
+prefixes = ["10.0.3.1/24", "2001:db8:2::/48", "10.0.4.0", "10.0.5.0/33"]
+"#,
+        errors: &[
+            "t.toml:7:8: tenant[0].name: \"Acme\" is not a valid tenant name; allowed: 1 to 32 of a-z, 0-9, \"-\" and \"_\"",
+            "t.toml:9:1: tenant[1].prefixes: missing (required); allowed: a non-empty list of client prefixes such as [\"10.0.2.0/24\"]",
+            "t.toml:13:12: tenant[2].prefixes: [] is empty; allowed: a non-empty list of client prefixes such as [\"10.0.2.0/24\"]",
+            "t.toml:16:12: tenant[3].prefixes: \"10.9.0.0/16\" is set on the \"default\" tenant, which holds the clients no prefix matches; allowed: no prefixes on \"default\" (give them a named tenant)",
+            "t.toml:19:13: tenant[4].prefixes[0]: \"10.0.3.1/24\" has bits set below the prefix length; allowed: the network address, \"10.0.3.0/24\"",
+            "t.toml:19:47: tenant[4].prefixes[2]: \"10.0.4.0\" is not a prefix (not ADDRESS/LENGTH); allowed: an IPv4 or IPv6 network such as \"10.0.2.0/24\" or \"2001:db8:2::/48\"",
+            "t.toml:19:59: tenant[4].prefixes[3]: \"10.0.5.0/33\" is not a prefix (prefix length 33 exceeds 32); allowed: an IPv4 or IPv6 network such as \"10.0.2.0/24\" or \"2001:db8:2::/48\"",
+        ],
+    },
+    Case {
+        name: "tenant duplicates",
+        base: true,
+        text: r#"[[tenant]]
+name = "acme"
+prefixes = ["10.0.2.0/24", "2001:db8:2::/48"]
+[[tenant]]
+name = "acme"
+prefixes = ["10.0.3.0/24"]
+[[tenant]]
+name = "beta"
+prefixes = ["10.0.0.0/8", "2001:db8:2::/48"]
+[[tenant]]
+name = "default"
+[[tenant]]
+name = "default"
+"#,
+        errors: &[
+            "t.toml:10:8: tenant[1].name: \"acme\" is already the name of tenant[0]; allowed: a name unique among tenants",
+            "t.toml:14:27: tenant[2].prefixes[1]: \"2001:db8:2::/48\" is already a prefix of tenant[0] (\"acme\"); allowed: each prefix in one tenant (a longer prefix inside another tenant's is fine: the longest match wins)",
+            "t.toml:18:8: tenant[4].name: \"default\" is already the name of tenant[3]; allowed: a name unique among tenants",
+        ],
+    },
+    Case {
+        name: "tenant limits",
+        base: true,
+        text: r#"[[tenant]]
+name = "acme"
+prefixes = ["10.0.2.0/24"]
+weight = 0
+max_sessions = -1
+new_sessions_per_sec = 1000001
+[[tenant]]
+name = "beta"
+prefixes = ["10.0.3.0/24"]
+weight = 1001
+burst = 10
+"#,
+        errors: &[
+            "t.toml:9:10: tenant[0].weight: 0 is out of range; allowed: 1..=1000 (a share of a full pool)",
+            "t.toml:10:16: tenant[0].max_sessions: -1 is out of range; allowed: 0..=4294967295 (0 = no limit)",
+            "t.toml:11:24: tenant[0].new_sessions_per_sec: 1000001 is out of range; allowed: 0..=1000000 (0 = no limit)",
+            "t.toml:15:10: tenant[1].weight: 1001 is out of range; allowed: 1..=1000 (a share of a full pool)",
+            "t.toml:16:9: tenant[1].burst: 10 is set without new_sessions_per_sec; allowed: a burst only with a rate (set new_sessions_per_sec, or leave burst out)",
+        ],
+    },
+    Case {
+        name: "vip tenant shape",
+        base: true,
+        text: r#"[[tenant]]
+name = "acme"
+prefixes = ["10.0.2.0/24"]
+[[vip]]
+name = "chat"
+address = "10.200.0.1"
+port = 443
+  [[vip.tenant]]
+  name = "acme"
+  max_sessions = 4
+  [[vip.tenant]]
+  name = "acme"
+  colour = "red"
+"#,
+        errors: &[
+            "t.toml:18:3: vip[0].tenant[1].colour: unknown field `colour`, expected one of `name`, `weight`, `max_sessions`, `new_sessions_per_sec`, `burst`",
+        ],
+    },
+    Case {
+        name: "vip tenant overrides",
+        base: true,
+        text: r#"[[tenant]]
+name = "acme"
+prefixes = ["10.0.2.0/24"]
+[[vip]]
+name = "chat"
+address = "10.200.0.1"
+port = 443
+  [[vip.tenant]]
+  name = "acme"
+  max_sessions = 4
+  [[vip.tenant]]
+  name = "acme"
+  [[vip.tenant]]
+  name = "default"
+  weight = 0
+"#,
+        errors: &[
+            "t.toml:17:10: vip[0].tenant[1].name: \"acme\" is already overridden by tenant[0] of this VIP; allowed: one override per tenant and VIP",
+            "t.toml:20:12: vip[0].tenant[2].weight: 0 is out of range; allowed: 1..=1000 (a share of a full pool)",
+        ],
+    },
+    Case {
+        name: "vip tenant overrides naming no tenant",
+        base: true,
+        text: r#"[[tenant]]
+name = "acme"
+prefixes = ["10.0.2.0/24"]
+[[vip]]
+name = "chat"
+address = "10.200.0.1"
+port = 443
+  [[vip.tenant]]
+  name = "acme"
+  burst = 5
+  [[vip.tenant]]
+  name = "nobody"
+  [[vip.tenant]]
+  name = "default"
+  burst = 2
+  new_sessions_per_sec = 1
+"#,
+        errors: &[
+            "t.toml:15:11: vip[0].tenant[0].burst: 5 is set without new_sessions_per_sec; allowed: a burst only with a rate (set new_sessions_per_sec, or leave burst out)",
+            "t.toml:17:10: vip[0].tenant[1].name: \"nobody\" names no [[tenant]]; allowed: the name of a [[tenant]] table or \"default\" (the tenants are \"acme\")",
+        ],
+    },
 ];
 
 #[test]
@@ -1528,6 +1672,7 @@ fn config_minimal_takes_defaults() {
             policy: Default::default(),
             bgp: None,
             fleet: None,
+            tenants: vec![],
         }
     );
     assert_eq!(cfg.daemon.bpffs, Path::new("/sys/fs/bpf/sluice"));
@@ -1874,4 +2019,138 @@ fn config_quic_defaults_off_and_cid_takes_server_ids() {
     // Round trip, as the state and `sluice check` see it.
     let text = toml::to_string(&cfg).unwrap();
     assert_eq!(config::parse(&text, "again.toml").unwrap(), cfg);
+}
+
+const TENANTS: &str = r#"[[tenant]]
+name = "acme"
+prefixes = ["10.0.2.0/24", "2001:db8:2::/48"]
+weight = 3
+max_sessions = 100
+new_sessions_per_sec = 50
+burst = 200
+[[tenant]]
+name = "default"
+max_sessions = 10
+[[vip]]
+name = "chat"
+address = "10.200.0.1"
+port = 443
+  [[vip.tenant]]
+  name = "acme"
+  max_sessions = 40
+"#;
+
+#[test]
+fn config_tenants_take_vip_overrides_and_round_trip() {
+    let cfg = config::parse(&format!("{BASE}{TENANTS}"), "t.toml").unwrap();
+    let acme = &cfg.tenants[0];
+    assert_eq!(
+        acme.prefixes,
+        vec![
+            "10.0.2.0/24".parse::<Cidr>().unwrap(),
+            "2001:db8:2::/48".parse().unwrap()
+        ]
+    );
+    let on_chat = acme.limits_on(&cfg.vips[0].tenants);
+    assert_eq!((on_chat.max_sessions, on_chat.weight), (40, 3));
+    assert_eq!(on_chat.gcra_ns(), (20_000_000, 200 * 20_000_000));
+    let default = &cfg.tenants[1];
+    assert!(default.prefixes.is_empty());
+    assert_eq!(default.limits_on(&[]).gcra_ns(), (0, 0));
+    let text = toml::to_string(&cfg).unwrap();
+    assert_eq!(config::parse(&text, "again").unwrap(), cfg);
+}
+
+#[test]
+fn config_tenant_burst_defaults_to_the_rate() {
+    let cfg = config::parse(
+        &format!("{BASE}[[tenant]]\nname = \"a\"\nprefixes = [\"10.0.0.0/8\"]\nnew_sessions_per_sec = 4\n"),
+        "t.toml",
+    )
+    .unwrap();
+    assert_eq!(
+        cfg.tenants[0].limits_on(&[]).gcra_ns(),
+        (250_000_000, 1_000_000_000)
+    );
+}
+
+#[test]
+fn config_refuses_more_tenants_than_the_data_plane_has_ids() {
+    let mut text = BASE.to_owned();
+    for i in 0..lb_common::MAX_TENANTS {
+        text += &format!("[[tenant]]\nname = \"t{i}\"\nprefixes = [\"10.{i}.0.0/16\"]\n");
+    }
+    text += "[[tenant]]\nname = \"default\"\n";
+    let e = config::parse(&text, "t.toml").unwrap_err();
+    assert_eq!(
+        e.messages(),
+        vec!["t.toml:6:1: tenant: 64 tenants are configured besides \"default\"; allowed: at most 63 (the data plane's tenant ids)"]
+    );
+    // 63 named tenants and the default fit.
+    let fits = text.replacen(
+        "[[tenant]]\nname = \"t0\"\nprefixes = [\"10.0.0.0/16\"]\n",
+        "",
+        1,
+    );
+    assert!(config::parse(&fits, "t.toml").is_ok());
+}
+
+#[test]
+fn config_refuses_more_tenant_prefixes_than_the_trie_holds() {
+    let n = lb_common::MAX_TENANT_PREFIXES + 1;
+    let list: Vec<String> = (0..n)
+        .map(|i| format!("\"10.{}.{}.0/24\"", i / 256, i % 256))
+        .collect();
+    let text = format!(
+        "{BASE}[[tenant]]\nname = \"a\"\nprefixes = [{}]\n",
+        list.join(", ")
+    );
+    let e = config::parse(&text, "t.toml").unwrap_err();
+    assert_eq!(e.issues.len(), 1, "{e}");
+    assert_eq!(
+        e.issues[0].message,
+        "16385 prefixes are configured over all tenants; allowed: at most 16384 (the data plane's prefix table)"
+    );
+}
+
+#[test]
+fn config_warns_that_second_chance_vips_count_no_tenant_sessions() {
+    let text = format!(
+        "{BASE}{}",
+        TENANTS.replace(
+            "port = 443\n",
+            "port = 443\nflow_state = \"second-chance\"\n"
+        )
+    );
+    let (_, warnings) = config::parse_with_warnings(&text, "t.toml").unwrap();
+    assert!(
+        warnings.iter().any(|w| w.contains("vip[0].flow_state")
+            && w.contains("tenants' max_sessions and shares do not apply")),
+        "{warnings:?}"
+    );
+    let (_, none) = config::parse_with_warnings(&format!("{BASE}{TENANTS}"), "t.toml").unwrap();
+    assert!(none.iter().all(|w| !w.contains("tenants'")), "{none:?}");
+}
+
+#[test]
+fn tenant_list_from_json_runs_the_file_checks() {
+    let good: config::TenantList = serde_json::from_value(serde_json::json!({
+        "tenant": [{"name": "acme", "prefixes": ["10.0.2.0/24"], "weight": 2}]
+    }))
+    .unwrap();
+    assert_eq!(good.tenants[0].weight, 2);
+    assert_eq!(good.tenants[0].max_sessions, 0);
+    let bad = serde_json::from_value::<config::TenantList>(serde_json::json!({
+        "tenant": [
+            {"name": "acme", "prefixes": ["10.0.2.1/24"]},
+            {"name": "acme", "prefixes": ["10.0.3.0/24"], "burst": 3}
+        ]
+    }))
+    .unwrap_err()
+    .to_string();
+    assert_eq!(
+        bad,
+        "tenants: tenant[0].prefixes[0]: \"10.0.2.1/24\" has bits set below the prefix length; allowed: the network address, \"10.0.2.0/24\"\n\
+         tenants: tenant[1].burst: 3 is set without new_sessions_per_sec; allowed: a burst only with a rate (set new_sessions_per_sec, or leave burst out)"
+    );
 }

@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use lb_common::{
     maps, BackendEntry, VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DOWN, BACKEND_DRAINING,
     BACKEND_F_CAPPED, BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, VIP_F_ADMISSION,
-    VIP_F_INBAND, VIP_F_SHED, VIP_F_SHED_RST,
+    VIP_F_INBAND, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_TENANTS,
 };
 
 use crate::{
@@ -72,11 +72,14 @@ fn quic_meta(vip: &Vip) -> VipMeta {
     }
 }
 
-fn vip_flags(vip: &Vip, overlay: &Overlay) -> u32 {
+fn vip_flags(vip: &Vip, overlay: &Overlay, tenants: bool) -> u32 {
     let mut f =
         vip.spec.hash.vip_flags() | vip.spec.flow_state.vip_flags() | vip.spec.quic.vip_flags();
     if vip.spec.inband {
         f |= VIP_F_INBAND;
+    }
+    if tenants {
+        f |= VIP_F_TENANTS;
     }
     if overlay.shed.contains(&vip.spec.name) {
         f |= VIP_F_SHED;
@@ -98,6 +101,19 @@ pub struct Applied {
     pub vips_removed: usize,
     /// `QUIC_SERVERS` entries written or deleted.
     pub quic_servers: usize,
+    /// Tenant map entries written or deleted.
+    pub tenant_entries: usize,
+}
+
+/// The tenant ids `new` assigns to a name `old` did not give them: their rate state and
+/// counters start from zero.
+fn fresh_tenant_ids(old: &State, new: &State) -> Vec<u32> {
+    new.tenants
+        .ids
+        .iter()
+        .filter(|(name, id)| old.tenants.ids.get(*name) != Some(id))
+        .map(|(_, id)| *id)
+        .collect()
 }
 
 /// Moves the data plane from `old` to `new`, with the adaptive `overlay` (weights, full
@@ -115,6 +131,15 @@ pub fn apply(
     if wildcard(new) {
         dp.set_wildcard_vips(true)?;
     }
+    // Before the VIPs are flagged to look tenants up.
+    done.tenant_entries = dp
+        .sync_tenants(
+            &new.tenant_prefixes(),
+            &new.tenant_limits(&overlay.tenant_flags),
+            &fresh_tenant_ids(old, new),
+        )
+        .context("writing the tenants")?;
+    let tenants = !new.tenants.is_empty();
     for vip in new.vips.values() {
         for b in vip.backends.values() {
             dp.set_backend(b.id, &plane_backend(vip, b, overlay))?;
@@ -125,7 +150,7 @@ pub fn apply(
             .with_context(|| format!("building the Maglev table of VIP {:?}", vip.spec.name))?;
         let meta = VipMeta {
             id: vip.id,
-            flags: vip_flags(vip, overlay),
+            flags: vip_flags(vip, overlay, tenants),
             ring_size: vip.spec.ring_size,
             active_ring: 0,
             affinity_secs: vip.spec.affinity_secs,
@@ -196,8 +221,28 @@ impl MapPlane {
 impl crate::controller::Plane for MapPlane {
     fn apply(&mut self, old: &State, new: &State, overlay: &Overlay) -> Result<()> {
         let done = apply(&mut self.dp, old, new, self.seed, overlay)?;
+        if old.tenants.list != new.tenants.list || old.tenants.ids != new.tenants.ids {
+            self.walker.set_tenants(&new.tenant_prefixes());
+        }
         tracing::debug!(?done, "data plane updated");
         Ok(())
+    }
+
+    fn tenant_flows(
+        &mut self,
+        idle: std::time::Duration,
+    ) -> Result<std::collections::BTreeMap<(u32, u32), u64>> {
+        Ok(self.walker.latest(idle)?.tenants)
+    }
+
+    fn tenant_stats(
+        &mut self,
+        indexes: &[u32],
+    ) -> Result<std::collections::BTreeMap<u32, lb_common::TenantStats>> {
+        indexes
+            .iter()
+            .map(|&i| Ok((i, self.dp.tenant_stats(i)?)))
+            .collect()
     }
 
     fn active_flows(
@@ -307,16 +352,48 @@ mod tests {
             backends: Default::default(),
         };
         let mut o = Overlay::default();
-        assert_eq!(vip_flags(&vip, &o), 0);
+        assert_eq!(vip_flags(&vip, &o, false), 0);
         // Not shed by priority, but its SYNs refused by full backends get a RST.
         o.rst = true;
-        assert_eq!(vip_flags(&vip, &o), VIP_F_SHED_RST);
+        assert_eq!(vip_flags(&vip, &o, false), VIP_F_SHED_RST);
         o.shed.insert("chat".into());
-        assert_eq!(vip_flags(&vip, &o), VIP_F_SHED | VIP_F_SHED_RST);
+        assert_eq!(vip_flags(&vip, &o, false), VIP_F_SHED | VIP_F_SHED_RST);
         o.rst = false;
-        assert_eq!(vip_flags(&vip, &o), VIP_F_SHED);
+        assert_eq!(vip_flags(&vip, &o, false), VIP_F_SHED);
         o.admission.insert("chat".into());
-        assert_eq!(vip_flags(&vip, &o), VIP_F_SHED | VIP_F_ADMISSION);
+        assert_eq!(vip_flags(&vip, &o, false), VIP_F_SHED | VIP_F_ADMISSION);
+    }
+
+    #[test]
+    fn vips_look_tenants_up_while_tenants_are_configured() {
+        let vip = Vip {
+            id: 0,
+            spec: crate::state::testing::vip("chat", "10.0.0.1"),
+            backends: Default::default(),
+        };
+        let o = Overlay::default();
+        assert_eq!(vip_flags(&vip, &o, true), VIP_F_TENANTS);
+    }
+
+    #[test]
+    fn a_tenant_id_given_to_another_name_starts_from_zero() {
+        let t = |name: &str, p: &str| crate::config::TenantConfig {
+            prefixes: vec![p.parse().unwrap()],
+            ..crate::config::TenantConfig {
+                name: name.into(),
+                ..crate::config::TenantConfig::unlimited_default()
+            }
+        };
+        let a = State::default()
+            .with_tenants(&[t("a", "10.0.1.0/24"), t("b", "10.0.2.0/24")])
+            .unwrap();
+        assert_eq!(fresh_tenant_ids(&State::default(), &a), vec![1, 2]);
+        assert!(fresh_tenant_ids(&a, &a).is_empty());
+        // "a" leaves and "c" takes its id 1; "b" keeps 2 and its counters.
+        let c = a
+            .with_tenants(&[t("b", "10.0.2.0/24"), t("c", "10.0.3.0/24")])
+            .unwrap();
+        assert_eq!(fresh_tenant_ids(&a, &c), vec![1]);
     }
 
     #[test]
@@ -339,10 +416,10 @@ mod tests {
             healthy: true,
         };
         let mut o = Overlay::default();
-        assert_eq!(vip_flags(&vip, &o), 0);
+        assert_eq!(vip_flags(&vip, &o, false), 0);
         assert_eq!(backend_flags(&vip, &b, &o), 0, "table mode keeps IPIP");
         vip.spec.flow_state = FlowState::SecondChance;
-        assert_eq!(vip_flags(&vip, &o), VIP_F_SECOND_CHANCE);
+        assert_eq!(vip_flags(&vip, &o, false), VIP_F_SECOND_CHANCE);
         assert_eq!(backend_flags(&vip, &b, &o), BACKEND_F_GUE);
         o.full.insert(3);
         assert_eq!(backend_flags(&vip, &b, &o), BACKEND_F_GUE | BACKEND_F_FULL);
@@ -379,7 +456,7 @@ mod tests {
         o.capped.clear();
         vip.spec.flow_state = FlowState::Table;
         vip.spec.inband = true;
-        assert_eq!(vip_flags(&vip, &o), VIP_F_INBAND);
+        assert_eq!(vip_flags(&vip, &o, false), VIP_F_INBAND);
     }
 
     #[test]
@@ -392,11 +469,11 @@ mod tests {
         vip.spec.quic_server_id_len = 3;
         vip.spec.quic_config_rotation = 5;
         let o = Overlay::default();
-        assert_eq!(vip_flags(&vip, &o), lb_common::VIP_F_QUIC_CID);
+        assert_eq!(vip_flags(&vip, &o, false), lb_common::VIP_F_QUIC_CID);
         let m = quic_meta(&vip);
         assert_eq!((m.quic_rotation, m.quic_server_id_len), (5, 3));
         vip.spec.quic = QuicMode::Off;
-        assert_eq!(vip_flags(&vip, &o), 0);
+        assert_eq!(vip_flags(&vip, &o, false), 0);
         assert_eq!(quic_meta(&vip), VipMeta::default());
     }
 }

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::{
+    config::TenantConfig,
     private_file,
     state::{
         Admin, Backend, BackendSpec, FlowState, Limits, Op, OpError, QuicMode, State, VipSpec,
@@ -53,6 +54,10 @@ pub struct Overlay {
     /// `policy.shed = "rst"`: every VIP answers the TCP sessions it refuses with a RST, also
     /// those refused because all of its backends are full (not only shed VIPs).
     pub rst: bool,
+    /// `TENANT_F_*` flags by `TENANT_LIMITS` index (`vip_id * MAX_TENANTS + tenant`), where
+    /// not zero: the tenants at their session cap or over their share of a full pool.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tenant_flags: BTreeMap<u32, u32>,
 }
 
 impl Overlay {
@@ -104,6 +109,26 @@ pub trait Plane: Send {
         let _ = ids;
         Ok(BTreeMap::new())
     }
+    /// Connection-table entries seen within `idle` per (backend id, client's tenant id),
+    /// where tenants are configured.
+    fn tenant_flows(&mut self, idle: Duration) -> Result<BTreeMap<(u32, u32), u64>> {
+        let _ = idle;
+        Ok(BTreeMap::new())
+    }
+    /// The tenant counters at these `TENANT_STATS` indexes, summed over CPUs (none without
+    /// a data plane).
+    fn tenant_stats(&mut self, indexes: &[u32]) -> Result<BTreeMap<u32, lb_common::TenantStats>> {
+        let _ = indexes;
+        Ok(BTreeMap::new())
+    }
+}
+
+/// One tenant on one VIP: its `TENANT_*` index, active sessions and counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TenantUsage {
+    pub index: u32,
+    pub sessions: u64,
+    pub stats: lb_common::TenantStats,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -227,12 +252,15 @@ pub struct Controller<P: Plane> {
     overlay: Overlay,
     /// The policy's latest per-backend view (score, state, cooldown, telemetry age).
     decisions: BTreeMap<u32, crate::policy::BackendDecision>,
+    /// The policy's latest per-(VIP, tenant) view, by (VIP name, tenant name).
+    tenant_decisions: BTreeMap<(String, String), crate::policy::TenantDecision>,
     /// Decision tracing is on (off at every start).
     trace: bool,
 }
 
 fn affected(state: &State, op: &Op) -> serde_json::Value {
     let vip = match op {
+        Op::SetTenants(_) => return serde_json::to_value(&state.tenants).unwrap_or_default(),
         Op::AddVip { vip, .. } => &vip.name,
         Op::RemoveVip { vip }
         | Op::AddBackend { vip, .. }
@@ -267,6 +295,7 @@ impl<P: Plane> Controller<P> {
             event_counts: BTreeMap::new(),
             overlay: Overlay::default(),
             decisions: BTreeMap::new(),
+            tenant_decisions: BTreeMap::new(),
             trace: false,
         })
     }
@@ -322,6 +351,23 @@ impl<P: Plane> Controller<P> {
 
     pub fn set_decisions(&mut self, d: Vec<crate::policy::BackendDecision>) {
         self.decisions = d.into_iter().map(|b| (b.id, b)).collect();
+    }
+
+    pub fn set_tenant_decisions(&mut self, d: Vec<crate::policy::TenantDecision>) {
+        self.tenant_decisions = d
+            .into_iter()
+            .map(|t| ((t.vip.clone(), t.tenant.clone()), t))
+            .collect();
+    }
+
+    /// The policy's latest view of a tenant on a VIP, if it has one.
+    pub fn tenant_decision(
+        &self,
+        vip: &str,
+        tenant: &str,
+    ) -> Option<&crate::policy::TenantDecision> {
+        self.tenant_decisions
+            .get(&(vip.to_owned(), tenant.to_owned()))
     }
 
     /// The adaptive policy's latest view of a backend, if it has one.
@@ -435,13 +481,14 @@ impl<P: Plane> Controller<P> {
     pub fn reload(
         &mut self,
         specs: &[(VipSpec, Vec<BackendSpec>)],
+        tenants: &[TenantConfig],
         config_hash: u64,
         now_ms: u64,
     ) -> Result<(), RequestError> {
         let same_file = config_hash == self.settings.config_hash;
         let new = self
             .state
-            .for_config(same_file, specs, &self.settings.limits)?;
+            .for_config(same_file, specs, tenants, &self.settings.limits)?;
         let result = self.write(new);
         if result.is_ok() {
             self.settings.config_hash = config_hash;
@@ -552,6 +599,43 @@ impl<P: Plane> Controller<P> {
         self.plane.active_flows(idle)
     }
 
+    /// Each tenant's usage on each VIP: active sessions (the connection table's flows of
+    /// the VIP's backends whose client the tenant's prefixes match) and the data plane's
+    /// counters, by (VIP name, tenant name); empty without tenants.
+    pub fn tenant_usage(&mut self) -> Result<BTreeMap<(String, String), TenantUsage>> {
+        let state = &self.state;
+        if state.tenants.is_empty() {
+            return Ok(BTreeMap::new());
+        }
+        let flows = self.plane.tenant_flows(self.settings.flow_idle)?;
+        let tenants = state.tenants.with_ids();
+        let mut slots = Vec::new();
+        for v in state.vips.values() {
+            for (id, t) in &tenants {
+                slots.push((v, *id, t, v.id * lb_common::MAX_TENANTS + id));
+            }
+        }
+        let indexes: Vec<u32> = slots.iter().map(|s| s.3).collect();
+        let stats = self.plane.tenant_stats(&indexes)?;
+        let mut out = BTreeMap::new();
+        for (v, id, t, index) in slots {
+            let sessions = v
+                .backends
+                .values()
+                .map(|b| flows.get(&(b.id, id)).copied().unwrap_or(0))
+                .sum();
+            out.insert(
+                (v.spec.name.clone(), t.name.clone()),
+                TenantUsage {
+                    index,
+                    sessions,
+                    stats: stats.get(&index).copied().unwrap_or_default(),
+                },
+            );
+        }
+        Ok(out)
+    }
+
     /// Completes drains: a draining backend is removed once it has no active flow, or at
     /// its deadline (its remaining flows then re-steer). A TCP VIP in second-chance mode keeps
     /// no flows in the LB's table, and a `quic = "cid"` VIP's connections leave it after their
@@ -650,6 +734,10 @@ pub mod fake {
         pub inband: BTreeMap<u32, lb_common::InbandStats>,
         /// Cumulative traffic counters per backend id.
         pub traffic: BTreeMap<u32, Traffic>,
+        /// Active flows per (backend id, tenant id).
+        pub tenant_flows: BTreeMap<(u32, u32), u64>,
+        /// Tenant counters per `TENANT_STATS` index.
+        pub tenant_stats: BTreeMap<u32, lb_common::TenantStats>,
     }
 
     impl Plane for FakePlane {
@@ -682,6 +770,18 @@ pub mod fake {
             Ok(ids
                 .iter()
                 .filter_map(|id| self.inband.get(id).map(|s| (*id, *s)))
+                .collect())
+        }
+        fn tenant_flows(&mut self, _idle: Duration) -> Result<BTreeMap<(u32, u32), u64>> {
+            Ok(self.tenant_flows.clone())
+        }
+        fn tenant_stats(
+            &mut self,
+            indexes: &[u32],
+        ) -> Result<BTreeMap<u32, lb_common::TenantStats>> {
+            Ok(indexes
+                .iter()
+                .filter_map(|i| self.tenant_stats.get(i).map(|s| (*i, *s)))
                 .collect())
         }
         fn backend_traffic(&mut self, ids: &[u32]) -> Result<BTreeMap<u32, Traffic>> {
@@ -787,6 +887,68 @@ mod tests {
         assert_eq!(c.plane().applied.len(), writes + 1);
     }
 
+    fn set_tenants(list: serde_json::Value) -> Op {
+        serde_json::from_value(json!({"op": "set-tenants", "tenant": list})).unwrap()
+    }
+
+    #[test]
+    fn set_tenants_is_applied_persisted_and_audited_and_a_refused_one_changes_nothing() {
+        let (d, mut c) = fresh();
+        c.submit(add_chat(), Peer::default(), 5).unwrap();
+        let op = set_tenants(json!([{"name": "acme", "prefixes": ["10.0.2.0/24"]}]));
+        c.submit(op, Peer::default(), 6).unwrap();
+        assert_eq!(c.state().tenants.ids["acme"], 1);
+        let st = c.state().clone();
+        assert_eq!(c.plane().applied.last().unwrap(), &st);
+        let saved: Persisted =
+            serde_json::from_slice(&fs::read(d.join("state.json")).unwrap()).unwrap();
+        assert_eq!(saved.state.tenants, c.state().tenants);
+        let audit = fs::read_to_string(d.join("audit.jsonl")).unwrap();
+        let line: serde_json::Value = serde_json::from_str(audit.lines().last().unwrap()).unwrap();
+        assert_eq!(line["request"]["op"], "set-tenants");
+        assert_eq!(line["before"]["list"], json!([]));
+        assert_eq!(line["after"]["ids"]["acme"], 1);
+
+        // The data plane refuses: rolled back, nothing changed.
+        let before = c.state().clone();
+        c.plane().fail_next = true;
+        let op = set_tenants(json!([{"name": "beta", "prefixes": ["10.0.3.0/24"]}]));
+        let e = c.submit(op, Peer::default(), 7).unwrap_err();
+        assert_eq!(e.http_status(), 500);
+        assert_eq!(c.state(), &before);
+        assert_eq!(c.plane().applied.last().unwrap(), &before);
+    }
+
+    #[test]
+    fn tenant_usage_sums_each_vips_backends_per_tenant() {
+        let (_d, mut c) = fresh();
+        c.submit(add_chat(), Peer::default(), 5).unwrap();
+        let op = set_tenants(json!([{"name": "acme", "prefixes": ["10.0.2.0/24"]}]));
+        c.submit(op, Peer::default(), 6).unwrap();
+        let chat = &c.state().vips["chat"];
+        let (vip, ids) = (
+            chat.id,
+            chat.backends.values().map(|b| b.id).collect::<Vec<_>>(),
+        );
+        c.plane().tenant_flows =
+            BTreeMap::from([((ids[0], 1), 3), ((ids[1], 1), 2), ((ids[1], 0), 7)]);
+        let acme = vip * lb_common::MAX_TENANTS + 1;
+        c.plane().tenant_stats = BTreeMap::from([(
+            acme,
+            lb_common::TenantStats {
+                admitted: 9,
+                refused_rate: 4,
+                ..Default::default()
+            },
+        )]);
+        let u = c.tenant_usage().unwrap();
+        let of = |t: &str| u[&("chat".to_owned(), t.to_owned())];
+        assert_eq!((of("acme").sessions, of("acme").index), (5, acme));
+        assert_eq!(of("acme").stats.refused_rate, 4);
+        assert_eq!(of("default").sessions, 7);
+        assert_eq!(of("default").stats, Default::default());
+    }
+
     #[test]
     fn a_reload_of_the_same_file_keeps_runtime_changes_and_a_changed_file_merges() {
         let (d, mut c) = fresh();
@@ -795,7 +957,7 @@ mod tests {
         };
         let specs = vec![(vip, backends)];
         // A file (hash 8) and runtime changes on top.
-        c.reload(&specs, 8, 1).unwrap();
+        c.reload(&specs, &[], 8, 1).unwrap();
         let added = be("10.1.0.9");
         c.submit(
             Op::AddBackend {
@@ -818,13 +980,13 @@ mod tests {
         )
         .unwrap();
         let runtime = c.state().clone();
-        c.reload(&specs, 8, 4).unwrap();
+        c.reload(&specs, &[], 8, 4).unwrap();
         assert_eq!(
             c.state(),
             &runtime,
             "the same file keeps every runtime change"
         );
-        c.reload(&specs, 9, 5).unwrap();
+        c.reload(&specs, &[], 9, 5).unwrap();
         let chat = &c.state().vips["chat"];
         assert!(!chat.backends.contains_key(&added.address));
         assert_eq!(chat.backends[&a].spec.weight, 100);

@@ -355,7 +355,7 @@ fn prepare(config_path: &Path) -> Result<Prepared> {
         .as_ref()
         .map(|p| p.state.clone())
         .unwrap_or_default()
-        .for_config(same_file, &specs(&cfg), &limits)
+        .for_config(same_file, &specs(&cfg), &cfg.tenants, &limits)
         .map_err(|e| anyhow!("configuration: {e}"))?;
     Ok(Prepared {
         cfg,
@@ -814,17 +814,21 @@ async fn reload(
     // In a fleet the VIPs and backends live in etcd: the file's are not applied.
     if running.fleet.is_some() && running.vips != old.vips {
         tracing::warn!("reload: [[vip]] changes are not applied in a fleet; change the fleet's VIPs through the admin API (they live in etcd)");
-    } else if let Err(e) = ctl
-        .lock()
-        .await
-        .reload(&specs(&running), config_hash(&text), now_ms())
-    {
+    } else if let Err(e) = ctl.lock().await.reload(
+        &specs(&running),
+        &running.tenants,
+        config_hash(&text),
+        now_ms(),
+    ) {
         tracing::error!(error = %e, "reload refused, nothing changed");
         return live;
     }
     let mut applied = Vec::new();
     if running.vips != old.vips {
         applied.push("vip");
+    }
+    if running.tenants != old.tenants {
+        applied.push("tenant");
     }
     let health_changed = running.health != old.health;
     let telemetry_changed = running.telemetry != old.telemetry || running.vips != old.vips;

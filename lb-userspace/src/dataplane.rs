@@ -13,7 +13,7 @@ use std::{
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
-    maps::{Array, DevMapHash, HashMap, MapData, MapInfo, PerCpuArray},
+    maps::{lpm_trie::Key, Array, DevMapHash, HashMap, LpmTrie, MapData, MapInfo, PerCpuArray},
     programs::{
         links::{FdLink, PinnedLink},
         xdp::XdpLink,
@@ -23,12 +23,13 @@ use aya::{
 };
 use lb_common::{
     maps, stat, AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FloodWindow, FlowKey,
-    InbandStats, LbConfig, NextHop, QuicServerKey, RingSlot, TrafficStats, VipKey, VipMeta,
-    AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, LAYOUT_VERSION, LB_F_TRACE, LB_F_WILDCARD_VIPS,
-    MAX_BACKENDS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
+    InbandStats, LbConfig, NextHop, QuicServerKey, RingSlot, TenantBucket, TenantLimits,
+    TenantPrefix, TenantStats, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE,
+    LAYOUT_VERSION, LB_F_TRACE, LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_TENANTS, MAX_TENANT_PREFIXES,
+    MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX, TENANT_PREFIX_FAMILY_BITS,
 };
 
-use crate::{maglev, ring_history, state};
+use crate::{config::Cidr, maglev, ring_history, state};
 
 /// Program names in the object.
 pub const PROG_XDP: &str = "sluice_xdp";
@@ -59,7 +60,7 @@ impl Default for LoadOptions {
 }
 
 /// (map, key size, value size, required entries or 0) as this build reads them.
-fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 15] {
+fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 19] {
     let u32s = size_of::<u32>();
     [
         (maps::META, u32s, u32s, 1),
@@ -102,7 +103,65 @@ fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 15] {
             MAX_BACKENDS,
         ),
         (maps::QUIC_SERVERS, size_of::<QuicServerKey>(), u32s, 0),
+        (
+            maps::TENANT_PREFIXES,
+            size_of::<Key<TenantPrefix>>(),
+            u32s,
+            MAX_TENANT_PREFIXES,
+        ),
+        (
+            maps::TENANT_LIMITS,
+            u32s,
+            size_of::<TenantLimits>(),
+            TENANT_SLOTS,
+        ),
+        (
+            maps::TENANT_BUCKETS,
+            u32s,
+            size_of::<TenantBucket>(),
+            TENANT_SLOTS,
+        ),
+        (
+            maps::TENANT_STATS,
+            u32s,
+            size_of::<TenantStats>(),
+            TENANT_SLOTS,
+        ),
     ]
+}
+
+/// Entries of each per-(VIP, tenant) map.
+const TENANT_SLOTS: u32 = MAX_VIPS * MAX_TENANTS;
+
+/// The `TENANT_PREFIXES` key of a client prefix.
+fn tenant_key(c: &Cidr) -> Key<TenantPrefix> {
+    Key::new(
+        TENANT_PREFIX_FAMILY_BITS + u32::from(c.prefix),
+        TenantPrefix {
+            family: c.family(),
+            _pad: [0; 3],
+            addr: c.addr_words(),
+        },
+    )
+}
+
+/// The client prefix of a `TENANT_PREFIXES` key.
+fn tenant_cidr(k: &Key<TenantPrefix>) -> Option<Cidr> {
+    let d = k.data();
+    if d.family != lb_common::FAMILY_V4 && d.family != lb_common::FAMILY_V6 {
+        return None;
+    }
+    let addr = crate::addr::from_words(d.addr, d.family);
+    let prefix = u8::try_from(k.prefix_len().checked_sub(TENANT_PREFIX_FAMILY_BITS)?).ok()?;
+    Some(Cidr { addr, prefix })
+}
+
+/// What the tenant maps hold, as this process last wrote or read them.
+#[derive(Clone, Debug, Default)]
+struct TenantShadow {
+    prefixes: BTreeMap<Cidr, u32>,
+    /// `TENANT_LIMITS` entries that are not all zero.
+    limits: BTreeMap<u32, TenantLimits>,
 }
 
 /// Checks maps pinned in `dir` by an earlier run: all or none must be there, and each must
@@ -269,6 +328,8 @@ pub struct Dataplane {
     /// What `QUIC_SERVERS` holds, as this process last wrote or read it; `None` until it is
     /// read (a pinned map holds a previous run's entries) or after a failed write.
     quic_shadow: Option<BTreeMap<state::QuicServerKey, u32>>,
+    /// Likewise for `TENANT_PREFIXES` and `TENANT_LIMITS`.
+    tenant_shadow: Option<TenantShadow>,
 }
 
 /// Sum of a per-CPU value over all CPUs.
@@ -324,6 +385,7 @@ impl Dataplane {
             shadows: StdHashMap::new(),
             saved_rings: StdHashMap::new(),
             quic_shadow: None,
+            tenant_shadow: None,
         };
         if !reused {
             let mut meta: Array<&mut MapData, u32> = Array::try_from(dp.map(maps::META)?)?;
@@ -589,6 +651,142 @@ impl Dataplane {
         }
         self.quic_shadow = Some(desired.clone());
         Ok(changes.write.len() + changes.delete.len())
+    }
+
+    /// Every entry of `TENANT_PREFIXES` as the kernel holds it: client prefix → tenant id.
+    pub fn tenant_prefixes(&mut self) -> Result<BTreeMap<Cidr, u32>> {
+        let m: LpmTrie<&mut MapData, TenantPrefix, u32> =
+            LpmTrie::try_from(self.map(maps::TENANT_PREFIXES)?)?;
+        let mut out = BTreeMap::new();
+        for r in m.iter() {
+            let (k, v) = r.context("reading TENANT_PREFIXES")?;
+            // A key no prefix of ours makes is no entry this build wrote: left alone.
+            if let Some(c) = tenant_cidr(&k) {
+                out.insert(c, v);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The `TENANT_LIMITS` entries that are not all zero, by index.
+    pub fn tenant_limits(&mut self) -> Result<BTreeMap<u32, TenantLimits>> {
+        let a: Array<&mut MapData, TenantLimits> = Array::try_from(self.map(maps::TENANT_LIMITS)?)?;
+        let mut out = BTreeMap::new();
+        for i in 0..TENANT_SLOTS {
+            let l = a.get(&i, 0).context("reading TENANT_LIMITS")?;
+            if l != TenantLimits::default() {
+                out.insert(i, l);
+            }
+        }
+        Ok(out)
+    }
+
+    /// One tenant's new sessions on one VIP (index `vip_id * MAX_TENANTS + tenant`),
+    /// summed over CPUs.
+    pub fn tenant_stats(&mut self, index: u32) -> Result<TenantStats> {
+        let a: PerCpuArray<&mut MapData, TenantStats> =
+            PerCpuArray::try_from(self.map(maps::TENANT_STATS)?)?;
+        let v = a.get(&index, 0).context("reading TENANT_STATS")?;
+        Ok(v.iter()
+            .fold(TenantStats::default(), |acc, s| acc.merged(s)))
+    }
+
+    /// Brings the tenant maps to `prefixes` and `limits` (non-zero `TENANT_LIMITS` entries
+    /// by index), leftovers of a previous run included. The rate state and counters of the
+    /// ids in `fresh` (assigned to a new name) are zeroed first, then the limits are
+    /// written, then the prefixes, and limits no longer wanted are zeroed last: a client is
+    /// never sent to an id before its limits are there. Returns the entries written or
+    /// deleted.
+    pub fn sync_tenants(
+        &mut self,
+        prefixes: &BTreeMap<Cidr, u32>,
+        limits: &BTreeMap<u32, TenantLimits>,
+        fresh: &[u32],
+    ) -> Result<usize> {
+        let current = match self.tenant_shadow.take() {
+            Some(s) => s,
+            None => TenantShadow {
+                prefixes: self.tenant_prefixes()?,
+                limits: self.tenant_limits()?,
+            },
+        };
+        // On failure the shadow stays unset, so the next sync reads the maps again.
+        let mut n = 0;
+        for &id in fresh {
+            self.reset_tenant(id)?;
+        }
+        {
+            let mut a: Array<&mut MapData, TenantLimits> =
+                Array::try_from(self.map(maps::TENANT_LIMITS)?)?;
+            for (&i, l) in limits {
+                if current.limits.get(&i) != Some(l) {
+                    a.set(i, l, 0)
+                        .with_context(|| format!("writing TENANT_LIMITS[{i}]"))?;
+                    n += 1;
+                }
+            }
+        }
+        {
+            let mut m: LpmTrie<&mut MapData, TenantPrefix, u32> =
+                LpmTrie::try_from(self.map(maps::TENANT_PREFIXES)?)?;
+            for (c, &id) in prefixes {
+                if current.prefixes.get(c) != Some(&id) {
+                    m.insert(&tenant_key(c), id, 0)
+                        .with_context(|| format!("writing the tenant prefix {c}"))?;
+                    n += 1;
+                }
+            }
+            for c in current
+                .prefixes
+                .keys()
+                .filter(|c| !prefixes.contains_key(c))
+            {
+                let k = tenant_key(c);
+                match m.remove(&k) {
+                    Ok(()) => {}
+                    // A delete of a missing key fails with ENOENT, not `KeyNotFound`.
+                    Err(_) if matches!(m.get(&k, 0), Err(aya::maps::MapError::KeyNotFound)) => {}
+                    Err(e) => {
+                        return Err(e).with_context(|| format!("removing the tenant prefix {c}"))
+                    }
+                }
+                n += 1;
+            }
+        }
+        {
+            let mut a: Array<&mut MapData, TenantLimits> =
+                Array::try_from(self.map(maps::TENANT_LIMITS)?)?;
+            for &i in current.limits.keys().filter(|i| !limits.contains_key(i)) {
+                a.set(i, TenantLimits::default(), 0)
+                    .with_context(|| format!("clearing TENANT_LIMITS[{i}]"))?;
+                n += 1;
+            }
+        }
+        self.tenant_shadow = Some(TenantShadow {
+            prefixes: prefixes.clone(),
+            limits: limits.clone(),
+        });
+        Ok(n)
+    }
+
+    /// Zeroes a tenant id's rate state and counters on every VIP.
+    fn reset_tenant(&mut self, tenant: u32) -> Result<()> {
+        let cpus = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;
+        let indexes: Vec<u32> = (0..MAX_VIPS).map(|v| v * MAX_TENANTS + tenant).collect();
+        let mut b: Array<&mut MapData, TenantBucket> =
+            Array::try_from(self.map(maps::TENANT_BUCKETS)?)?;
+        for &i in &indexes {
+            b.set(i, TenantBucket::default(), 0)
+                .with_context(|| format!("clearing TENANT_BUCKETS[{i}]"))?;
+        }
+        let mut st: PerCpuArray<&mut MapData, TenantStats> =
+            PerCpuArray::try_from(self.map(maps::TENANT_STATS)?)?;
+        for &i in &indexes {
+            let zero = aya::maps::PerCpuValues::try_from(vec![TenantStats::default(); cpus])?;
+            st.set(i, zero, 0)
+                .with_context(|| format!("clearing TENANT_STATS[{i}]"))?;
+        }
+        Ok(())
     }
 
     pub fn remove_vip(&mut self, key: &VipKey) -> Result<()> {

@@ -10,8 +10,9 @@
 //! not say which flows are still active (idle entries leave the LRU only when evicted).
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap},
     mem::size_of,
+    net::IpAddr,
     os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd},
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -23,6 +24,8 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use lb_common::{ConnEntry, FlowKey, MAX_BACKENDS};
+
+use crate::config::Cidr;
 
 /// Entries asked for per syscall. Must exceed the longest hash bucket (the kernel answers
 /// ENOSPC otherwise; buckets hold a handful of entries).
@@ -103,11 +106,65 @@ pub fn walk(fd: BorrowedFd<'_>, mut f: impl FnMut(&FlowKey, &ConnEntry) -> bool)
     }
 }
 
+/// The tenant of a client address by longest prefix match, as the data plane's
+/// `TENANT_PREFIXES` trie finds it (0, the default tenant, where no prefix matches).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TenantMatcher {
+    /// Per prefix length, longest first: the prefixes of that length (address bits above
+    /// it) and their tenant.
+    v4: Vec<(u32, HashMap<u32, u32>)>,
+    v6: Vec<(u32, HashMap<u128, u32>)>,
+}
+
+impl TenantMatcher {
+    pub fn new(prefixes: &BTreeMap<Cidr, u32>) -> TenantMatcher {
+        let mut v4: BTreeMap<u32, HashMap<u32, u32>> = BTreeMap::new();
+        let mut v6: BTreeMap<u32, HashMap<u128, u32>> = BTreeMap::new();
+        for (c, &id) in prefixes {
+            let len = u32::from(c.prefix);
+            match c.addr {
+                IpAddr::V4(a) => v4.entry(len).or_default().insert(a.into(), id),
+                IpAddr::V6(a) => v6.entry(len).or_default().insert(a.into(), id),
+            };
+        }
+        TenantMatcher {
+            v4: v4.into_iter().rev().collect(),
+            v6: v6.into_iter().rev().collect(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.v4.is_empty() && self.v6.is_empty()
+    }
+
+    /// The tenant of a client as `FlowKey` holds it (`family`, `src`).
+    pub fn tenant(&self, family: u8, src: &[u32; 4]) -> u32 {
+        let found = match crate::addr::from_words(*src, family) {
+            IpAddr::V4(a) => {
+                let a = u32::from(a);
+                self.v4
+                    .iter()
+                    .find_map(|(len, m)| m.get(&(a & u32::MAX.checked_shl(32 - len).unwrap_or(0))))
+            }
+            IpAddr::V6(a) => {
+                let a = u128::from(a);
+                self.v6.iter().find_map(|(len, m)| {
+                    m.get(&(a & u128::MAX.checked_shl(128 - len).unwrap_or(0)))
+                })
+            }
+        };
+        found.copied().unwrap_or(0)
+    }
+}
+
 /// Active connection-table entries per backend, from one walk.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FlowCounts {
     /// Backend id → entries seen within the idle timeout.
     pub active: BTreeMap<u32, u64>,
+    /// (backend id, tenant id) → entries seen within the idle timeout, where tenants are
+    /// configured (the client's tenant by [`TenantMatcher`]).
+    pub tenants: BTreeMap<(u32, u32), u64>,
     /// Every entry found, active or not (the table's fill).
     pub entries: u64,
     /// Unix ms when the walk began: flows that arrived after it may be missing.
@@ -125,15 +182,23 @@ pub struct Tally {
     idle_ns: u64,
     /// Indexed by backend id (ids are below `MAX_BACKENDS`): no map lookup per entry.
     active: Vec<u64>,
+    tenants: Option<(Arc<TenantMatcher>, HashMap<(u32, u32), u64>)>,
     counts: FlowCounts,
 }
 
 impl Tally {
-    pub fn new(now_ns: u64, idle: Duration, taken_ms: u64) -> Tally {
+    /// With `tenants`, active entries are also counted per (backend, client's tenant).
+    pub fn new(
+        now_ns: u64,
+        idle: Duration,
+        taken_ms: u64,
+        tenants: Option<Arc<TenantMatcher>>,
+    ) -> Tally {
         Tally {
             now_ns,
             idle_ns: crate::config::rules::nanos(idle),
             active: vec![0; MAX_BACKENDS as usize],
+            tenants: tenants.map(|m| (m, HashMap::new())),
             counts: FlowCounts {
                 taken_ms,
                 ..Default::default()
@@ -141,18 +206,25 @@ impl Tally {
         }
     }
 
-    pub fn add(&mut self, e: &ConnEntry) {
+    pub fn add(&mut self, k: &FlowKey, e: &ConnEntry) {
         self.counts.entries += 1;
         if self.now_ns.saturating_sub(e.last_seen_ns) <= self.idle_ns {
             // An id out of range is no backend's (never written by the data plane).
             if let Some(n) = self.active.get_mut(e.backend as usize) {
                 *n += 1;
+                if let Some((m, counts)) = &mut self.tenants {
+                    let t = m.tenant(k.family, &k.src);
+                    *counts.entry((e.backend, t)).or_default() += 1;
+                }
             }
         }
     }
 
     pub fn finish(mut self) -> FlowCounts {
         self.counts.active = (0u32..).zip(self.active).filter(|&(_, n)| n > 0).collect();
+        if let Some((_, counts)) = self.tenants {
+            self.counts.tenants = counts.into_iter().collect();
+        }
         self.counts
     }
 }
@@ -163,11 +235,16 @@ pub fn pause_after(took: Duration) -> Duration {
 }
 
 /// Walks the table `fd` once and counts it.
-fn count(fd: BorrowedFd<'_>, idle: Duration) -> Result<FlowCounts> {
+fn count(
+    fd: BorrowedFd<'_>,
+    idle: Duration,
+    tenants: Option<Arc<TenantMatcher>>,
+) -> Result<FlowCounts> {
     let (started, cpu0) = (Instant::now(), thread_cpu());
-    let mut t = Tally::new(crate::clock::monotonic_ns(), idle, crate::clock::now_ms());
-    walk(fd, |_, e| {
-        t.add(e);
+    let now = crate::clock::monotonic_ns();
+    let mut t = Tally::new(now, idle, crate::clock::now_ms(), tenants);
+    walk(fd, |k, e| {
+        t.add(k, e);
         true
     })?;
     Ok(FlowCounts {
@@ -191,6 +268,8 @@ fn thread_cpu() -> Duration {
 struct Shared {
     latest: Mutex<Result<FlowCounts, String>>,
     idle_ns: AtomicU64,
+    /// The tenants' prefixes, where tenants are configured.
+    tenants: Mutex<Option<Arc<TenantMatcher>>>,
     stop: AtomicBool,
 }
 
@@ -204,11 +283,12 @@ pub struct FlowWalker {
 impl FlowWalker {
     /// Counts once before returning (so the first reads are exact), then keeps counting.
     pub fn start(fd: OwnedFd, idle: Duration) -> Result<FlowWalker> {
-        let first = count(fd.as_fd(), idle).context("counting the connection table")?;
+        let first = count(fd.as_fd(), idle, None).context("counting the connection table")?;
         let mut took = first.cpu;
         let shared = Arc::new(Shared {
             latest: Mutex::new(Ok(first)),
             idle_ns: AtomicU64::new(crate::config::rules::nanos(idle)),
+            tenants: Mutex::new(None),
             stop: AtomicBool::new(false),
         });
         let s = shared.clone();
@@ -228,7 +308,8 @@ impl FlowWalker {
                         );
                     }
                     let idle = Duration::from_nanos(s.idle_ns.load(Ordering::Relaxed));
-                    let r = count(fd.as_fd(), idle).map_err(|e| format!("{e:#}"));
+                    let tenants = s.tenants.lock().expect("tenant matcher lock").clone();
+                    let r = count(fd.as_fd(), idle, tenants).map_err(|e| format!("{e:#}"));
                     match &r {
                         Ok(c) => took = c.cpu,
                         Err(e) => tracing::warn!(error = %e, "counting active flows failed"),
@@ -241,6 +322,14 @@ impl FlowWalker {
             shared,
             thread: Some(thread),
         })
+    }
+
+    /// Counts per tenant from the next walk on, with these prefixes (empty: no tenants,
+    /// no per-tenant counts).
+    pub fn set_tenants(&self, prefixes: &BTreeMap<Cidr, u32>) {
+        let m = TenantMatcher::new(prefixes);
+        let m = (!m.is_empty()).then(|| Arc::new(m));
+        *self.shared.tenants.lock().expect("tenant matcher lock") = m;
     }
 
     /// The latest counts; `idle` applies from the next walk on.
@@ -293,12 +382,65 @@ mod tests {
             // No backend has this id: an entry, but nobody's flow.
             entry(MAX_BACKENDS, now),
         ];
-        let mut t = Tally::new(now, idle, 7);
-        es.iter().for_each(|e| t.add(e));
+        let mut t = Tally::new(now, idle, 7, None);
+        es.iter().for_each(|e| t.add(&FlowKey::default(), e));
         let c = t.finish();
         assert_eq!(c.entries, 6);
         assert_eq!(c.active, BTreeMap::from([(1, 2), (2, 1), (3, 1)]));
         assert_eq!(c.taken_ms, 7);
+    }
+
+    fn client(ip: &str) -> FlowKey {
+        let (src, family) = crate::addr::to_words(ip.parse().unwrap());
+        FlowKey {
+            src,
+            family,
+            ..FlowKey::default()
+        }
+    }
+
+    #[test]
+    fn tenant_sessions_are_counted_by_the_longest_prefix_of_the_client() {
+        let prefixes: BTreeMap<Cidr, u32> = [
+            ("10.0.0.0/8", 1),
+            ("10.0.2.0/24", 2),
+            ("10.0.2.7/32", 3),
+            ("2001:db8:2::/48", 2),
+            ("::/0", 4),
+        ]
+        .into_iter()
+        .map(|(c, id)| (c.parse().unwrap(), id))
+        .collect();
+        let m = TenantMatcher::new(&prefixes);
+        let of = |ip: &str| {
+            let k = client(ip);
+            m.tenant(k.family, &k.src)
+        };
+        assert_eq!(of("10.9.9.9"), 1);
+        assert_eq!(of("10.0.2.1"), 2);
+        assert_eq!(of("10.0.2.7"), 3);
+        assert_eq!(of("192.0.2.1"), 0, "no prefix: the default tenant");
+        assert_eq!(of("2001:db8:2:ffff::1"), 2);
+        assert_eq!(
+            of("2001:db8:3::1"),
+            4,
+            "an IPv6 /0 never takes an IPv4 client"
+        );
+
+        let now = 100_000_000_000;
+        let mut t = Tally::new(now, Duration::from_secs(60), 0, Some(Arc::new(m)));
+        t.add(&client("10.0.2.1"), &entry(5, now));
+        t.add(&client("10.0.2.9"), &entry(5, now));
+        t.add(&client("10.1.0.1"), &entry(5, now));
+        t.add(&client("192.0.2.1"), &entry(6, now));
+        // Idle: counted for nobody.
+        t.add(&client("10.0.2.1"), &entry(5, now - 61_000_000_000));
+        let c = t.finish();
+        assert_eq!(
+            c.tenants,
+            BTreeMap::from([((5, 2), 2), ((5, 1), 1), ((6, 0), 1)])
+        );
+        assert_eq!(c.active, BTreeMap::from([(5, 3), (6, 1)]));
     }
 
     #[test]

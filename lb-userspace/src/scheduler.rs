@@ -17,8 +17,10 @@ use tokio::{
 use crate::{
     clock::now_ms,
     config::{Config, FlowState, HealthCheck, HealthConfig, Protocol},
-    controller::{self, Controller, HealthChange, Overlay, Plane},
-    policy::{self, health, BackendDecision, BackendInput, Decisions, Handshakes, Policy},
+    controller::{self, Controller, HealthChange, Overlay, Plane, TenantUsage},
+    policy::{
+        self, health, BackendDecision, BackendInput, Decisions, Handshakes, Policy, TenantInput,
+    },
     probe,
     state::Vip,
     telemetry::{inband::Tracker, BackendKey, Hub, Source},
@@ -277,7 +279,16 @@ pub async fn step<P: Plane + 'static>(
     let state = c.state().clone();
     ingest_inband(&mut c, &state, hub, inband)?;
     let handshakes = handshakes(&mut c, &state)?;
-    let (overlay, d) = decide(&c, hub, policy, shed_rst, now, &sessions, &handshakes);
+    let tenants = c.tenant_usage()?;
+    let (overlay, d) = decide(
+        &c,
+        hub,
+        policy,
+        shed_rst,
+        now,
+        (&sessions, &tenants),
+        &handshakes,
+    );
     c.set_overlay(overlay)?;
     record(&mut c, &d);
     Ok(d.backends)
@@ -291,18 +302,22 @@ pub fn record<P: Plane>(c: &mut Controller<P>, d: &Decisions) {
         c.audit_event(e);
     }
     c.set_decisions(d.backends.clone());
+    c.set_tenant_decisions(d.tenants.clone());
 }
 
 /// Steps the policy on `sessions` (this host's, or the fleet's for its steering leader),
-/// `handshakes` ([`handshakes`]) and the controller's health and telemetry; the overlay it
-/// decides, not installed.
+/// the tenants' usage ([`Controller::tenant_usage`]), `handshakes` ([`handshakes`]) and the
+/// controller's health and telemetry; the overlay it decides, not installed.
 pub fn decide<P: Plane>(
     c: &Controller<P>,
     hub: &std::sync::Mutex<Hub>,
     policy: &mut Policy,
     shed_rst: bool,
     now: Duration,
-    sessions: &BTreeMap<u32, u64>,
+    (sessions, tenants): (
+        &BTreeMap<u32, u64>,
+        &BTreeMap<(String, String), TenantUsage>,
+    ),
     handshakes: &BTreeMap<u32, Handshakes>,
 ) -> (Overlay, Decisions) {
     let state = c.state();
@@ -336,8 +351,36 @@ pub fn decide<P: Plane>(
             handshakes: handshakes.get(&b.id).copied(),
         })
         .collect();
-    let d = policy.step(now, &inputs);
+    let configured = state.tenants.with_ids();
+    let tenant_inputs: Vec<TenantInput> = tenants
+        .iter()
+        .filter_map(|((vip, tenant), u)| {
+            let v = state.vips.get(vip)?;
+            let (_, t) = configured.iter().find(|(_, t)| &t.name == tenant)?;
+            let limits = t.limits_on(&v.spec.tenants);
+            Some(TenantInput {
+                vip,
+                tenant,
+                weight: limits.weight,
+                max_sessions: limits.max_sessions,
+                sessions: u.sessions,
+                admitted: u.stats.admitted,
+                refused: u.stats.refused_sessions + u.stats.refused_share + u.stats.refused_rate,
+            })
+        })
+        .collect();
+    let d = policy.step_with_tenants(now, &inputs, &tenant_inputs);
+    let index = |vip: &str, tenant: &str| {
+        let v = state.vips.get(vip)?;
+        Some(v.id * lb_common::MAX_TENANTS + state.tenants.id(tenant)?)
+    };
     let overlay = Overlay {
+        tenant_flags: d
+            .tenants
+            .iter()
+            .filter(|t| t.flags() != 0)
+            .filter_map(|t| Some((index(&t.vip, &t.tenant)?, t.flags())))
+            .collect(),
         weights: d.weights(),
         full: d.backends.iter().filter(|b| b.full).map(|b| b.id).collect(),
         capped: d

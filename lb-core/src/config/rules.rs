@@ -38,6 +38,14 @@ pub const QUIC_SERVER_ID_LEN_MAX: u8 = lb_common::quic::SERVER_ID_LEN_MAX;
 /// "unroutable").
 pub const QUIC_ROTATION_MAX: u8 = lb_common::quic::ROTATION_UNROUTABLE - 1;
 
+/// Largest tenant weight (a share of a full pool among the tenants using it).
+pub const TENANT_WEIGHT_MAX: u32 = 1000;
+/// Highest `new_sessions_per_sec` and `burst` of a tenant: the rate's interval stays at
+/// least a microsecond, well above the data plane clock's granularity.
+pub const TENANT_RATE_MAX: u32 = 1_000_000;
+/// The tenant that names the clients no configured prefix matches (data-plane id 0).
+pub const DEFAULT_TENANT: &str = "default";
+
 /// An integer within `lo..=hi`; `note` follows the allowed range (e.g. " (0 = off)").
 pub fn in_range(v: i64, lo: i64, hi: i64, note: &str) -> Result<(), String> {
     if (lo..=hi).contains(&v) {
@@ -92,10 +100,7 @@ pub fn affinity_window(d: Duration, text: &str) -> Result<(), String> {
 
 /// A VIP name: 1 to 32 of a-z, 0-9, `-` and `_` (it appears in paths and metric labels).
 pub fn vip_name(s: &str) -> Result<(), String> {
-    let ok = (1..=32).contains(&s.len())
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
-    if ok {
+    if name_chars(s) {
         Ok(())
     } else {
         Err(format!(
@@ -103,6 +108,67 @@ pub fn vip_name(s: &str) -> Result<(), String> {
             quoted(s)
         ))
     }
+}
+
+/// 1 to 32 of a-z, 0-9, `-` and `_`.
+fn name_chars(s: &str) -> bool {
+    (1..=32).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+/// A tenant name: 1 to 32 of a-z, 0-9, `-` and `_` (it appears in metric labels).
+pub fn tenant_name(s: &str) -> Result<(), String> {
+    if name_chars(s) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} is not a valid tenant name; allowed: 1 to 32 of a-z, 0-9, \"-\" and \"_\"",
+            quoted(s)
+        ))
+    }
+}
+
+/// A tenant's rate with its burst: a burst needs a rate to refill it.
+pub fn tenant_burst(burst: u32, rate: u32) -> Result<(), String> {
+    if burst > 0 && rate == 0 {
+        Err(format!(
+            "{burst} is set without new_sessions_per_sec; allowed: a burst only with a rate \
+             (set new_sessions_per_sec, or leave burst out)"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// A `[[vip.tenant]]` override against the `[[tenant]]` tables: it names one of them (or
+/// `"default"`), and the burst it ends up with has a rate. The key at fault and why.
+pub fn tenant_override(
+    o: &super::TenantOverride,
+    tenants: &[super::TenantConfig],
+) -> Result<(), (&'static str, String)> {
+    let base = match tenants.iter().find(|t| t.name == o.name) {
+        Some(t) => t.clone(),
+        None if o.name == DEFAULT_TENANT => super::TenantConfig::unlimited_default(),
+        None => {
+            let known: Vec<String> = tenants.iter().map(|t| format!("{:?}", t.name)).collect();
+            let known = if known.is_empty() {
+                "no [[tenant]] tables are configured".to_owned()
+            } else {
+                format!("the tenants are {}", known.join(", "))
+            };
+            return Err((
+                "name",
+                format!(
+                    "{} names no [[tenant]]; allowed: the name of a [[tenant]] table or \
+                     \"default\" ({known})",
+                    quoted(&o.name)
+                ),
+            ));
+        }
+    };
+    let l = base.limits_on(std::slice::from_ref(o));
+    tenant_burst(l.burst, l.new_sessions_per_sec).map_err(|e| ("burst", e))
 }
 
 /// A backend's labels: at most [`LABELS_MAX`], each name and value a bounded token (no

@@ -6,9 +6,11 @@ use super::*;
 
 mod host;
 mod steering;
+mod tenants;
 mod vips;
 
-use self::{host::*, steering::*, vips::*};
+pub(super) use self::tenants::tenants;
+use self::{host::*, steering::*, tenants::*, vips::*};
 
 // ------------------------------------------------------------------------------------------
 // Stage 3: semantics
@@ -25,6 +27,11 @@ pub(super) const DURATION_ALLOWED: &str =
     "allowed: a number and a unit (ns, us, ms, s, m, h, d), e.g. \"500ms\", \"10s\", \"5m\"";
 
 impl Checker {
+    /// The errors and the warnings found.
+    pub(super) fn into_found(self) -> (Found, Found) {
+        (self.issues, self.warnings)
+    }
+
     pub(super) fn err(&mut self, path: &KeyPath, msg: impl Into<String>) {
         self.issues.push((path.clone(), msg.into()));
     }
@@ -316,6 +323,11 @@ pub(super) fn validate(raw: RawConfig) -> (Option<Config>, Found, Found) {
     let fleet = raw
         .fleet
         .map(|r| super::fleet::fleet(&mut c, &root.key("fleet"), r));
+    let tenants = tenants(&mut c, &root, raw.tenant);
+    let overrides_ok = match (&vips, &tenants) {
+        (Some(v), Some(t)) => overrides_known(&mut c, &root, v, t),
+        _ => true,
+    };
     let config = (|| {
         Some(Config {
             daemon: daemon?,
@@ -335,6 +347,7 @@ pub(super) fn validate(raw: RawConfig) -> (Option<Config>, Found, Found) {
                 Some(f) => Some(f?),
                 None => None,
             },
+            tenants: tenants.filter(|_| overrides_ok)?,
         })
     })();
     (config, c.issues, c.warnings)

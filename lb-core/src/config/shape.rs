@@ -125,10 +125,43 @@ pub(super) struct RawConfig {
     pub(super) policy: Option<RawPolicy>,
     pub(super) bgp: Option<super::bgp::RawBgp>,
     pub(super) fleet: Option<super::fleet::RawFleet>,
+    #[serde(default)]
+    pub(super) tenant: Vec<RawTenant>,
 }
 
 pub(super) const SECTIONS: &str =
-    "daemon, admin, metrics, dataplane, vip, health, telemetry, policy, bgp, fleet";
+    "daemon, admin, metrics, dataplane, vip, health, telemetry, policy, bgp, fleet, tenant";
+
+/// One `[[tenant]]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTenant {
+    pub(super) name: Option<String>,
+    pub(super) prefixes: Option<Vec<String>>,
+    pub(super) weight: Option<Int>,
+    pub(super) max_sessions: Option<Int>,
+    pub(super) new_sessions_per_sec: Option<Int>,
+    pub(super) burst: Option<Int>,
+}
+
+/// One `[[vip.tenant]]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawVipTenant {
+    pub(super) name: Option<String>,
+    pub(super) weight: Option<Int>,
+    pub(super) max_sessions: Option<Int>,
+    pub(super) new_sessions_per_sec: Option<Int>,
+    pub(super) burst: Option<Int>,
+}
+
+/// What `PUT /v1/tenants` and `sluice tenant set` send: the `[[tenant]]` tables.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTenantList {
+    #[serde(default)]
+    pub(super) tenant: Vec<RawTenant>,
+}
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -196,6 +229,8 @@ pub(super) struct RawVip {
     pub(super) quic_config_rotation: Option<Int>,
     #[serde(default)]
     pub(super) backend: Vec<RawBackend>,
+    #[serde(default)]
+    pub(super) tenant: Vec<RawVipTenant>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -318,6 +353,23 @@ pub(super) fn raw_from_document(
                     "vip".to_owned(),
                     format!(
                         "invalid type: {}, expected an array of tables ([[vip]])",
+                        v.get_ref().type_str()
+                    ),
+                )),
+            },
+            "tenant" => match v.get_ref() {
+                DeValue::Array(tenants) => {
+                    for t in tenants.iter() {
+                        if let Some(r) = read(root, t, issues) {
+                            raw.tenant.push(r);
+                        }
+                    }
+                }
+                _ => issues.push((
+                    v.span(),
+                    "tenant".to_owned(),
+                    format!(
+                        "invalid type: {}, expected an array of tables ([[tenant]])",
                         v.get_ref().type_str()
                     ),
                 )),

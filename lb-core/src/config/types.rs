@@ -24,6 +24,103 @@ pub struct Config {
     pub bgp: Option<super::bgp::BgpConfig>,
     /// `[fleet]`: shared state in etcd (`crate::fleet`); none: a single host.
     pub fleet: Option<super::fleet::FleetConfig>,
+    /// The `[[tenant]]` tables, in file order (empty: no tenant isolation).
+    #[serde(rename = "tenant", skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantConfig>,
+}
+
+/// One `[[tenant]]`: a named set of client prefixes and its limits on every VIP.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// Unique; 1..=32 characters of `a-z 0-9 - _`; `"default"` names the clients no prefix
+    /// matches.
+    pub name: String,
+    /// Client prefixes (host bits zero), each in one tenant only; empty exactly for
+    /// `"default"`.
+    pub prefixes: Vec<Cidr>,
+    /// The tenant's share of a full pool, 1..=1000.
+    pub weight: u32,
+    /// Concurrent sessions per VIP; 0 = no limit.
+    pub max_sessions: u32,
+    /// Sustained new sessions per second per VIP; 0 = no limit.
+    pub new_sessions_per_sec: u32,
+    /// New sessions at once after idling; 0 = `max(1, new_sessions_per_sec)`. Set only with
+    /// a rate.
+    pub burst: u32,
+}
+
+/// The limits a tenant has on one VIP: its `[[tenant]]` values with the VIP's
+/// `[[vip.tenant]]` override applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct TenantLimitsConfig {
+    pub weight: u32,
+    pub max_sessions: u32,
+    pub new_sessions_per_sec: u32,
+    pub burst: u32,
+}
+
+impl TenantConfig {
+    /// This tenant's limits on a VIP whose overrides are `overrides`.
+    pub fn limits_on(&self, overrides: &[TenantOverride]) -> TenantLimitsConfig {
+        let o = overrides.iter().find(|o| o.name == self.name);
+        let pick = |v: Option<u32>, d: u32| v.unwrap_or(d);
+        TenantLimitsConfig {
+            weight: pick(o.and_then(|o| o.weight), self.weight),
+            max_sessions: pick(o.and_then(|o| o.max_sessions), self.max_sessions),
+            new_sessions_per_sec: pick(
+                o.and_then(|o| o.new_sessions_per_sec),
+                self.new_sessions_per_sec,
+            ),
+            burst: pick(o.and_then(|o| o.burst), self.burst),
+        }
+    }
+
+    /// The default tenant with no limits, for a VIP when no `"default"` table is given.
+    pub fn unlimited_default() -> Self {
+        TenantConfig {
+            name: rules::DEFAULT_TENANT.to_owned(),
+            prefixes: Vec::new(),
+            weight: 1,
+            max_sessions: 0,
+            new_sessions_per_sec: 0,
+            burst: 0,
+        }
+    }
+}
+
+impl TenantLimitsConfig {
+    /// `TenantLimits::interval_ns` and `burst_ns`: the GCRA's emission interval and
+    /// tolerance (both 0 without a rate).
+    pub fn gcra_ns(&self) -> (u64, u64) {
+        if self.new_sessions_per_sec == 0 {
+            return (0, 0);
+        }
+        let interval = 1_000_000_000 / u64::from(self.new_sessions_per_sec);
+        let burst = if self.burst == 0 {
+            self.new_sessions_per_sec.max(1)
+        } else {
+            self.burst
+        };
+        (interval, u64::from(burst) * interval)
+    }
+}
+
+/// One `[[vip.tenant]]`: a VIP's own values for a tenant; unset keys come from the
+/// `[[tenant]]` table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantOverride {
+    /// A `[[tenant]]`'s name, or `"default"`; once per VIP.
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_sessions: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_sessions_per_sec: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
 }
 
 /// `[daemon]`
@@ -198,6 +295,9 @@ pub struct VipConfig {
     /// The `[[vip.backend]]` tables, in file order; addresses unique.
     #[serde(rename = "backend")]
     pub backends: Vec<BackendConfig>,
+    /// The `[[vip.tenant]]` overrides, each naming a `[[tenant]]` once.
+    #[serde(rename = "tenant", skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantOverride>,
 }
 
 impl VipConfig {
@@ -678,7 +778,7 @@ impl Serialize for SocketMode {
 }
 
 /// An IP prefix with zero host bits, written `ADDRESS/LENGTH`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Cidr {
     pub addr: IpAddr,
     pub prefix: u8,
@@ -790,6 +890,14 @@ impl FromStr for Cidr {
 impl Serialize for Cidr {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Cidr {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse()
+            .map_err(|e: CidrError| de::Error::custom(format!("{s:?}: {e}")))
     }
 }
 

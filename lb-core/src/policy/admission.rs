@@ -137,13 +137,16 @@ impl Shedder {
     }
 
     /// One step: `all_full` says whether the pool has room, `top` is its highest class
-    /// (the lowest number among its VIPs with admission), which is never shed.
+    /// (the lowest number among its VIPs with admission), which is never shed. While
+    /// `tenants_over_share`, some tenant is shed for holding more than its share: the level
+    /// does not tighten (tenants go before any class), and tightens once no tenant is.
     pub fn update(
         &mut self,
         now: Duration,
         all_full: bool,
         period: Duration,
         top: u8,
+        tenants_over_share: bool,
     ) -> Option<ShedChange> {
         if all_full != self.all_full {
             self.all_full = all_full;
@@ -157,7 +160,7 @@ impl Shedder {
         }
         let waited = now.saturating_sub(self.mark) >= period;
         let change = if all_full && (self.admit_max == LOWEST_CLASS || waited) {
-            (self.admit_max > top).then_some(ShedChange::Tighten)
+            (self.admit_max > top && !tenants_over_share).then_some(ShedChange::Tighten)
         } else if !all_full && waited {
             (self.admit_max < LOWEST_CLASS).then_some(ShedChange::Relax)
         } else {
@@ -226,7 +229,7 @@ mod tests {
         let mut sh = Shedder::new(Duration::ZERO);
         let mut levels = Vec::new();
         for t in 0..=100 {
-            sh.update(t * S, true, period, 0);
+            sh.update(t * S, true, period, 0, false);
             levels.push(sh.admit_max());
         }
         assert_eq!(levels[0], 6);
@@ -235,15 +238,15 @@ mod tests {
         assert_eq!(levels[60], 0);
         assert_eq!(levels[100], 0);
         // Room again: readmits one class per period, from the highest priority down.
-        assert_eq!(sh.update(101 * S, false, period, 0), None);
-        assert_eq!(sh.update(110 * S, false, period, 0), None);
+        assert_eq!(sh.update(101 * S, false, period, 0, false), None);
+        assert_eq!(sh.update(110 * S, false, period, 0, false), None);
         assert_eq!(
-            sh.update(111 * S, false, period, 0),
+            sh.update(111 * S, false, period, 0, false),
             Some(ShedChange::Relax)
         );
         assert_eq!(sh.admit_max(), 1);
         for t in 112..=200 {
-            sh.update(t * S, false, period, 0);
+            sh.update(t * S, false, period, 0, false);
         }
         assert_eq!(sh.admit_max(), LOWEST_CLASS);
     }
@@ -254,32 +257,57 @@ mod tests {
         // A pool of classes 3 and 7: tightens to admitting class 3, no further.
         let mut sh = Shedder::new(Duration::ZERO);
         for t in 0..=100 {
-            sh.update(t * S, true, period, 3);
+            sh.update(t * S, true, period, 3, false);
         }
         assert_eq!(sh.admit_max(), 3);
         // A pool of class 7 alone: full for a minute, never shed by class.
         let mut sh = Shedder::new(Duration::ZERO);
         for t in 0..=60 {
-            assert_eq!(sh.update(t * S, true, period, LOWEST_CLASS), None);
+            assert_eq!(sh.update(t * S, true, period, LOWEST_CLASS, false), None);
         }
         assert_eq!(sh.admit_max(), LOWEST_CLASS);
         // The pool's class-3 VIP leaves a pool shedding down to 3: class 7 is its top now.
         let mut sh = Shedder::new(Duration::ZERO);
         for t in 0..=100 {
-            sh.update(t * S, true, period, 3);
+            sh.update(t * S, true, period, 3, false);
         }
-        assert_eq!(sh.update(101 * S, true, period, 7), Some(ShedChange::Relax));
+        assert_eq!(
+            sh.update(101 * S, true, period, 7, false),
+            Some(ShedChange::Relax)
+        );
         assert_eq!(sh.admit_max(), LOWEST_CLASS);
+    }
+
+    #[test]
+    fn classes_are_not_shed_while_a_tenant_is_shed_for_its_share() {
+        let period = 10 * S;
+        let mut sh = Shedder::new(Duration::ZERO);
+        // Full for a minute, a tenant over its share all along: no class is shed.
+        for t in 0..=60 {
+            assert_eq!(sh.update(t * S, true, period, 0, true), None);
+        }
+        assert_eq!(sh.admit_max(), LOWEST_CLASS);
+        // Still full with no tenant over its share: the classes go as before.
+        assert_eq!(
+            sh.update(61 * S, true, period, 0, false),
+            Some(ShedChange::Tighten)
+        );
+        assert_eq!(sh.admit_max(), 6);
+        // A tenant over its share again holds the level where it is, without readmitting.
+        for t in 62..=100 {
+            assert_eq!(sh.update(t * S, true, period, 0, true), None);
+        }
+        assert_eq!(sh.admit_max(), 6);
     }
 
     #[test]
     fn brief_relief_does_not_readmit() {
         let period = 10 * S;
         let mut sh = Shedder::new(Duration::ZERO);
-        sh.update(Duration::ZERO, true, period, 0);
+        sh.update(Duration::ZERO, true, period, 0, false);
         for t in 1..50 {
             // Full for 4 s, room for 1 s: never `period` of room.
-            sh.update(t * S, t % 5 != 0, period, 0);
+            sh.update(t * S, t % 5 != 0, period, 0, false);
         }
         assert_eq!(sh.admit_max(), 6);
     }

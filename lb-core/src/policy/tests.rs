@@ -80,6 +80,10 @@ impl Sim {
     }
 
     fn step(&mut self) -> Decisions {
+        self.step_with_tenants(&[])
+    }
+
+    fn step_with_tenants(&mut self, tenants: &[TenantInput]) -> Decisions {
         let inputs: Vec<BackendInput> = self
             .backends
             .iter()
@@ -96,7 +100,7 @@ impl Sim {
                 handshakes: b.handshakes,
             })
             .collect();
-        let d = self.policy.step(self.now, &inputs);
+        let d = self.policy.step_with_tenants(self.now, &inputs, tenants);
         self.now += S;
         d
     }
@@ -1484,4 +1488,49 @@ fn a_refusing_backend_needs_enough_handshakes_and_a_peer_to_depart_from() {
         let d = sim.step_handshakes(50, |_, _| 0);
         assert!(d.events.is_empty(), "{:?}", d.events);
     }
+}
+
+/// A full pool with a noisy tenant over its share: the noisy tenant is flagged, the quiet
+/// one keeps being admitted, and no class is shed while the tenant is; once the noisy
+/// tenant is back within its share and the pool is still full, classes shed as before.
+#[test]
+fn a_full_pool_sheds_the_tenant_over_its_share_before_any_class() {
+    let cfg = PolicyConfig {
+        shed: Some(ShedMode::Rst),
+        ..PolicyConfig::default()
+    };
+    let period = cfg.cooldown_base;
+    let mut sim = Sim::new(cfg, 2);
+    for b in &mut sim.backends {
+        // Class 3, the pool's highest: classes 4..=7 may be shed.
+        b.class = 3;
+        b.max_sessions = 4;
+        b.sessions = 4;
+    }
+    let tenant = |name, sessions, admitted| TenantInput {
+        vip: "v",
+        tenant: name,
+        weight: 1,
+        max_sessions: 0,
+        sessions,
+        admitted,
+        refused: 0,
+    };
+    let mut admitted = 0;
+    for _ in 0..3 * period.as_secs() {
+        admitted += 10;
+        let d = sim.step_with_tenants(&[tenant("noisy", 7, admitted), tenant("quiet", 1, 3)]);
+        assert_eq!(d.tenants.len(), 2);
+        assert!(d.tenants[0].over_share, "noisy holds 7 of a 4 share");
+        assert!(!d.tenants[1].over_share && !d.tenants[1].capped);
+        assert_eq!(d.shed["v"].admit_max, LOWEST_CLASS, "no class is shed");
+    }
+    // Within its share now, the pool still full: the class rule takes over.
+    let d = sim.step_with_tenants(&[tenant("noisy", 4, admitted), tenant("quiet", 4, 3)]);
+    assert!(d.tenants.iter().all(|t| !t.over_share));
+    assert!(d.shed["v"].admit_max < LOWEST_CLASS);
+    // Room again: no tenant is flagged.
+    sim.backends[0].sessions = 1;
+    let d = sim.step_with_tenants(&[tenant("noisy", 9, admitted), tenant("quiet", 0, 3)]);
+    assert!(d.tenants.iter().all(|t| !t.over_share && t.flags() == 0));
 }

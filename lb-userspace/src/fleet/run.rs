@@ -348,7 +348,9 @@ pub(super) async fn step<S: Store, P: Plane>(
             &mut s.policy,
             s.shed_rst,
             s.epoch.elapsed(),
-            &sessions,
+            // Tenants' sessions are counted per host, not summed in the fleet's reports:
+            // the leader decides no tenant flags.
+            (&sessions, &BTreeMap::new()),
             &handshakes,
         );
         scheduler::record(&mut c, &d);

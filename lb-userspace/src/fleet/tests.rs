@@ -72,6 +72,7 @@ fn add_vip() -> Op {
             quic: Default::default(),
             quic_server_id_len: 2,
             quic_config_rotation: 0,
+            tenants: Vec::new(),
         },
         backends: ["10.1.0.1", "10.1.0.2", "10.1.0.3"]
             .iter()

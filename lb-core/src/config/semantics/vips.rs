@@ -223,6 +223,7 @@ pub(in crate::config) fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipPart
             .ok(),
     };
 
+    let tenants = vip_tenants(c, p, r.tenant);
     let n = r.backend.len();
     let (backends, backend_addrs) = vip_backends(
         c,
@@ -259,6 +260,7 @@ pub(in crate::config) fn vip(c: &mut Checker, p: &KeyPath, r: RawVip) -> VipPart
             quic_server_id_len: quic_server_id_len?,
             quic_config_rotation: quic_config_rotation?,
             backends: backends?,
+            tenants: tenants?,
         })
     })();
     VipParts {
