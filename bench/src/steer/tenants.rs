@@ -108,14 +108,15 @@ pub fn sources(all: &[IpAddr], noisy_only: bool) -> Result<Vec<IpAddr>> {
 
 /// The limits an operator derives from the fleet's capacity (docs/benchmarks.md): each
 /// tenant's weighted share of the sessions admission lets the fleet hold (`backends` x the
-/// per-backend `max_sessions`), and twice its share of the fleet's nominal request rate as
-/// its new-session rate, with two seconds of it as the burst (a tenant at its share arrives
-/// as a Poisson process: over a second it exceeds twice its mean about 3% of the time).
+/// per-backend `max_sessions`), and its weighted share of the fleet's nominal request rate as
+/// its new-session rate, with two seconds of it as the burst (a tenant below its share
+/// arrives as a Poisson process whose bunches the burst absorbs). A rate above the share
+/// lets one tenant take what the others leave, which a burst turns into every tenant's queue.
 pub fn tables(backends: usize, max_sessions: u32, capacity_rps: f64) -> Vec<TenantDef> {
     let total: u32 = WEIGHT * TENANTS.len() as u32;
     let share = |x: f64| x * f64::from(WEIGHT) / f64::from(total);
     let sessions = share(backends as f64 * f64::from(max_sessions)).floor() as u32;
-    let rate = (2.0 * share(backends as f64 * capacity_rps)).ceil() as u32;
+    let rate = share(backends as f64 * capacity_rps).ceil() as u32;
     TENANTS
         .iter()
         .map(|t| TenantDef {
@@ -260,8 +261,8 @@ mod tests {
         let t = tables(4, 24, 3.0);
         assert_eq!(t.len(), 4);
         assert!(t.iter().all(|t| t.max_sessions == 24
-            && t.new_sessions_per_sec == 6
-            && t.burst == 12
+            && t.new_sessions_per_sec == 3
+            && t.burst == 6
             && t.weight == WEIGHT));
         assert_eq!(t[3].prefixes, ["10.111.0.192/27"]);
     }
