@@ -29,14 +29,17 @@ use tokio::{
 };
 
 pub use self::socket::{bind, AdminSocket};
-pub(crate) use self::{socket::group_name, views::Snapshot};
+pub(crate) use self::{
+    socket::group_name,
+    views::{Snapshot, TenantRow},
+};
 use self::{
     socket::{may_administer, supplementary_groups},
     views::{flows, stats, vip_detail, BackendView, VipView},
 };
 use crate::{
     clock::now_ms,
-    config::rules,
+    config::{rules, TenantList},
     controller::{Controller, Peer, Plane},
     http_server::{json_response, serve_connections, serve_http, within, ApiError},
     limits::{ListenerLimits, Refused},
@@ -205,6 +208,7 @@ enum Route {
     Events,
     /// `/v1/lb`, `/v1/lb/drain`, `/v1/lb/undrain`: this host's route announcement.
     Lb(Option<&'static str>),
+    Tenants,
 }
 
 impl Route {
@@ -213,7 +217,7 @@ impl Route {
             ApiError::new(
                 404,
                 format!(
-                    "no endpoint {path}; the API has /v1/status, /v1/vips, /v1/flows, /v1/conns, /v1/trace, /v1/stats, /v1/events and /v1/lb"
+                    "no endpoint {path}; the API has /v1/status, /v1/vips, /v1/flows, /v1/conns, /v1/trace, /v1/stats, /v1/events, /v1/lb and /v1/tenants"
                 ),
             )
         };
@@ -244,6 +248,7 @@ impl Route {
             ["lb"] => Route::Lb(None),
             ["lb", "drain"] => Route::Lb(Some("drain")),
             ["lb", "undrain"] => Route::Lb(Some("undrain")),
+            ["tenants"] => Route::Tenants,
             _ => return Err(not_found()),
         })
     }
@@ -260,7 +265,7 @@ impl Route {
             Route::Vips | Route::Backends(_) => "GET, POST",
             Route::Vip(_) | Route::Backend(..) => "GET, DELETE",
             Route::Weight(..) => "PUT",
-            Route::Trace => "GET, PUT",
+            Route::Trace | Route::Tenants => "GET, PUT",
             Route::Drain(..) | Route::Undrain(..) | Route::Telemetry(..) | Route::Lb(Some(_)) => {
                 "POST"
             }
@@ -383,6 +388,11 @@ where
         (Route::Events, Method::GET) => events(api).await,
         (Route::Lb(None), Method::GET) => reply(StatusCode::OK, &announcer(api)?.status()),
         (Route::Lb(Some(action)), Method::POST) => lb_action(api, peer, action).await,
+        (Route::Tenants, Method::GET) => {
+            let mut ctl = api.ctl.lock().await;
+            reply(StatusCode::OK, &views::tenants_view(&mut ctl)?)
+        }
+        (Route::Tenants, Method::PUT) => set_tenants(api, peer, &read_body(body).await?).await,
         (route, method) => Err(ApiError {
             allow: Some(route.allow()),
             ..ApiError::new(
@@ -560,6 +570,16 @@ async fn set_trace<P: Plane>(api: &Api<P>, peer: Peer, body: &[u8]) -> Reply {
     let mut ctl = api.ctl.lock().await;
     ctl.set_trace(s.enabled, peer, now_ms())?;
     reply(StatusCode::OK, &json!({ "enabled": ctl.trace() }))
+}
+
+/// `PUT /v1/tenants`: the whole `[[tenant]]` list, checked as the configuration file's;
+/// answers with what `GET` shows.
+async fn set_tenants<P: Plane>(api: &Api<P>, peer: Peer, body: &[u8]) -> Reply {
+    const SHAPE: &str = r#"{"tenant": [{"name": "acme", "prefixes": ["10.0.2.0/24"], "weight": 1, "max_sessions": 0, "new_sessions_per_sec": 0, "burst": 0}]}"#;
+    let value: Value = parse_json(body, SHAPE)?;
+    let list = TenantList::deserialize(value).map_err(|e| ApiError::new(400, e.to_string()))?;
+    let mut ctl = submit(api, peer, Op::SetTenants(list)).await?;
+    reply(StatusCode::OK, &views::tenants_view(&mut ctl)?)
 }
 
 async fn events<P: Plane>(api: &Api<P>) -> Reply {

@@ -323,6 +323,13 @@ impl crate::controller::Plane for MapPlane {
                 self.dp.capacity(maps::QUIC_SERVERS)?.into(),
             ),
         );
+        c.maps.insert(
+            "tenant_prefixes".into(),
+            (
+                state.tenant_prefixes().len() as u64,
+                self.dp.capacity(maps::TENANT_PREFIXES)?.into(),
+            ),
+        );
         let backends = state.vips.values().map(|v| v.backends.len() as u64).sum();
         c.maps.insert(
             "backends".into(),

@@ -5,6 +5,7 @@ mod flows;
 mod lb;
 mod live;
 mod print;
+mod tenants;
 mod vips;
 
 use std::{io::Write, path::Path, process::ExitCode};
@@ -86,9 +87,10 @@ pub fn execute(cli: &Cli, out: &mut dyn Write) -> Result<()> {
             | Command::Flows(_)
             | Command::Stats
             | Command::Events
+            | Command::Tenant(tenants::TenantCommand::List)
     );
     if !reads {
-        bail!("--watch repeats read commands only: status, vip list, backend list, flows, stats, events");
+        bail!("--watch repeats read commands only: status, vip list, backend list, flows, stats, events, tenant list");
     }
     live::repeat(out, every, None, |w| execute_once(cli, w))
 }
@@ -109,6 +111,7 @@ fn execute_once(cli: &Cli, out: &mut dyn Write) -> Result<()> {
         Command::Vip(cmd) => vips::vip(cmd, &client, &mut out),
         Command::Backend(cmd) => vips::backend(cmd, &client, &mut out),
         Command::Flows(args) => flows::run(args, &client, &mut out),
+        Command::Tenant(cmd) => tenants::run(cmd, &client, &mut out),
         Command::Top { every, events } => {
             let mut prev = None;
             live::repeat(out.out, *every, None, |w| {
@@ -248,6 +251,67 @@ mod tests {
         let mut out = Vec::new();
         execute(&cli, &mut out).map_err(|e| format!("{e:#}"))?;
         Ok(String::from_utf8(out).unwrap())
+    }
+
+    #[test]
+    fn tenant_set_sends_a_toml_file_and_list_shows_each_tenant_per_vip() {
+        let srv = TestServer::start();
+        sluice(
+            &srv,
+            &[
+                "vip",
+                "add",
+                "chat",
+                "--address",
+                "10.0.0.1",
+                "--port",
+                "443",
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            sluice(&srv, &["tenant", "list"]).unwrap(),
+            "no tenants are configured\n"
+        );
+        let d = crate::test_dir::TestDir::new("cli-tenants");
+        let file = d.join("tenants.toml");
+        std::fs::write(
+            &file,
+            "[[tenant]]\nname = \"acme\"\nprefixes = [\"10.0.2.0/24\"]\nweight = 2\n\
+             max_sessions = 40\nnew_sessions_per_sec = 10\n",
+        )
+        .unwrap();
+        let out = sluice(&srv, &["tenant", "set", file.to_str().unwrap()]).unwrap();
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(
+            lines[0].starts_with("TENANT   VIP   PREFIXES     WEIGHT  MAX"),
+            "{out}"
+        );
+        assert!(lines[1].starts_with("default  chat  (others)"), "{out}");
+        assert!(
+            lines[2].contains("10.0.2.0/24  2       40   10/10"),
+            "{out}"
+        );
+        assert!(lines[2].ends_with("0/0/0                    ok"), "{out}");
+        let v: Value =
+            serde_json::from_str(&sluice(&srv, &["--json", "tenant", "list"]).unwrap()).unwrap();
+        assert_eq!(v["tenant"][0]["name"], "acme");
+        assert_eq!(v["tenants"][1]["max_sessions"], 40);
+        // A file with a mistake changes nothing and says why.
+        std::fs::write(
+            &file,
+            "[[tenant]]\nname = \"acme\"\nprefixes = [\"10.0.2.1/24\"]\n",
+        )
+        .unwrap();
+        let e = sluice(&srv, &["tenant", "set", file.to_str().unwrap()]).unwrap_err();
+        assert!(
+            e.contains("tenant[0].prefixes[0]: \"10.0.2.1/24\" has bits set"),
+            "{e}"
+        );
+        assert_eq!(
+            srv.state().tenants.list[0].prefixes[0].to_string(),
+            "10.0.2.0/24"
+        );
     }
 
     #[test]

@@ -123,6 +123,9 @@ pub trait Plane: Send {
     }
 }
 
+/// Each tenant's usage on each VIP, by (VIP name, tenant name).
+pub type TenantUsages = BTreeMap<(String, String), TenantUsage>;
+
 /// One tenant on one VIP: its `TENANT_*` index, active sessions and counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TenantUsage {
@@ -602,7 +605,7 @@ impl<P: Plane> Controller<P> {
     /// Each tenant's usage on each VIP: active sessions (the connection table's flows of
     /// the VIP's backends whose client the tenant's prefixes match) and the data plane's
     /// counters, by (VIP name, tenant name); empty without tenants.
-    pub fn tenant_usage(&mut self) -> Result<BTreeMap<(String, String), TenantUsage>> {
+    pub fn tenant_usage(&mut self) -> Result<TenantUsages> {
         let state = &self.state;
         if state.tenants.is_empty() {
             return Ok(BTreeMap::new());

@@ -468,8 +468,10 @@ impl Dataplane {
     pub fn capacity(&mut self, name: &str) -> Result<u32> {
         let m = self.map(name)?;
         let info = match m {
-            aya::maps::Map::LruHashMap(d) | aya::maps::Map::HashMap(d) => d.info()?,
-            _ => bail!("map {name} is not a hash map"),
+            aya::maps::Map::LruHashMap(d)
+            | aya::maps::Map::HashMap(d)
+            | aya::maps::Map::LpmTrie(d) => d.info()?,
+            _ => bail!("map {name} is not a hash map or trie"),
         };
         Ok(info.max_entries())
     }

@@ -175,6 +175,9 @@ pub struct FlowCounts {
     pub cpu: Duration,
 }
 
+/// Active entries per (backend id, tenant id).
+type TenantCounts = HashMap<(u32, u32), u64>;
+
 /// Counts entries into a [`FlowCounts`]: an entry is active when it was seen within `idle`
 /// of `now_ns` (CLOCK_MONOTONIC, the data plane's clock).
 pub struct Tally {
@@ -182,7 +185,7 @@ pub struct Tally {
     idle_ns: u64,
     /// Indexed by backend id (ids are below `MAX_BACKENDS`): no map lookup per entry.
     active: Vec<u64>,
-    tenants: Option<(Arc<TenantMatcher>, HashMap<(u32, u32), u64>)>,
+    tenants: Option<(Arc<TenantMatcher>, TenantCounts)>,
     counts: FlowCounts,
 }
 

@@ -22,7 +22,7 @@ use prometheus_client::{
 use tokio::{net::TcpListener, sync::Mutex};
 
 use crate::{
-    admin::{DaemonInfo, Snapshot},
+    admin::{DaemonInfo, Snapshot, TenantRow},
     controller::{Controller, Plane},
     http_server::{serve_connections, serve_http, within},
     limits::{ScrapePeer, METRICS},
@@ -149,6 +149,7 @@ pub(crate) fn render(snap: &Snapshot, info: &DaemonInfo) -> String {
     backend_families(&mut reg, snap);
     quic_families(&mut reg, snap);
     steering_families(&mut reg, snap);
+    tenant_families(&mut reg, snap);
     map_families(&mut reg, snap);
     event_families(&mut reg, snap);
     daemon_families(&mut reg, snap, info);
@@ -410,6 +411,73 @@ fn steering_families(reg: &mut Registry, snap: &Snapshot) {
     );
 }
 
+/// Each tenant's sessions, admissions, refusals and limit state per VIP, and its weight.
+fn tenant_families(reg: &mut Registry, snap: &Snapshot) {
+    let rows = &snap.tenants;
+    let labels = |t: &TenantRow| vec![("tenant", t.tenant.clone()), ("vip", t.vip.clone())];
+    gauges(
+        reg,
+        "tenant_sessions",
+        "Active sessions of the tenant's clients on the VIP (the connection table's flows;          none on a second-chance VIP)",
+        rows.iter().map(|t| (labels(t), t.sessions as i64)).collect(),
+    );
+    counters(
+        reg,
+        "tenant_admitted",
+        "New sessions of the tenant on the VIP admitted by its limits",
+        rows.iter().map(|t| (labels(t), t.admitted)).collect(),
+    );
+    counters(
+        reg,
+        "tenant_refused",
+        "New sessions of the tenant on the VIP refused, by the limit that refused them          (sessions: at max_sessions; share: over its share of a full pool; rate: over          new_sessions_per_sec)",
+        rows.iter()
+            .flat_map(|t| {
+                [
+                    ("sessions", t.refused.sessions),
+                    ("share", t.refused.share),
+                    ("rate", t.refused.rate),
+                ]
+                .map(|(reason, n)| {
+                    let mut l = labels(t);
+                    l.push(("reason", reason.to_owned()));
+                    (l, n)
+                })
+            })
+            .collect(),
+    );
+    gauges(
+        reg,
+        "tenant_limited",
+        "1 while the tenant's new sessions on the VIP are refused for a limit (sessions: at          max_sessions; share: over its share of a full pool), else 0",
+        rows.iter()
+            .flat_map(|t| {
+                [("sessions", "capped"), ("share", "over-share")].map(|(limit, state)| {
+                    let mut l = labels(t);
+                    l.push(("limit", limit.to_owned()));
+                    (l, i64::from(t.state == state))
+                })
+            })
+            .collect(),
+    );
+    gauges(
+        reg,
+        "tenant_info",
+        "1 for each configured tenant, labelled with its weight",
+        snap.state
+            .tenants
+            .list
+            .iter()
+            .map(|t| {
+                (
+                    vec![("tenant", t.name.clone()), ("weight", t.weight.to_string())],
+                    1,
+                )
+            })
+            .collect(),
+    );
+}
+
 /// Use and capacity of the data-plane maps.
 fn map_families(reg: &mut Registry, snap: &Snapshot) {
     gauges(
@@ -537,6 +605,11 @@ mod tests {
             backends: vec![crate::state::testing::quic_be("10.1.0.5", "0A05")],
         };
         c.submit(quic, Peer::default(), 1).unwrap();
+        let tenants = serde_json::json!({"op": "set-tenants", "tenant": [
+            {"name": "acme", "prefixes": ["10.0.2.0/24"], "weight": 3}
+        ]});
+        c.submit(serde_json::from_value(tenants).unwrap(), Peer::default(), 1)
+            .unwrap();
         let drain = Op::Drain {
             vip: "chat".into(),
             address: "10.1.0.1".parse().unwrap(),
@@ -608,6 +681,65 @@ mod tests {
             },
         );
         snap
+    }
+
+    #[tokio::test]
+    async fn scrape_shows_each_tenants_sessions_refusals_limits_and_weight() {
+        let mut c = controller();
+        let op = Op::AddVip {
+            vip: vip("chat", "10.0.0.1"),
+            backends: vec![be("10.1.0.1")],
+        };
+        c.submit(op, Peer::default(), 1).unwrap();
+        let list = serde_json::json!({"op": "set-tenants", "tenant": [
+            {"name": "acme", "prefixes": ["10.0.2.0/24"], "weight": 3, "max_sessions": 2}
+        ]});
+        c.submit(serde_json::from_value(list).unwrap(), Peer::default(), 2)
+            .unwrap();
+        let chat = c.state().vips["chat"].clone();
+        let b = chat.backends.values().next().unwrap().id;
+        c.plane().tenant_flows.insert((b, 1), 2);
+        c.plane().tenant_stats.insert(
+            chat.id * lb_common::MAX_TENANTS + 1,
+            lb_common::TenantStats {
+                admitted: 5,
+                refused_sessions: 3,
+                refused_share: 0,
+                refused_rate: 1,
+            },
+        );
+        c.set_tenant_decisions(vec![crate::policy::TenantDecision {
+            vip: "chat".into(),
+            tenant: "acme".into(),
+            sessions: 2,
+            capped: true,
+            over_share: false,
+            share: None,
+            admitted_per_sec: 0.5,
+        }]);
+        let mut snap = Snapshot::take(&Mutex::new(c)).await.unwrap();
+        snap.counters
+            .maps
+            .insert("tenant_prefixes".into(), (1, 16384));
+        let text = render(&snap, &info());
+        for line in [
+            r#"sluice_tenant_sessions{tenant="acme",vip="chat"} 2"#,
+            r#"sluice_tenant_sessions{tenant="default",vip="chat"} 0"#,
+            r#"sluice_tenant_admitted_total{tenant="acme",vip="chat"} 5"#,
+            r#"sluice_tenant_refused_total{tenant="acme",vip="chat",reason="sessions"} 3"#,
+            r#"sluice_tenant_refused_total{tenant="acme",vip="chat",reason="share"} 0"#,
+            r#"sluice_tenant_refused_total{tenant="acme",vip="chat",reason="rate"} 1"#,
+            r#"sluice_tenant_limited{tenant="acme",vip="chat",limit="sessions"} 1"#,
+            r#"sluice_tenant_limited{tenant="acme",vip="chat",limit="share"} 0"#,
+            r#"sluice_tenant_info{tenant="acme",weight="3"} 1"#,
+            r#"sluice_map_entries{map="tenant_prefixes"} 1"#,
+            r#"sluice_dataplane_events_total{event="shed_tenant_sessions"} 0"#,
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
     }
 
     #[tokio::test]

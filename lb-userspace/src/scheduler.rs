@@ -17,7 +17,7 @@ use tokio::{
 use crate::{
     clock::now_ms,
     config::{Config, FlowState, HealthCheck, HealthConfig, Protocol},
-    controller::{self, Controller, HealthChange, Overlay, Plane, TenantUsage},
+    controller::{self, Controller, HealthChange, Overlay, Plane, TenantUsages},
     policy::{
         self, health, BackendDecision, BackendInput, Decisions, Handshakes, Policy, TenantInput,
     },
@@ -314,10 +314,7 @@ pub fn decide<P: Plane>(
     policy: &mut Policy,
     shed_rst: bool,
     now: Duration,
-    (sessions, tenants): (
-        &BTreeMap<u32, u64>,
-        &BTreeMap<(String, String), TenantUsage>,
-    ),
+    (sessions, tenants): (&BTreeMap<u32, u64>, &TenantUsages),
     handshakes: &BTreeMap<u32, Handshakes>,
 ) -> (Overlay, Decisions) {
     let state = c.state();

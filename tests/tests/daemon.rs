@@ -1090,3 +1090,190 @@ fn quic_server_ids_are_written_follow_reloads_and_are_reconciled_after_a_restart
     assert_eq!(quic_servers(&lab), want, "after the restart");
     assert!(lab.stop().unwrap().success());
 }
+
+/// What the pinned `TENANT_PREFIXES` trie holds: prefix (as text) → tenant id.
+fn tenant_prefixes(lab: &DaemonLab) -> BTreeMap<String, u32> {
+    use aya::maps::{LpmTrie, Map, MapData};
+    let m = MapData::from_pin(lab.bpffs.join(lb_common::maps::TENANT_PREFIXES)).unwrap();
+    let m: LpmTrie<_, lb_common::TenantPrefix, u32> = LpmTrie::try_from(Map::LpmTrie(m)).unwrap();
+    m.iter()
+        .map(|r| {
+            let (k, id) = r.unwrap();
+            let d = k.data();
+            let ip = sluice::addr::from_words(d.addr, d.family);
+            let len = k.prefix_len() - lb_common::TENANT_PREFIX_FAMILY_BITS;
+            (format!("{ip}/{len}"), id)
+        })
+        .collect()
+}
+
+/// The pinned `TENANT_LIMITS` entry of a VIP (by name, its id from the API) and tenant id.
+fn tenant_limits(lab: &DaemonLab, vip: &str, tenant: u32) -> lb_common::TenantLimits {
+    use aya::maps::{Array, Map, MapData};
+    let (_, v) = lab.api("GET", &format!("/v1/vips/{vip}"), None).unwrap();
+    let vip_id = v["vip"]["id"].as_u64().unwrap_or_else(|| panic!("{v}")) as u32;
+    let m = MapData::from_pin(lab.bpffs.join(lb_common::maps::TENANT_LIMITS)).unwrap();
+    let a: Array<_, lb_common::TenantLimits> = Array::try_from(Map::Array(m)).unwrap();
+    a.get(&(vip_id * lb_common::MAX_TENANTS + tenant), 0)
+        .unwrap()
+}
+
+/// The VIP's flags as the pinned `VIPS` map holds them.
+fn vip_flags(lab: &DaemonLab) -> u32 {
+    use aya::maps::{HashMap, Map, MapData};
+    let m = MapData::from_pin(lab.bpffs.join(lb_common::maps::VIPS)).unwrap();
+    let m: HashMap<_, lb_common::VipKey, lb_common::VipMeta> =
+        HashMap::try_from(Map::HashMap(m)).unwrap();
+    let key = sluice::config::vip_key(vip().ip(), vip().port(), sluice::config::Protocol::Tcp);
+    m.get(&key, 0).unwrap().flags
+}
+
+const TENANTS: &str = r#"
+[[tenant]]
+name = "acme"
+prefixes = ["10.0.2.0/24", "2001:db8:2::/48"]
+weight = 2
+max_sessions = 40
+new_sessions_per_sec = 10
+[[tenant]]
+name = "beta"
+prefixes = ["10.0.3.0/24"]
+"#;
+
+/// Tenants from the file reach the pinned maps and `sluice tenant list`; a bad
+/// `sluice tenant set` changes nothing and says why; a good one and a SIGHUP reload of a
+/// changed file change the maps, and a removed tenant's prefixes leave the trie, also a
+/// previous run's leftover after a restart over the pinned maps.
+#[test]
+fn tenants_reach_the_maps_and_follow_api_changes_and_reloads() {
+    let mut opts = options();
+    opts.tenants = TENANTS.into();
+    let mut lab = start(opts);
+    let prefixes = |list: &[(&str, u32)]| -> BTreeMap<String, u32> {
+        list.iter().map(|(p, id)| (p.to_string(), *id)).collect()
+    };
+    assert_eq!(
+        tenant_prefixes(&lab),
+        prefixes(&[
+            ("10.0.2.0/24", 1),
+            ("2001:db8:2::/48", 1),
+            ("10.0.3.0/24", 2)
+        ]),
+        "at start"
+    );
+    let acme = tenant_limits(&lab, VIP, 1);
+    assert_eq!(
+        (acme.interval_ns, acme.burst_ns),
+        (100_000_000, 1_000_000_000)
+    );
+    assert_eq!(
+        tenant_limits(&lab, VIP, 2),
+        Default::default(),
+        "beta has no rate"
+    );
+    assert_ne!(vip_flags(&lab) & lb_common::VIP_F_TENANTS, 0);
+    let list = lab.cli_ok(&["tenant", "list"]);
+    assert!(
+        list.contains("acme") && list.contains("10.0.2.0/24,2001:db8:2::/48"),
+        "{list}"
+    );
+    assert!(list.lines().any(|l| l.starts_with("beta ")), "{list}");
+    let (_, v) = lab.api("GET", "/v1/tenants", None).unwrap();
+    assert_eq!(
+        v["tenants"].as_array().unwrap().len(),
+        3,
+        "default, acme, beta: {v}"
+    );
+
+    // A bad list: refused whole, with the reason, and the maps keep what they hold.
+    let file = lab.dir.join("tenants.toml");
+    fs::write(
+        &file,
+        "[[tenant]]\nname = \"acme\"\nprefixes = [\"10.0.2.1/24\"]\n",
+    )
+    .unwrap();
+    let (code, _, err) = lab.cli(&["tenant", "set", file.to_str().unwrap()]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("tenant[0].prefixes[0]: \"10.0.2.1/24\" has bits set"),
+        "{err}"
+    );
+    assert_eq!(
+        tenant_prefixes(&lab).len(),
+        3,
+        "a refused list changes nothing"
+    );
+
+    // A good list: beta leaves (its prefix leaves the trie), gamma takes its id.
+    fs::write(
+        &file,
+        "[[tenant]]\nname = \"acme\"\nprefixes = [\"10.0.2.0/24\"]\n\
+         [[tenant]]\nname = \"gamma\"\nprefixes = [\"10.0.4.0/24\"]\nnew_sessions_per_sec = 4\n",
+    )
+    .unwrap();
+    lab.cli_ok(&["tenant", "set", file.to_str().unwrap()]);
+    assert_eq!(
+        tenant_prefixes(&lab),
+        prefixes(&[("10.0.2.0/24", 1), ("10.0.4.0/24", 2)]),
+        "after the PUT"
+    );
+    assert_eq!(
+        tenant_limits(&lab, VIP, 1),
+        Default::default(),
+        "acme has no rate now"
+    );
+    assert_eq!(tenant_limits(&lab, VIP, 2).interval_ns, 250_000_000);
+    let audit = fs::read_to_string(&lab.audit_log).unwrap();
+    assert!(audit.contains("\"set-tenants\""), "{audit}");
+
+    // A changed file, reloaded: the file's tenants replace the API's.
+    lab.reconfigure(|o| {
+        o.tenants = "\n[[tenant]]\nname = \"acme\"\nprefixes = [\"10.0.5.0/24\"]\n".into()
+    })
+    .unwrap();
+    lab.sighup().unwrap();
+    wait_reloaded(&lab, 1);
+    assert_eq!(
+        tenant_prefixes(&lab),
+        prefixes(&[("10.0.5.0/24", 1)]),
+        "after the reload"
+    );
+    assert_eq!(tenant_limits(&lab, VIP, 2), Default::default());
+
+    // A crash, a leftover prefix, and a restart over the pinned maps: the leftover goes.
+    lab.kill9().unwrap();
+    {
+        use aya::maps::{lpm_trie::Key, LpmTrie, Map, MapData};
+        let m = MapData::from_pin(lab.bpffs.join(lb_common::maps::TENANT_PREFIXES)).unwrap();
+        let mut m: LpmTrie<_, lb_common::TenantPrefix, u32> =
+            LpmTrie::try_from(Map::LpmTrie(m)).unwrap();
+        let stale = lb_common::TenantPrefix {
+            family: lb_common::FAMILY_V4,
+            _pad: [0; 3],
+            addr: [u32::from_ne_bytes([10, 9, 0, 0]), 0, 0, 0],
+        };
+        m.insert(
+            &Key::new(lb_common::TENANT_PREFIX_FAMILY_BITS + 16, stale),
+            7,
+            0,
+        )
+        .unwrap();
+    }
+    assert_eq!(tenant_prefixes(&lab).len(), 2);
+    lab.start_daemon().unwrap();
+    let log = lab.log();
+    assert!(log.contains("data plane ready reused=true"), "{log}");
+    assert_eq!(
+        tenant_prefixes(&lab),
+        prefixes(&[("10.0.5.0/24", 1)]),
+        "after the restart"
+    );
+
+    // No tenants at all: the VIP no longer looks tenants up.
+    lab.reconfigure(|o| o.tenants.clear()).unwrap();
+    lab.sighup().unwrap();
+    wait_reloaded(&lab, 1);
+    assert!(tenant_prefixes(&lab).is_empty());
+    assert_eq!(vip_flags(&lab) & lb_common::VIP_F_TENANTS, 0);
+    assert!(lab.stop().unwrap().success());
+}

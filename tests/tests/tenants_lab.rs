@@ -2,8 +2,9 @@
 //! prefix of the client's source addresses. The noisy tenant is capped at a few concurrent
 //! sessions and rate-limited; while long streams of both tenants run, it opens many sessions
 //! at once. Its excess sessions must be refused with a RST (the VIP sheds with `shed =
-//! "rst"`) and counted as refused for its session limit, the quiet tenant's new sessions must
-//! still succeed, and no established stream of either tenant may be cut. See
+//! "rst"`) and counted as refused for its session limit (`sluice tenant list` shows it
+//! capped), the quiet tenant's new sessions must still succeed, and no established stream of
+//! either tenant may be cut. See
 //! `sluice_tests::daemon_lab`. Needs root, `ip`, `ethtool`, `nsenter`, a bpffs and the
 //! `sluice` binary; fails, never skips.
 
@@ -53,7 +54,7 @@ fn inside(addr: IpAddr, (net, len): (Ipv4Addr, u8)) -> bool {
 fn options() -> DaemonLabOptions {
     let mut o = DaemonLabOptions::new(SERVER, BACKENDS, vec![VipDef::tcp(VIP, vip(), BACKENDS)]);
     o.set("policy", "shed", "\"rst\"");
-    o.tenants = vec![
+    o.tenants = [
         TenantDef {
             name: "quiet".into(),
             prefixes: vec![cidr(QUIET)],
@@ -70,7 +71,10 @@ fn options() -> DaemonLabOptions {
             new_sessions_per_sec: 2,
             burst: 4,
         },
-    ];
+    ]
+    .iter()
+    .map(TenantDef::table)
+    .collect();
     o
 }
 
@@ -225,6 +229,30 @@ fn a_noisy_tenants_excess_sessions_are_refused_while_the_quiet_tenant_and_every_
     assert!(
         rst_after >= rst_before + FLOOD as u64,
         "shed_rst_sent {rst_before} -> {rst_after}"
+    );
+    // The operator's view: the noisy tenant capped, its refusals counted against its session
+    // limit; the quiet tenant refused nothing.
+    let list = lab.cli_json(&["tenant", "list"]);
+    let row = |name: &str| {
+        list["tenants"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|t| t["tenant"] == name && t["vip"] == VIP)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name} on {VIP} in `sluice tenant list`: {list}"))
+    };
+    let (n, q) = (row("noisy"), row("quiet"));
+    assert_eq!(n["state"], "capped", "{n}");
+    assert!(
+        n["refused"]["sessions"].as_u64().unwrap_or(0) >= FLOOD as u64,
+        "{n}"
+    );
+    assert_eq!(q["state"], "ok", "{q}");
+    assert_eq!(
+        q["refused"],
+        serde_json::json!({"sessions": 0, "share": 0, "rate": 0}),
+        "{q}"
     );
     finish_all(
         quiet_new,

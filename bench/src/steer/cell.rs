@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use sluice::clock::now_ms;
 use sluice_tests::{
-    daemon_lab::{wait_for, Accel, DaemonLab, DaemonLabOptions, VipDef},
+    daemon_lab::{wait_for, Accel, DaemonLab, DaemonLabOptions, TenantDef, VipDef},
     netns::{ProcId, TCP_PORT, VIP4},
 };
 
@@ -152,7 +152,10 @@ fn start_cell_lab(
     vip.priority = 7;
     let mut opts = DaemonLabOptions::new(&tools.server, n, vec![vip]);
     if policy == Policy::Tenants {
-        opts.tenants = tenants::tables(n, args.max_sessions, args.capacity_rps);
+        opts.tenants = tenants::tables(n, args.max_sessions, args.capacity_rps)
+            .iter()
+            .map(TenantDef::table)
+            .collect();
     }
     // The shipped defaults, not the lab's fast test timings.
     for section in ["health", "telemetry", "policy"] {

@@ -839,3 +839,75 @@ fn concurrent_changes_at_the_cap_are_applied_or_reported() {
         }
     }
 }
+
+#[test]
+fn tenants_are_shown_and_replaced_whole_and_a_bad_list_changes_nothing() {
+    let srv = TestServer::start();
+    let c = srv.client();
+    let (st, v) = c.request("POST", "/v1/vips", Some(&chat())).unwrap();
+    assert_eq!(st, 201, "{v}");
+    let (st, v) = c.request("GET", "/v1/tenants", None).unwrap();
+    assert_eq!((st, v), (200, json!({"tenant": [], "tenants": []})));
+
+    let list = json!({"tenant": [
+        {"name": "acme", "prefixes": ["10.0.2.0/24"], "weight": 3, "max_sessions": 40},
+        {"name": "default", "new_sessions_per_sec": 100}
+    ]});
+    let (st, v) = c.request("PUT", "/v1/tenants", Some(&list)).unwrap();
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["tenant"][0]["prefixes"], json!(["10.0.2.0/24"]));
+    assert_eq!(v["tenant"][1]["burst"], 0);
+    let chat = srv.state().vips["chat"].clone();
+    let acme = chat.id * lb_common::MAX_TENANTS + 1;
+    {
+        let mut ctl = srv.ctl.blocking_lock();
+        let b = chat.backends.values().next().unwrap().id;
+        ctl.plane().tenant_flows = BTreeMap::from([((b, 1), 4)]);
+        ctl.plane().tenant_stats = BTreeMap::from([(
+            acme,
+            lb_common::TenantStats {
+                admitted: 12,
+                refused_sessions: 2,
+                refused_share: 1,
+                refused_rate: 0,
+            },
+        )]);
+    }
+    let (st, v) = c.request("GET", "/v1/tenants", None).unwrap();
+    assert_eq!(st, 200);
+    let rows = v["tenants"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{v}");
+    assert_eq!(rows[0]["tenant"], "default");
+    assert_eq!(rows[0]["new_sessions_per_sec"], 100);
+    assert_eq!(
+        rows[1],
+        json!({
+            "tenant": "acme", "id": 1, "vip": "chat", "prefixes": ["10.0.2.0/24"],
+            "weight": 3, "max_sessions": 40, "new_sessions_per_sec": 0, "burst": 0,
+            "sessions": 4, "admitted": 12, "admitted_per_sec": 0.0,
+            "refused": {"sessions": 2, "share": 1, "rate": 0}, "state": "ok"
+        })
+    );
+
+    let before = srv.state();
+    let bad = json!({"tenant": [
+        {"name": "acme", "prefixes": ["10.0.2.1/24"]},
+        {"name": "beta", "prefixes": ["10.0.3.0/24"], "burst": 5}
+    ]});
+    let (st, v) = c.request("PUT", "/v1/tenants", Some(&bad)).unwrap();
+    assert_eq!(st, 400);
+    let e = v["error"].as_str().unwrap();
+    assert!(
+        e.contains("tenant[0].prefixes[0]: \"10.0.2.1/24\" has bits set"),
+        "{e}"
+    );
+    assert!(
+        e.contains("tenant[1].burst: 5 is set without new_sessions_per_sec"),
+        "{e}"
+    );
+    let (st, _) = c
+        .request("PUT", "/v1/tenants", Some(&json!({"tenants": []})))
+        .unwrap();
+    assert_eq!(st, 400, "an unknown key is refused");
+    assert_eq!(srv.state(), before, "nothing changed");
+}

@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 use tokio::sync::Mutex;
 
 use crate::{
+    config::{Cidr, TenantList},
     controller::{Controller, Counters, Plane, Traffic},
     policy::BackendDecision,
     state::{Admin, Backend, PlaneState, QuicMode, State, Vip, VipSpec},
@@ -26,6 +27,8 @@ pub(crate) struct Snapshot {
     pub event_counts: BTreeMap<String, u64>,
     /// Backend id → the adaptive policy's latest view (score, state, cooldown, telemetry).
     pub steering: BTreeMap<u32, BackendDecision>,
+    /// Each tenant on each VIP ([`tenant_rows`]).
+    pub tenants: Vec<TenantRow>,
 }
 
 impl Snapshot {
@@ -33,6 +36,7 @@ impl Snapshot {
         let mut ctl = ctl.lock().await;
         let flows = ctl.active_flows().context("counting active flows")?;
         let counters = ctl.counters().context("reading the data-plane counters")?;
+        let tenants = tenant_rows(&mut ctl)?;
         let state = ctl.state().clone();
         let effective = state
             .vips
@@ -54,6 +58,7 @@ impl Snapshot {
             counters,
             event_counts: ctl.event_counts().clone(),
             steering,
+            tenants,
         })
     }
 
@@ -89,6 +94,97 @@ impl Snapshot {
         };
         BackendView::new(b, self.effective[&b.id], Some(live))
     }
+}
+
+/// One tenant on one VIP, as `GET /v1/tenants`, `sluice tenant list` and the metrics show
+/// it: its limits there (overrides applied), its sessions, counters and state.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub(crate) struct TenantRow {
+    pub tenant: String,
+    pub id: u32,
+    pub vip: String,
+    pub prefixes: Vec<Cidr>,
+    pub weight: u32,
+    pub max_sessions: u32,
+    pub new_sessions_per_sec: u32,
+    pub burst: u32,
+    /// Active sessions of its clients on the VIP (0 on a second-chance VIP).
+    pub sessions: u64,
+    /// New sessions admitted, cumulative.
+    pub admitted: u64,
+    /// New sessions admitted per second at the latest policy step.
+    pub admitted_per_sec: f64,
+    /// New sessions refused, cumulative, by the limit that refused them.
+    pub refused: TenantRefused,
+    /// `"ok"`, `"capped"` (at max_sessions) or `"over-share"` (over its share of a full
+    /// pool): what the data plane applies to its new sessions now.
+    pub state: &'static str,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub(crate) struct TenantRefused {
+    pub sessions: u64,
+    pub share: u64,
+    pub rate: u64,
+}
+
+/// The rows of every tenant on every VIP, the default tenant first on each VIP (none
+/// without tenants).
+pub(crate) fn tenant_rows<P: Plane>(ctl: &mut Controller<P>) -> Result<Vec<TenantRow>> {
+    let usage = ctl
+        .tenant_usage()
+        .context("counting the tenants' sessions")?;
+    let state = ctl.state();
+    if state.tenants.is_empty() {
+        return Ok(Vec::new());
+    }
+    let tenants = state.tenants.with_ids();
+    let mut rows = Vec::new();
+    for v in state.vips.values() {
+        for (id, t) in &tenants {
+            let l = t.limits_on(&v.spec.tenants);
+            let key = (v.spec.name.clone(), t.name.clone());
+            let u = usage.get(&key).copied().unwrap_or_default();
+            let decision = ctl.tenant_decision(&v.spec.name, &t.name);
+            let st = match decision {
+                Some(d) if d.capped => "capped",
+                Some(d) if d.over_share => "over-share",
+                _ => "ok",
+            };
+            rows.push(TenantRow {
+                tenant: t.name.clone(),
+                id: *id,
+                vip: v.spec.name.clone(),
+                prefixes: t.prefixes.clone(),
+                weight: l.weight,
+                max_sessions: l.max_sessions,
+                new_sessions_per_sec: l.new_sessions_per_sec,
+                burst: l.burst,
+                sessions: u.sessions,
+                admitted: u.stats.admitted,
+                admitted_per_sec: decision.map_or(0.0, |d| d.admitted_per_sec),
+                refused: TenantRefused {
+                    sessions: u.stats.refused_sessions,
+                    share: u.stats.refused_share,
+                    rate: u.stats.refused_rate,
+                },
+                state: st,
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// `GET /v1/tenants`: the `[[tenant]]` tables in force, in the shape `PUT` takes, and the
+/// rows.
+pub(crate) fn tenants_view<P: Plane>(ctl: &mut Controller<P>) -> Result<Value> {
+    let rows = tenant_rows(ctl)?;
+    let tables = TenantList {
+        tenants: ctl.state().tenants.list.clone(),
+    };
+    let mut v = serde_json::to_value(tables)?;
+    v["tenants"] = serde_json::to_value(rows)?;
+    Ok(v)
 }
 
 /// Counts read from the data plane; reads show them, change replies leave them out.

@@ -9,7 +9,7 @@ use clap::{
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
-use super::{flows, lb, live};
+use super::{flows, lb, live, tenants};
 use crate::state::{BackendSpec, FlowState, HashMode, Protocol, QuicMode};
 
 /// The version `sluice --version` prints: the crate's and the git revision it was built from.
@@ -180,6 +180,16 @@ Examples:
   sluice backend remove chat 10.1.0.1"
     )]
     Backend(BackendCommand),
+
+    /// Show the tenants' limits, sessions and refusals per VIP, or replace the tenant tables
+    #[command(
+        subcommand,
+        after_help = "\
+Examples:
+  sluice tenant list
+  sluice tenant set tenants.toml"
+    )]
+    Tenant(tenants::TenantCommand),
 
     /// List connection-table entries (client, VIP, backend, idle time), or active flows per backend
     #[command(after_help = "\

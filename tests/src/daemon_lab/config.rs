@@ -155,8 +155,9 @@ pub struct DaemonLabOptions {
     pub accel: Option<Accel>,
     /// QUIC token servers on every backend, in the token server's process.
     pub quic: Option<QuicServe>,
-    /// `[[tenant]]` tables (none by default).
-    pub tenants: Vec<TenantDef>,
+    /// `[[tenant]]` tables, as raw TOML written at the end of the file ([`TenantDef::table`]
+    /// writes one).
+    pub tenants: String,
 }
 
 /// The simulated accelerators of a lab.
@@ -187,7 +188,7 @@ impl DaemonLabOptions {
             prefix: Vec::new(),
             accel: None,
             quic: None,
-            tenants: Vec::new(),
+            tenants: String::new(),
         };
         for (section, key, value) in [
             ("daemon", "keep_dataplane_on_exit", "false"),
@@ -419,14 +420,12 @@ impl DaemonLab {
                 }
             }
         }
-        for t in &o.tenants {
-            text += &t.table();
-        }
         for sec in s.keys() {
             if !["daemon", "admin", "metrics", "dataplane"].contains(&sec.as_str()) {
                 section(&mut text, sec, s.get(sec));
             }
         }
+        text += &o.tenants;
         text
     }
 
