@@ -300,6 +300,13 @@ pub fn run(args: &Args) -> Result<Value> {
         "load": args.load,
         "accel_args": args.accel_args.join(" "),
         "tokens_args": args.tokens_args.join(" "),
+        // What adaptive+tenants configures, derived from the options above.
+        "tenant_tables": args.policies.contains(&Policy::Tenants).then(|| {
+            tenants::tables(args.backends, args.max_sessions, args.capacity_rps)
+                .iter()
+                .map(tenants::table_json)
+                .collect::<Vec<_>>()
+        }),
         "wall_s": started.elapsed().as_secs(),
         "cells": cells,
         "aims": aims(&cells_by_key(&cells.iter().collect::<Vec<_>>())),

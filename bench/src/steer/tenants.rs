@@ -130,6 +130,18 @@ pub fn tables(backends: usize, max_sessions: u32, capacity_rps: f64) -> Vec<Tena
         .collect()
 }
 
+/// A tenant table as the results record it.
+pub fn table_json(t: &TenantDef) -> Value {
+    json!({
+        "name": t.name,
+        "prefixes": t.prefixes,
+        "weight": t.weight,
+        "max_sessions": t.max_sessions,
+        "new_sessions_per_sec": t.new_sessions_per_sec,
+        "burst": t.burst,
+    })
+}
+
 /// Whether a record was refused: no connection, or reset before its first token, after the
 /// generator's retries.
 fn refused(r: &Record) -> bool {
@@ -265,6 +277,11 @@ mod tests {
             && t.burst == 6
             && t.weight == WEIGHT));
         assert_eq!(t[3].prefixes, ["10.111.0.192/27"]);
+        assert_eq!(
+            table_json(&t[3]),
+            json!({"name": "noisy", "prefixes": ["10.111.0.192/27"], "weight": 1,
+                   "max_sessions": 24, "new_sessions_per_sec": 3, "burst": 6})
+        );
     }
 
     #[test]
