@@ -19,6 +19,7 @@ pub mod pool;
 mod results;
 pub mod scenario;
 mod stats;
+mod tenants;
 
 use std::{
     fs,
@@ -33,7 +34,7 @@ use sluice_tests::daemon_lab::MAX_CLIENT_SOURCES;
 use self::{
     cell::run_cell,
     results::{aims, cells_by_key},
-    scenario::{list, Policy, Scenario, DEFAULT_SCENARIOS, POLICIES},
+    scenario::{list, Policy, Scenario, DEFAULT_POLICIES, DEFAULT_SCENARIOS},
 };
 use crate::{out, sys};
 
@@ -83,14 +84,15 @@ fn words(s: &str) -> Vec<String> {
 )]
 struct Cli {
     /// Scenarios, comma separated: healthy, heterogeneous, throttled, congested, dying,
-    /// overload, gray (the default); near-saturation, idle, steady, lying, flapping (on
-    /// request: a fleet without headroom, a light load, 10 minutes at 65% whatever
-    /// --duration says, an exporter that reports idle while its accelerator slows, a
-    /// throttle that comes and goes every 10 s).
+    /// overload, gray (the default); near-saturation, idle, steady, lying, flapping,
+    /// noisy-tenant, noisy-tenant-calm (on request: a fleet without headroom, a light load,
+    /// 10 minutes at 65% whatever --duration says, an exporter that reports idle while its
+    /// accelerator slows, a throttle that comes and goes every 10 s, one tenant of four
+    /// offering 5x its share over the middle third, the same tenants without the burst).
     #[arg(long)]
     scenarios: Option<String>,
     /// Policies, comma separated: maglev, adaptive, adaptive+admission, adaptive+inband
-    /// (default: all).
+    /// (the default); adaptive+tenants (on request: admission plus the lab's tenants).
     #[arg(long)]
     policies: Option<String>,
     /// Seconds of load per cell.
@@ -110,8 +112,9 @@ struct Cli {
     /// --capacity-rps (idle, near-saturation, overload and steady keep their own).
     #[arg(long, default_value_t = scenario::USUAL_LOAD)]
     load: f64,
-    /// adaptive+admission's per-backend session cap (24: a batch of 16, a short queue, and
-    /// flows of ended streams until they idle out).
+    /// adaptive+admission's and adaptive+tenants' per-backend session cap (24: a batch of
+    /// 16, a short queue, and flows of ended streams until they idle out); the tenants'
+    /// caps are their shares of the fleet's.
     #[arg(long = "max-sessions", default_value_t = 24)]
     max_sessions: u32,
     /// Client source addresses, 1..=1000.
@@ -181,7 +184,7 @@ impl Args {
             },
             policies: match &c.policies {
                 Some(v) => list(v, Policy::parse)?,
-                None => POLICIES.to_vec(),
+                None => DEFAULT_POLICIES.to_vec(),
             },
             duration: Duration::from_secs(c.duration),
             backends: c.backends,
@@ -297,6 +300,13 @@ pub fn run(args: &Args) -> Result<Value> {
         "load": args.load,
         "accel_args": args.accel_args.join(" "),
         "tokens_args": args.tokens_args.join(" "),
+        // What adaptive+tenants configures, derived from the options above.
+        "tenant_tables": args.policies.contains(&Policy::Tenants).then(|| {
+            tenants::tables(args.backends, args.max_sessions, args.capacity_rps)
+                .iter()
+                .map(tenants::table_json)
+                .collect::<Vec<_>>()
+        }),
         "wall_s": started.elapsed().as_secs(),
         "cells": cells,
         "aims": aims(&cells_by_key(&cells.iter().collect::<Vec<_>>())),
@@ -356,6 +366,28 @@ fn print_cell(c: &Value) {
         c["affinity_kept"],
         c["prefix_cache"]["hit_rate"],
         c["weight_changes"]
+    );
+    let Some(tenants) = c["tenants"]["tenants"].as_object() else {
+        return;
+    };
+    for (name, t) in tenants {
+        for (label, f) in [("run", &t["run"]), ("burst window", &t["burst_window"])] {
+            println!(
+                "   {name} ({label}): ttft p50 {} p99 {} ms; goodput {} tok/s; completed {} \
+                 refused {} cut {}; broken {}",
+                f["ttft_ms"]["p50"],
+                f["ttft_ms"]["p99"],
+                f["goodput_tokens_per_s"],
+                f["completed"],
+                f["refused"],
+                f["established_cut"],
+                f["broken_by_reason"]
+            );
+        }
+    }
+    println!(
+        "   noisy tenant's share of the burst window's tokens {} (weighted share {})",
+        c["tenants"]["noisy_share_of_window_tokens"], c["tenants"]["noisy_weighted_share"]
     );
 }
 

@@ -49,7 +49,8 @@ use sluice::dataplane::remove_pinned;
 use self::util::strip_ansi;
 pub use self::{
     config::{
-        hex, lab_quic_server_id, Accel, DaemonLabOptions, FakeTelemetry, QuicCid, QuicServe, VipDef,
+        hex, lab_quic_server_id, Accel, DaemonLabOptions, FakeTelemetry, QuicCid, QuicServe,
+        TenantDef, VipDef,
     },
     environment::{
         next_lab_id, require_daemon_prerequisites, require_sluice_daemon_prerequisites,

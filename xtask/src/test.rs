@@ -31,6 +31,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "observe",
             "inband_lab",
             "quic",
+            "tenants_lab",
         ],
     ),
     (

@@ -4,16 +4,16 @@
 use std::{
     collections::BTreeMap,
     fs,
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
 use anyhow::{bail, Context, Result};
-use serde_json::Value;
+use serde_json::{json, Value};
 use sluice::clock::now_ms;
 use sluice_tests::{
-    daemon_lab::{wait_for, Accel, DaemonLab, DaemonLabOptions, VipDef},
+    daemon_lab::{wait_for, Accel, DaemonLab, DaemonLabOptions, TenantDef, VipDef},
     netns::{ProcId, TCP_PORT, VIP4},
 };
 
@@ -21,7 +21,7 @@ use super::{
     plot,
     results::{backends_json, cell_json, sample, steering, CellFacts, Gathered, Observed},
     scenario::{self, Policy, Scenario},
-    stats, Args, Tools, AFFINITY_SECS, REQUEST_LIMIT, STALL, VIP,
+    stats, tenants, Args, Tools, AFFINITY_SECS, REQUEST_LIMIT, STALL, VIP,
 };
 use crate::sys;
 
@@ -52,17 +52,28 @@ pub(super) fn run_cell(
 
     let scratch = Scratch(std::env::temp_dir().join(format!("{}-steer", cell.lab.id)));
     fs::create_dir_all(&scratch.0)?;
-    let sources = cell.lab.add_client_sources(args.sources)?;
-    let files = GenFiles::in_dir(&scratch.0);
-    fs::write(
-        &files.sources,
-        sources.iter().map(|a| format!("{a}\n")).collect::<String>(),
-    )?;
+    let all_sources = cell.lab.add_client_sources(args.sources)?;
+    let sources = if scenario.tenants() {
+        tenants::sources(&all_sources, false)?
+    } else {
+        all_sources.clone()
+    };
+    let files = GenFiles::in_dir(&scratch.0, "");
+    write_sources(&files, &sources)?;
     let duration = scenario.duration(args.duration);
     let secs = duration.as_secs_f64();
     let rate = scenario.load(args.load) * n as f64 * args.capacity_rps;
     let faults = scenario.faults();
-    let gen_args = generator_args(args, &faults, vip_addr, rate, duration, &files);
+    let gen_args = generator_args(args, args.seed, &faults, vip_addr, rate, duration, &files);
+    let burst = burst_generator(
+        args,
+        scenario,
+        &all_sources,
+        vip_addr,
+        rate,
+        secs,
+        &scratch.0,
+    )?;
     let client = cell.lab.topo.client.ns.clone();
     let since_ms = now_ms();
     let t0 = Instant::now();
@@ -70,8 +81,15 @@ pub(super) fn run_cell(
         .lab
         .topo
         .spawn(&client, "sluice-bench tokens", &tools.bench, &gen_args)?;
-    let seen = drive(&mut cell, gen, &faults, duration, t0)?;
-    let got = gather(&cell.lab, args, scenario, policy, &files)?;
+    let (seen, burst_at) = drive(&mut cell, tools, gen, burst.as_ref(), &faults, duration, t0)?;
+    let got = gather(
+        &cell.lab,
+        args,
+        scenario,
+        policy,
+        &files,
+        burst.as_ref().zip(burst_at),
+    )?;
     let CellLab {
         lab, names, ips, ..
     } = cell;
@@ -81,6 +99,7 @@ pub(super) fn run_cell(
         scenario,
         policy,
         rate,
+        burst_rate: burst.as_ref().map(|b| b.rate),
         secs,
         since_ms,
         names: &names,
@@ -132,6 +151,12 @@ fn start_cell_lab(
     // sessions that find every backend full are refused.
     vip.priority = 7;
     let mut opts = DaemonLabOptions::new(&tools.server, n, vec![vip]);
+    if policy == Policy::Tenants {
+        opts.tenants = tenants::tables(n, args.max_sessions, args.capacity_rps)
+            .iter()
+            .map(TenantDef::table)
+            .collect();
+    }
     // The shipped defaults, not the lab's fast test timings.
     for section in ["health", "telemetry", "policy"] {
         opts.settings.remove(section);
@@ -174,7 +199,7 @@ fn start_cell_lab(
     })
 }
 
-/// The load generator's files in a cell's scratch directory.
+/// A load generator's files in a cell's scratch directory.
 struct GenFiles {
     sources: PathBuf,
     summary: PathBuf,
@@ -182,18 +207,88 @@ struct GenFiles {
 }
 
 impl GenFiles {
-    fn in_dir(dir: &Path) -> GenFiles {
+    /// The files of the generator whose names start with `prefix`.
+    fn in_dir(dir: &Path, prefix: &str) -> GenFiles {
         GenFiles {
-            sources: dir.join("sources.txt"),
-            summary: dir.join("summary.json"),
-            records: dir.join("records.jsonl"),
+            sources: dir.join(format!("{prefix}sources.txt")),
+            summary: dir.join(format!("{prefix}summary.json")),
+            records: dir.join(format!("{prefix}records.jsonl")),
         }
     }
+}
+
+fn write_sources(files: &GenFiles, sources: &[IpAddr]) -> Result<()> {
+    fs::write(
+        &files.sources,
+        sources.iter().map(|a| format!("{a}\n")).collect::<String>(),
+    )
+    .with_context(|| format!("writing {}", files.sources.display()))
+}
+
+/// Conversation ids of the burst's generator start here in the merged records: the two
+/// generators count conversations from 0 each.
+const BURST_CONVERSATIONS: u64 = 1 << 32;
+
+/// A generator's summary and its records (one JSON value per request).
+fn read_generator(files: &GenFiles) -> Result<(Value, Vec<Value>)> {
+    let summary: Value = serde_json::from_str(
+        &fs::read_to_string(&files.summary)
+            .with_context(|| format!("reading {}", files.summary.display()))?,
+    )?;
+    let text = fs::read_to_string(&files.records)
+        .with_context(|| format!("reading {}", files.records.display()))?;
+    let lines = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(serde_json::from_str)
+        .collect::<serde_json::Result<Vec<Value>>>()
+        .with_context(|| format!("parsing {}", files.records.display()))?;
+    Ok((summary, lines))
+}
+
+/// The second load generator of a scenario with a burst: the noisy tenant's load over its
+/// share, from its addresses only, started `at` into the cell.
+struct BurstGen {
+    at: Duration,
+    args: Vec<String>,
+    files: GenFiles,
+    /// Offered requests per second.
+    rate: f64,
+}
+
+/// The scenario's burst generator, if it has one: over the burst's part of the run, the
+/// noisy tenant's steady share of `rate` times the burst's factor less the share the
+/// steady generator already offers, with a workload of its own (not the steady
+/// generator's conversations again).
+fn burst_generator(
+    args: &Args,
+    scenario: Scenario,
+    all_sources: &[IpAddr],
+    vip_addr: SocketAddr,
+    rate: f64,
+    secs: f64,
+    dir: &Path,
+) -> Result<Option<BurstGen>> {
+    let Some(b) = scenario.burst() else {
+        return Ok(None);
+    };
+    let files = GenFiles::in_dir(dir, "burst-");
+    write_sources(&files, &tenants::sources(all_sources, true)?)?;
+    let len = Duration::from_secs_f64((b.to - b.from) * secs);
+    let burst_rate = (b.factor - 1.0) * tenants::noisy_share() * rate;
+    let seed = args.seed + 1;
+    Ok(Some(BurstGen {
+        at: Duration::from_secs_f64(b.from * secs),
+        args: generator_args(args, seed, &[], vip_addr, burst_rate, len, &files),
+        files,
+        rate: burst_rate,
+    }))
 }
 
 /// The load generator's (`sluice-bench tokens`) arguments for a cell.
 fn generator_args(
     args: &Args,
+    seed: u64,
     faults: &[scenario::Fault],
     vip_addr: SocketAddr,
     rate: f64,
@@ -212,7 +307,7 @@ fn generator_args(
         "--max-requests",
         &((rate * secs * 2.0).ceil() as u64 + 10).to_string(),
         "--seed",
-        &args.seed.to_string(),
+        &seed.to_string(),
         // A refused session comes back as the OpenAI SDK's clients do (twice, backing off).
         "--retries",
         &crate::tokens::client::DEFAULT_RETRIES.to_string(),
@@ -240,16 +335,19 @@ fn generator_args(
     gen_args
 }
 
-/// Runs the cell until the load generator `gen` ends: fires the scenario's faults on time,
-/// samples the backends every tick and once a second; stops the generator when
-/// interrupted or late.
+/// Runs the cell until the load generators end: fires the scenario's faults on time, starts
+/// the burst's generator on time, samples the backends every tick and once a second; stops
+/// the generators when interrupted or late. Returns what it saw and when the burst's
+/// generator started.
 fn drive(
     cell: &mut CellLab,
+    tools: &Tools,
     gen: ProcId,
+    burst: Option<&BurstGen>,
     faults: &[scenario::Fault],
     duration: Duration,
     t0: Instant,
-) -> Result<Observed> {
+) -> Result<(Observed, Option<Duration>)> {
     let secs = duration.as_secs_f64();
     let lab = &mut cell.lab;
     let mut seen = Observed {
@@ -260,10 +358,13 @@ fn drive(
     };
     let limit = duration + REQUEST_LIMIT + Duration::from_secs(30);
     let mut next_sample = Duration::ZERO;
-    let status = loop {
+    // Running generators, and when the burst's started.
+    let mut gens = vec![gen];
+    let (mut faults_fired, mut burst_at) = (0, None);
+    loop {
         let t = t0.elapsed();
         if let Some(f) = faults
-            .get(seen.fired.len())
+            .get(faults_fired)
             .filter(|f| t.as_secs_f64() >= f.at * secs)
         {
             // A killed accelerator answers nothing: the request's error is expected.
@@ -275,6 +376,21 @@ fn drive(
                 }
             }
             seen.fired.push((t.as_secs_f64(), f.label.clone()));
+            faults_fired += 1;
+            continue;
+        }
+        if let Some(b) = burst.filter(|b| burst_at.is_none() && t >= b.at) {
+            let client = lab.topo.client.ns.clone();
+            let g = lab.topo.spawn(
+                &client,
+                "sluice-bench tokens (burst)",
+                &tools.bench,
+                &b.args,
+            )?;
+            gens.push(g);
+            burst_at = Some(t0.elapsed());
+            seen.fired
+                .push((t.as_secs_f64(), "noisy tenant bursts".to_owned()));
             continue;
         }
         if t >= next_sample {
@@ -289,32 +405,52 @@ fn drive(
             // each turn's start, not the nearest second.
             seen.flags.push(steering(lab, &cell.addrs, t.as_secs_f64()));
         }
-        if let Some(st) = lab.topo.try_wait(gen)? {
-            break st;
+        let (mut still, mut failed) = (Vec::new(), None);
+        for &g in &gens {
+            match lab.topo.try_wait(g)? {
+                None => still.push(g),
+                Some(st) if !st.success() => failed = Some(st),
+                Some(_) => {}
+            }
+        }
+        gens = still;
+        if let Some(st) = failed {
+            stop_all(lab, &gens)?;
+            bail!("a load generator failed ({st})");
+        }
+        if gens.is_empty() && (burst.is_none() || burst_at.is_some()) {
+            break;
         }
         if let Err(e) = sys::interrupted() {
-            lab.topo.signal(gen, libc::SIGKILL)?;
+            stop_all(lab, &gens)?;
             return Err(e);
         }
         if t > limit {
-            lab.topo.signal(gen, libc::SIGKILL)?;
-            bail!("the load generator did not stop within {limit:?}");
+            stop_all(lab, &gens)?;
+            bail!("the load generators did not stop within {limit:?}");
         }
         std::thread::sleep(Duration::from_millis(100));
-    };
-    if !status.success() {
-        bail!("the load generator failed ({status})");
     }
-    Ok(seen)
+    Ok((seen, burst_at))
 }
 
-/// Reads the cell's reports; keeps the per-request records under `--records` when given.
+/// Kills the load generators still running.
+fn stop_all(lab: &mut DaemonLab, gens: &[ProcId]) -> Result<()> {
+    for &g in gens {
+        lab.topo.signal(g, libc::SIGKILL)?;
+    }
+    Ok(())
+}
+
+/// Reads the cell's reports (the burst's generator's, with when it started, merged in);
+/// keeps the per-request records under `--records` when given.
 fn gather(
     lab: &DaemonLab,
     args: &Args,
     scenario: Scenario,
     policy: Policy,
     files: &GenFiles,
+    burst: Option<(&BurstGen, Duration)>,
 ) -> Result<Gathered> {
     let events = lab
         .api("GET", "/v1/events", None)?
@@ -323,18 +459,39 @@ fn gather(
         .and_then(Value::as_array)
         .cloned()
         .unwrap_or_default();
-    let summary: Value = serde_json::from_str(
-        &fs::read_to_string(&files.summary)
-            .with_context(|| format!("reading {}", files.summary.display()))?,
-    )?;
-    let records_text = fs::read_to_string(&files.records)
-        .with_context(|| format!("reading {}", files.records.display()))?;
+    let (summary, mut lines) = read_generator(files)?;
+    let mut elapsed_s = summary["elapsed_s"].as_f64().unwrap_or(0.0);
+    let burst_summary = match burst {
+        Some((b, at)) => {
+            let (s, more) = read_generator(&b.files)?;
+            let at_ms = at.as_secs_f64() * 1000.0;
+            elapsed_s = elapsed_s.max(at.as_secs_f64() + s["elapsed_s"].as_f64().unwrap_or(0.0));
+            lines.extend(
+                more.into_iter()
+                    .map(|v| stats::shifted(v, at_ms, BURST_CONVERSATIONS)),
+            );
+            Some(s)
+        }
+        None => None,
+    };
+    let records_text: String = lines.iter().map(|v| format!("{v}\n")).collect();
     if let Some(dir) = &args.records {
         let kept = dir.join(format!("{}-{}.jsonl", scenario.name(), policy.name()));
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         fs::write(&kept, &records_text).with_context(|| format!("writing {}", kept.display()))?;
     }
-    let records = stats::parse_records(&records_text).context("parsing the records")?;
+    let records: Vec<stats::Record> = lines.iter().map(stats::Record::parse).collect();
+    // The daemon's own view of its tenants: sessions, admissions and refusals by reason.
+    let tenant_counters = (policy == Policy::Tenants)
+        .then(|| lab.api("GET", "/v1/tenants", None).ok())
+        .flatten()
+        .map(|(code, v)| {
+            if code == 200 {
+                v
+            } else {
+                json!({"status": code, "body": v})
+            }
+        });
     let shed_counters: BTreeMap<String, u64> = lab
         .api("GET", "/v1/stats", None)
         .map(|(_, v)| v)
@@ -356,6 +513,9 @@ fn gather(
     Ok(Gathered {
         events,
         summary,
+        burst_summary,
+        elapsed_s,
+        tenant_counters,
         records,
         shed_counters,
         cache_queries,

@@ -11,7 +11,7 @@ use super::{
     plot::{Point, Sample},
     scenario::{self, Policy, Scenario},
     stats::{self, Record},
-    AFFINITY_SECS, AVOID_BOUND_MS, VIP,
+    tenants, AFFINITY_SECS, AVOID_BOUND_MS, VIP,
 };
 
 /// What was seen while the load ran.
@@ -29,7 +29,14 @@ pub(super) struct Observed {
 /// What the daemon, the load generator and the accelerators report after the load.
 pub(super) struct Gathered {
     pub(super) events: Vec<Value>,
+    /// The steady load generator's summary.
     pub(super) summary: Value,
+    /// The burst's load generator's summary, in a scenario with a burst.
+    pub(super) burst_summary: Option<Value>,
+    /// From the start to the end of the last generator's last request, seconds.
+    pub(super) elapsed_s: f64,
+    /// `GET /v1/tenants` at the end, with tenants configured.
+    pub(super) tenant_counters: Option<Value>,
     pub(super) records: Vec<Record>,
     pub(super) shed_counters: BTreeMap<String, u64>,
     pub(super) cache_queries: u64,
@@ -42,6 +49,8 @@ pub(super) struct CellFacts<'a> {
     pub(super) policy: Policy,
     /// Offered requests per second.
     pub(super) rate: f64,
+    /// Offered by the burst's generator, besides `rate`, while it runs.
+    pub(super) burst_rate: Option<f64>,
     /// Seconds of load.
     pub(super) secs: f64,
     /// When the load started (the daemon's events are counted from here).
@@ -90,15 +99,18 @@ pub(super) fn cell_json(c: &CellFacts, seen: &Observed, got: &Gathered, ttfts: &
         "duration_s": secs,
         "ttft_ms": stats::quantiles(ttfts),
         "itl_ms": itl(summary),
-        // Over the generator's whole run (requests start for `duration`, then finish).
-        "goodput_tokens_per_s": summary["summary"]["goodput_tokens_per_s"],
+        // Over the generators' whole run (requests start for `duration`, then finish).
+        "goodput_tokens_per_s": match &got.burst_summary {
+            Some(_) => json!(stats::goodput(records, got.elapsed_s)),
+            None => summary["summary"]["goodput_tokens_per_s"].clone(),
+        },
         // A second figure beside goodput: only streams that met a TTFT SLO count.
         "slo_goodput": {
             "ttft_slo_ms": stats::TTFT_SLO_MS,
             "tokens_per_s": stats::slo_goodput(
                 records,
                 stats::TTFT_SLO_MS,
-                summary["elapsed_s"].as_f64().unwrap_or(0.0),
+                got.elapsed_s,
             ),
         },
         "sessions": {
@@ -146,6 +158,16 @@ pub(super) fn cell_json(c: &CellFacts, seen: &Observed, got: &Gathered, ttfts: &
         // refusals, by priority class (the whole VIP) or for want of a backend with room.
         "shed_changes": stats::shed_changes(&got.events, c.since_ms),
         "shed_counters": got.shed_counters,
+        // Per tenant (by the client's prefix): over the run and of the requests started in
+        // the burst window, in both the burst's cell and its calm one.
+        "tenants": scenario.burst_window().map(|(from, to)| {
+            tenants::per_tenant(records, got.elapsed_s, from * secs * 1000.0, to * secs * 1000.0)
+        }),
+        "tenant_counters": got.tenant_counters,
+        "burst": c.burst_rate.map(|r| json!({
+            "offered_rps": (r * 1000.0).round() / 1000.0,
+            "generator_summary": got.burst_summary,
+        })),
         "generator_summary": summary,
     })
 }
@@ -366,6 +388,7 @@ pub fn aims(cells: &BTreeMap<(String, String), &Value>) -> Vec<Value> {
             json!({"per_backend_per_10min": w}),
         );
     }
+    tenant_aims(cells, &mut aim);
     let worst = cells
         .values()
         .filter(|c| c["policy"] != "maglev")
@@ -377,6 +400,55 @@ pub fn aims(cells: &BTreeMap<(String, String), &Value>) -> Vec<Value> {
         json!({"worst": worst}),
     );
     out
+}
+
+/// The tenants' aims (docs/benchmarks.md), for each policy run in both `noisy-tenant` and
+/// `noisy-tenant-calm`: the quiet tenants' p99 TTFT over the burst window against their own
+/// in the calm cell (judged with tenants configured, <= 1.2x; reported for the others), the
+/// noisy tenant's share of the window's completed tokens against its weighted share, and no
+/// established stream cut.
+fn tenant_aims(
+    cells: &BTreeMap<(String, String), &Value>,
+    aim: &mut impl FnMut(String, Option<bool>, Value),
+) {
+    let get = |s: &str, p: &str| cells.get(&(s.to_owned(), p.to_owned())).copied();
+    let quiet_p99 = |c: &Value| {
+        c.pointer("/tenants/tenants/quiet/burst_window/ttft_ms/p99")
+            .and_then(Value::as_f64)
+    };
+    let ratio = |p: &str| {
+        let (b, calm) = (get("noisy-tenant", p)?, get("noisy-tenant-calm", p)?);
+        Some(quiet_p99(b)? / quiet_p99(calm)?.max(1e-9))
+    };
+    let r = |x: Option<f64>| x.map(|x| (x * 1000.0).round() / 1000.0);
+    let tenants = Policy::Tenants.name();
+    let Some(b) = get("noisy-tenant", tenants) else {
+        return;
+    };
+    let others: serde_json::Map<String, Value> = cells
+        .keys()
+        .filter(|(s, p)| s == "noisy-tenant" && p != tenants)
+        .map(|(_, p)| (p.clone(), json!(r(ratio(p)))))
+        .collect();
+    let t = ratio(tenants);
+    aim(
+        "noisy-tenant: with tenants, the quiet tenants' p99 TTFT in the burst <= 1.2x calm".into(),
+        t.map(|t| t <= 1.2),
+        json!({"ratio": r(t), "without_tenants": others}),
+    );
+    let share = b["tenants"]["noisy_share_of_window_tokens"].as_f64();
+    let weighted = b["tenants"]["noisy_weighted_share"].as_f64();
+    aim(
+        "noisy-tenant: with tenants, the noisy tenant gets at least its weighted share".into(),
+        share.zip(weighted).map(|(s, w)| s >= w),
+        json!({"share_of_window_tokens": share, "weighted_share": weighted}),
+    );
+    let cut = b["tenants"]["established_cut"].as_u64();
+    aim(
+        "noisy-tenant: with tenants, 0 established streams cut".into(),
+        cut.map(|c| c == 0),
+        json!({"cut": cut}),
+    );
 }
 
 #[cfg(test)]
@@ -420,6 +492,32 @@ mod tests {
             ]
         );
         assert_eq!(aims[1]["figures"]["floor_ratio"], 0.9);
+    }
+
+    #[test]
+    fn the_tenants_aims_compare_each_policys_burst_with_its_calm_cell() {
+        let cell = |s: &str, p: &str, quiet_p99: f64, share: f64, cut: u64| {
+            json!({"scenario": s, "policy": p, "ttft_ms": {"p99": 1.0},
+                   "tenants": {"tenants": {"quiet": {"burst_window": {"ttft_ms": {"p99": quiet_p99}}}},
+                               "noisy_share_of_window_tokens": share,
+                               "noisy_weighted_share": 0.25, "established_cut": cut}})
+        };
+        let cells = [
+            cell("noisy-tenant", "adaptive", 4000.0, 0.6, 0),
+            cell("noisy-tenant-calm", "adaptive", 1000.0, 0.25, 0),
+            cell("noisy-tenant", "adaptive+tenants", 1100.0, 0.3, 0),
+            cell("noisy-tenant-calm", "adaptive+tenants", 1000.0, 0.25, 0),
+        ];
+        let refs: Vec<&Value> = cells.iter().collect();
+        let aims = aims(&cells_by_key(&refs));
+        let tenant: Vec<&Value> = aims
+            .iter()
+            .filter(|a| a["aim"].as_str().unwrap().starts_with("noisy-tenant"))
+            .collect();
+        assert_eq!(tenant.len(), 3);
+        assert!(tenant.iter().all(|a| a["held"] == true));
+        assert_eq!(tenant[0]["figures"]["ratio"], 1.1);
+        assert_eq!(tenant[0]["figures"]["without_tenants"]["adaptive"], 4.0);
     }
 
     #[test]

@@ -41,10 +41,16 @@ pub enum Scenario {
     /// full speed for 10 s, and so on, from a quarter of the run to its end (DCGM reports the
     /// throttle while it is in force).
     Flapping,
+    /// The clients split by prefix into three quiet tenants and a noisy one
+    /// ([`super::tenants::TENANTS`]), each offering its share of the usual load; over the
+    /// middle third the noisy tenant offers [`BURST_FACTOR`] times its share.
+    NoisyTenant,
+    /// `noisy-tenant` without the burst: each policy's figures for the same load, calm.
+    NoisyTenantCalm,
 }
 
 /// Every scenario `--scenarios` knows.
-pub const SCENARIOS: [Scenario; 12] = [
+pub const SCENARIOS: [Scenario; 14] = [
     Scenario::Healthy,
     Scenario::Heterogeneous,
     Scenario::Throttled,
@@ -57,6 +63,8 @@ pub const SCENARIOS: [Scenario; 12] = [
     Scenario::Steady,
     Scenario::Lying,
     Scenario::Flapping,
+    Scenario::NoisyTenant,
+    Scenario::NoisyTenantCalm,
 ];
 
 /// The offered load of the scenarios that do not set their own, as a fraction of the fleet's
@@ -65,6 +73,21 @@ pub const USUAL_LOAD: f64 = 0.7;
 
 /// A flapping accelerator's period: as long slowed as at full speed.
 pub const FLAP_PERIOD_S: f64 = 10.0;
+
+/// The noisy tenant's offered load in its burst, as a multiple of its share: at the usual
+/// load the fleet is then offered 0.7 x (3/4 + 5/4) = 1.4 of its capacity.
+pub const BURST_FACTOR: f64 = 5.0;
+
+/// A burst of one tenant's load: a second load generator from its addresses only, over a
+/// part of the run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Burst {
+    /// 0..1 of the run.
+    pub from: f64,
+    pub to: f64,
+    /// The noisy tenant's load in the burst over its steady share.
+    pub factor: f64,
+}
 
 /// The scenarios run when `--scenarios` is not given: the faults of one accelerator, overload
 /// and the gray failure. Near-saturation, idle and steady run on request (`steady` alone
@@ -106,6 +129,8 @@ impl Scenario {
             Scenario::Steady => "steady",
             Scenario::Lying => "lying",
             Scenario::Flapping => "flapping",
+            Scenario::NoisyTenant => "noisy-tenant",
+            Scenario::NoisyTenantCalm => "noisy-tenant-calm",
         }
     }
 
@@ -196,6 +221,27 @@ impl Scenario {
         }
     }
 
+    /// Whether the load comes from the tenants' addresses only, split by prefix.
+    pub fn tenants(self) -> bool {
+        matches!(self, Scenario::NoisyTenant | Scenario::NoisyTenantCalm)
+    }
+
+    /// The noisy tenant's burst, in `noisy-tenant`; its calm cell keeps the window (the
+    /// same requests compared) and bursts nothing.
+    pub fn burst(self) -> Option<Burst> {
+        (self == Scenario::NoisyTenant).then_some(Burst {
+            from: 1.0 / 3.0,
+            to: 2.0 / 3.0,
+            factor: BURST_FACTOR,
+        })
+    }
+
+    /// The window whose requests the tenants' figures compare (the burst's, also in the
+    /// calm cell).
+    pub fn burst_window(self) -> Option<(f64, f64)> {
+        self.tenants().then_some((1.0 / 3.0, 2.0 / 3.0))
+    }
+
     /// The accelerator whose streams may break (killed).
     pub fn killed(self) -> Option<usize> {
         (self == Scenario::Dying).then_some(FAULTY)
@@ -212,9 +258,23 @@ pub enum Policy {
     Admission,
     /// Defaults plus in-band signals on the VIP (`inband = true`).
     Inband,
+    /// Admission (session caps, RST shedding) plus the lab's tenants with limits derived
+    /// from the fleet's capacity ([`super::tenants::tables`]).
+    Tenants,
 }
 
-pub const POLICIES: [Policy; 4] = [
+/// Every policy `--policies` knows.
+pub const POLICIES: [Policy; 5] = [
+    Policy::Maglev,
+    Policy::Adaptive,
+    Policy::Admission,
+    Policy::Inband,
+    Policy::Tenants,
+];
+
+/// The policies run when `--policies` is not given: tenants run on request, with the
+/// scenarios that split the clients into tenants.
+pub const DEFAULT_POLICIES: [Policy; 4] = [
     Policy::Maglev,
     Policy::Adaptive,
     Policy::Admission,
@@ -228,6 +288,7 @@ impl Policy {
             Policy::Adaptive => "adaptive",
             Policy::Admission => "adaptive+admission",
             Policy::Inband => "adaptive+inband",
+            Policy::Tenants => "adaptive+tenants",
         }
     }
 
@@ -256,13 +317,13 @@ impl Policy {
                 ("health", "timeout", "\"1s\""),
             ],
             Policy::Adaptive | Policy::Inband => Vec::new(),
-            Policy::Admission => vec![("policy", "shed", "\"rst\"")],
+            Policy::Admission | Policy::Tenants => vec![("policy", "shed", "\"rst\"")],
         }
     }
 
     /// `max_sessions` per backend (0: no cap).
     pub fn max_sessions(self, cap: u32) -> u32 {
-        if self == Policy::Admission {
+        if matches!(self, Policy::Admission | Policy::Tenants) {
             cap
         } else {
             0
@@ -293,6 +354,14 @@ mod tests {
         }
         assert!(Scenario::parse("calm").is_err());
         assert!(DEFAULT_SCENARIOS.iter().all(|s| SCENARIOS.contains(s)));
+        assert!(DEFAULT_POLICIES.iter().all(|p| POLICIES.contains(p)));
+        assert!(
+            Scenario::NoisyTenant.burst().is_some() && Scenario::NoisyTenantCalm.burst().is_none()
+        );
+        assert_eq!(
+            Scenario::NoisyTenant.burst_window(),
+            Scenario::NoisyTenantCalm.burst_window()
+        );
         assert_eq!(Scenario::Healthy.load(0.4), 0.4);
         assert_eq!(Scenario::Idle.load(0.4), 0.25);
         let asked = Duration::from_secs(50);

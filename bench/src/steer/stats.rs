@@ -76,6 +76,34 @@ pub fn percentile(v: &[f64], q: f64) -> f64 {
     nearest_rank(&s, q / 100.0).unwrap_or(0.0)
 }
 
+/// A second generator's record as if the first had written it: started `at_ms` later
+/// (`start_ms`, `last_refused_ms`), its conversation ids from `conversations` on.
+pub fn shifted(mut v: Value, at_ms: f64, conversations: u64) -> Value {
+    for k in ["start_ms", "last_refused_ms"] {
+        if let Some(t) = v[k].as_f64() {
+            v[k] = json!(((t + at_ms) * 1000.0).round() / 1000.0);
+        }
+    }
+    if let Some(c) = v["conversation"].as_u64() {
+        v["conversation"] = json!(c + conversations);
+    }
+    v
+}
+
+/// Goodput: tokens of the completed streams over `elapsed_s`.
+pub fn goodput(records: &[Record], elapsed_s: f64) -> f64 {
+    let tokens: u64 = records
+        .iter()
+        .filter(|r| r.broken.is_none())
+        .map(|r| r.tokens)
+        .sum();
+    if elapsed_s > 0.0 {
+        (tokens as f64 / elapsed_s * 1000.0).round() / 1000.0
+    } else {
+        0.0
+    }
+}
+
 /// The generator's `--records` lines (blank lines skipped).
 pub fn parse_records(text: &str) -> serde_json::Result<Vec<Record>> {
     text.lines()
@@ -411,6 +439,28 @@ mod tests {
             broken: broken.map(Into::into),
             ..Record::default()
         }
+    }
+
+    #[test]
+    fn a_second_generators_records_are_shifted_into_the_first_ones_run() {
+        let v = json!({"start_ms": 100.5, "last_refused_ms": null, "conversation": 3,
+                       "client": "10.111.0.200"});
+        let s = shifted(v, 20_000.0, 1 << 32);
+        let r = Record::parse(&s);
+        assert_eq!((r.start_ms, r.conversation), (20_100.5, (1 << 32) + 3));
+        assert_eq!(r.last_refused_ms, None);
+        let s = shifted(json!({"start_ms": 1.0, "last_refused_ms": 2.0}), 10.0, 0);
+        assert_eq!(Record::parse(&s).last_refused_ms, Some(12.0));
+        let done = Record {
+            tokens: 30,
+            ..Record::default()
+        };
+        let broken = Record {
+            tokens: 50,
+            broken: Some("reset".into()),
+            ..Record::default()
+        };
+        assert_eq!(goodput(&[done, broken], 10.0), 3.0);
     }
 
     #[test]

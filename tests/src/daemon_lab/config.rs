@@ -113,6 +113,17 @@ impl VipDef {
     }
 }
 
+/// A `[[tenant]]` table of the daemon's configuration (0: the key's default, no limit).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TenantDef {
+    pub name: String,
+    pub prefixes: Vec<String>,
+    pub weight: u32,
+    pub max_sessions: u32,
+    pub new_sessions_per_sec: u32,
+    pub burst: u32,
+}
+
 /// What [`DaemonLab::start`] builds.
 #[derive(Clone, Debug)]
 pub struct DaemonLabOptions {
@@ -144,7 +155,8 @@ pub struct DaemonLabOptions {
     pub accel: Option<Accel>,
     /// QUIC token servers on every backend, in the token server's process.
     pub quic: Option<QuicServe>,
-    /// `[[tenant]]` tables, as raw TOML written at the end of the file.
+    /// `[[tenant]]` tables, as raw TOML written at the end of the file ([`TenantDef::table`]
+    /// writes one).
     pub tenants: String,
 }
 
@@ -429,6 +441,28 @@ impl DaemonLab {
     }
 }
 
+impl TenantDef {
+    /// The `[[tenant]]` table; keys left at 0 are not written (their defaults).
+    pub fn table(&self) -> String {
+        let prefixes: Vec<String> = self.prefixes.iter().map(|p| toml_str(p)).collect();
+        let mut text = format!("\n[[tenant]]\nname = {}\n", toml_str(&self.name));
+        if !prefixes.is_empty() {
+            text += &format!("prefixes = [{}]\n", prefixes.join(", "));
+        }
+        for (key, value) in [
+            ("weight", self.weight),
+            ("max_sessions", self.max_sessions),
+            ("new_sessions_per_sec", self.new_sessions_per_sec),
+            ("burst", self.burst),
+        ] {
+            if value > 0 {
+                text += &format!("{key} = {value}\n");
+            }
+        }
+        text
+    }
+}
+
 fn toml_str(s: &str) -> String {
     format!("{s:?}")
 }
@@ -444,6 +478,23 @@ fn section(text: &mut String, name: &str, kv: Option<&BTreeMap<String, String>>)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tenant_table_writes_the_keys_it_sets() {
+        let t = TenantDef {
+            name: "noisy".into(),
+            prefixes: vec!["10.111.0.192/27".into(), "2001:db8:2::/48".into()],
+            weight: 1,
+            max_sessions: 4,
+            new_sessions_per_sec: 0,
+            burst: 0,
+        };
+        assert_eq!(
+            t.table(),
+            "\n[[tenant]]\nname = \"noisy\"\nprefixes = [\"10.111.0.192/27\", \"2001:db8:2::/48\"]\n\
+             weight = 1\nmax_sessions = 4\n"
+        );
+    }
 
     #[test]
     fn lab_server_ids_are_distinct_and_not_zero() {
