@@ -97,8 +97,13 @@ pub fn goodput(records: &[Record], elapsed_s: f64) -> f64 {
         .filter(|r| r.broken.is_none())
         .map(|r| r.tokens)
         .sum();
-    if elapsed_s > 0.0 {
-        (tokens as f64 / elapsed_s * 1000.0).round() / 1000.0
+    per_s(tokens, elapsed_s)
+}
+
+/// `tokens` over `secs`, to the thousandth (0 over no time).
+pub fn per_s(tokens: u64, secs: f64) -> f64 {
+    if secs > 0.0 {
+        (tokens as f64 / secs * 1000.0).round() / 1000.0
     } else {
         0.0
     }
@@ -150,7 +155,9 @@ pub fn sessions(records: &[Record], kill: Option<Kill>) -> (u64, u64, u64) {
 }
 
 /// Broken streams by reason.
-pub fn broken_by_reason(records: &[Record]) -> BTreeMap<String, u64> {
+pub fn broken_by_reason<'a>(
+    records: impl IntoIterator<Item = &'a Record>,
+) -> BTreeMap<String, u64> {
     let mut m = BTreeMap::new();
     for r in records {
         if let Some(b) = &r.broken {
@@ -384,11 +391,7 @@ pub fn slo_goodput(records: &[Record], slo_ms: f64, elapsed_s: f64) -> f64 {
         .filter(|r| r.broken.is_none() && r.ttft_ms.is_some_and(|t| t <= slo_ms))
         .map(|r| r.tokens)
         .sum();
-    if elapsed_s > 0.0 {
-        (tokens as f64 / elapsed_s * 1000.0).round() / 1000.0
-    } else {
-        0.0
-    }
+    per_s(tokens, elapsed_s)
 }
 
 /// The daemon's shed-start and shed-stop events after `since_ms`: seconds into the cell,

@@ -159,20 +159,15 @@ fn figures(records: &[&Record], secs: f64) -> Value {
     let ttfts: Vec<f64> = records.iter().filter_map(|r| r.ttft_ms).collect();
     let completed: Vec<&&Record> = records.iter().filter(|r| r.broken.is_none()).collect();
     let tokens: u64 = completed.iter().map(|r| r.tokens).sum();
-    let owned: Vec<Record> = records.iter().map(|r| (*r).clone()).collect();
     json!({
         "requests": records.len(),
         "completed": completed.len(),
         "refused": records.iter().filter(|r| refused(r)).count(),
         "established_cut": records.iter().filter(|r| cut(r)).count(),
-        "broken_by_reason": stats::broken_by_reason(&owned),
+        "broken_by_reason": stats::broken_by_reason(records.iter().copied()),
         "ttft_ms": stats::quantiles(&ttfts),
         "completed_tokens": tokens,
-        "goodput_tokens_per_s": if secs > 0.0 {
-            (tokens as f64 / secs * 10.0).round() / 10.0
-        } else {
-            0.0
-        },
+        "goodput_tokens_per_s": stats::per_s(tokens, secs),
     })
 }
 
