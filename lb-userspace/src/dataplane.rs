@@ -13,7 +13,9 @@ use std::{
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
-    maps::{lpm_trie::Key, Array, DevMapHash, HashMap, LpmTrie, MapData, MapInfo, PerCpuArray},
+    maps::{
+        lpm_trie::Key, Array, DevMapHash, HashMap, LpmTrie, MapData, MapError, MapInfo, PerCpuArray,
+    },
     programs::{
         links::{FdLink, PinnedLink},
         xdp::XdpLink,
@@ -154,6 +156,18 @@ fn tenant_cidr(k: &Key<TenantPrefix>) -> Option<Cidr> {
     let addr = crate::addr::from_words(d.addr, d.family);
     let prefix = u8::try_from(k.prefix_len().checked_sub(TENANT_PREFIX_FAMILY_BITS)?).ok()?;
     Some(Cidr { addr, prefix })
+}
+
+/// A delete's outcome where a missing key is no error: a delete of a missing key fails with
+/// ENOENT, not `KeyNotFound`, so a failed delete asks the map (`get`) whether the key is there.
+fn gone<V>(
+    removed: Result<(), MapError>,
+    get: impl FnOnce() -> Result<V, MapError>,
+) -> Result<(), MapError> {
+    match removed {
+        Err(_) if matches!(get(), Err(MapError::KeyNotFound)) => Ok(()),
+        r => r,
+    }
 }
 
 /// What the tenant maps hold, as this process last wrote or read them.
@@ -754,14 +768,8 @@ impl Dataplane {
                 .filter(|c| !prefixes.contains_key(c))
             {
                 let k = tenant_key(c);
-                match m.remove(&k) {
-                    Ok(()) => {}
-                    // A delete of a missing key fails with ENOENT, not `KeyNotFound`.
-                    Err(_) if matches!(m.get(&k, 0), Err(aya::maps::MapError::KeyNotFound)) => {}
-                    Err(e) => {
-                        return Err(e).with_context(|| format!("removing the tenant prefix {c}"))
-                    }
-                }
+                gone(m.remove(&k), || m.get(&k, 0))
+                    .with_context(|| format!("removing the tenant prefix {c}"))?;
                 n += 1;
             }
         }
@@ -958,12 +966,7 @@ impl Dataplane {
     pub fn remove_quic_server(&mut self, key: &QuicServerKey) -> Result<()> {
         let mut m: HashMap<&mut MapData, QuicServerKey, u32> =
             HashMap::try_from(self.map(maps::QUIC_SERVERS)?)?;
-        match m.remove(key) {
-            Ok(()) => Ok(()),
-            // A delete of a missing key fails with ENOENT, not `KeyNotFound`: ask the map.
-            Err(_) if matches!(m.get(key, 0), Err(aya::maps::MapError::KeyNotFound)) => Ok(()),
-            Err(e) => Err(e).context("removing from QUIC_SERVERS"),
-        }
+        gone(m.remove(key), || m.get(key, 0)).context("removing from QUIC_SERVERS")
     }
 
     /// Every connection-table entry (a snapshot; entries may change while it is taken).
