@@ -29,6 +29,7 @@ mod cases;
 mod lab;
 mod measure;
 mod report;
+mod stages;
 mod traffic;
 
 use std::{path::PathBuf, time::Instant};
@@ -49,6 +50,10 @@ use self::{
     traffic::TestFrames,
 };
 use crate::{out, sys};
+
+/// Where `cargo xtask bench xdp --stages` builds the stage objects (from the workspace root,
+/// the benchmark's working directory).
+const STAGES_DIR: &str = "target/bpf/stages";
 
 const XDP_PASS: u32 = 2;
 const XDP_TX: u32 = 3;
@@ -128,6 +133,8 @@ struct Opts {
     object: Option<PathBuf>,
     /// Conn-table capacity of the established and new-flow data planes.
     conn_table: u32,
+    /// The per-stage breakdown instead of the cases (see `stages`).
+    stages: bool,
 }
 
 /// `sluice-bench xdp --help`.
@@ -150,9 +157,10 @@ struct Args {
     /// Time bound of one batch, in seconds.
     #[arg(long = "batch-secs", default_value_t = 1.0)]
     batch_secs: f64,
-    /// Time bound of the measuring phase in seconds; later rounds are skipped.
-    #[arg(long = "max-secs", default_value_t = 90.0)]
-    max_secs: f64,
+    /// Time bound of the measuring phase in seconds; later rounds are skipped (default 90;
+    /// 900 with --stages).
+    #[arg(long = "max-secs")]
+    max_secs: Option<f64>,
     /// CPU to pin to (default: the last online CPU).
     #[arg(long)]
     cpu: Option<usize>,
@@ -178,6 +186,11 @@ struct Args {
     /// --rounds 3 --calls 20000 --flows 20000 (each unless given).
     #[arg(long)]
     quick: bool,
+    /// The cost of each stage of the established, new-flow and IPv6 paths in both modes,
+    /// measured against builds with the stage taken out (target/bpf/stages/, built by
+    /// `cargo xtask bench xdp --stages`) in the `fib` namespace; writes xdp-stages.json.
+    #[arg(long)]
+    stages: bool,
     /// JSON results (default target/bench/xdp.json).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -211,15 +224,18 @@ fn parse_opts(args: &[String]) -> Result<Option<Opts>> {
                 .collect::<Result<Vec<_>>>()?,
         ),
     };
-    let out_path = a
-        .out
-        .unwrap_or_else(|| out::default_path(a.record, "xdp.json"));
+    let name = if a.stages {
+        "xdp-stages.json"
+    } else {
+        "xdp.json"
+    };
+    let out_path = a.out.unwrap_or_else(|| out::default_path(a.record, name));
     let o = Opts {
         rounds: a.rounds.unwrap_or(if a.quick { 3 } else { 11 }),
         calls: a.calls.unwrap_or(if a.quick { 20_000 } else { 200_000 }),
         flows: a.flows.unwrap_or(if a.quick { 20_000 } else { 200_000 }),
         batch_secs: a.batch_secs,
-        max_secs: a.max_secs,
+        max_secs: a.max_secs.unwrap_or(if a.stages { 900.0 } else { 90.0 }),
         cpus: cpus(a.cpu, a.cpus)?,
         svg: a.svg.unwrap_or_else(|| out_path.with_extension("svg")),
         out: out_path,
@@ -227,6 +243,7 @@ fn parse_opts(args: &[String]) -> Result<Option<Opts>> {
         cases,
         object: a.object,
         conn_table: a.conn_table,
+        stages: a.stages,
     };
     if o.rounds == 0 || o.calls == 0 || o.variants.is_empty() {
         bail!("--rounds, --calls and --variants must be non-empty");
@@ -263,6 +280,14 @@ pub fn main(args: &[String]) -> Result<()> {
         "sluice-bench xdp: batches on CPU {:?} at once, {} possible CPUs",
         opts.cpus, possible
     );
+    if opts.stages {
+        return stages::run(
+            &opts,
+            std::path::Path::new(STAGES_DIR),
+            possible,
+            command_line,
+        );
+    }
 
     let external = match &opts.object {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?),

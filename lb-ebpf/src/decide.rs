@@ -11,6 +11,7 @@ use lb_common::{
 };
 
 use crate::{
+    ablate,
     maps::{AFFINITY, BACKENDS, CONNS, FLOOD, MAGLEV_RINGS, VIPS},
     refusal::Refusal,
     stats::{count, HANDSHAKE_COMPLETED, HANDSHAKE_STARTED},
@@ -164,7 +165,7 @@ fn steer_new(
     opens: bool,
 ) -> Result<Decision, Refusal> {
     let h = steering_hash(key, vip, cfg);
-    if opens && vip.flags & VIP_F_TENANTS != 0 {
+    if opens && vip.flags & VIP_F_TENANTS != 0 && !ablate::NO_TENANTS {
         tenant::admit(key, vip, now)?;
     }
     if opens && vip.flags & VIP_F_SHED != 0 {
@@ -300,13 +301,17 @@ fn pin(key: &FlowKey, d: &mut Decision, cfg: &LbConfig, now: u64, track: bool, o
         // An LRU insert evicts rather than fails: the kernel refuses one only when this CPU
         // already holds the bucket's lock (-EBUSY, a tracing program re-entering the map),
         // which no packet can cause. The flow then follows the ring, as a bypassed one does.
-        let _ = CONNS.insert(key, e, 0);
+        if !ablate::NO_INSERT {
+            let _ = CONNS.insert(key, e, 0);
+        }
     }
 }
 
 #[inline(always)]
 fn steering_hash(key: &FlowKey, vip: &VipMeta, cfg: &LbConfig) -> u32 {
-    if vip.flags & VIP_F_SRC_HASH != 0 {
+    if ablate::NO_HASH {
+        cfg.hash_seed
+    } else if vip.flags & VIP_F_SRC_HASH != 0 {
         hash::src_hash(key, cfg.hash_seed)
     } else {
         hash::flow_hash(key, cfg.hash_seed)
@@ -446,7 +451,7 @@ pub const NO_SLOT: u32 = u32::MAX;
 pub fn second_hops(b: &BackendEntry, slot: u32) -> SecondHops {
     let mut out = NO_SECOND_HOPS;
     let mut named = 0;
-    if b.flags & BACKEND_F_GUE == 0 || slot == NO_SLOT {
+    if b.flags & BACKEND_F_GUE == 0 || slot == NO_SLOT || ablate::NO_HISTORY {
         return out;
     }
     let Some(s) = MAGLEV_RINGS.get(slot) else {

@@ -17,6 +17,7 @@ use lb_common::{
 };
 
 use crate::{
+    ablate,
     csum::{add_all, fold},
     decide::{second_hops, Decision, SecondHops},
     hdr::{
@@ -137,7 +138,9 @@ pub fn forward(
             src: src_v4,
             dst: b.addr[0],
         };
-        ip.csum = csum20(&ip);
+        if !ablate::NO_CSUM {
+            ip.csum = csum20(&ip);
+        }
         unsafe { core::ptr::write_unaligned((hdr + ETH_HLEN) as *mut Ipv4Hdr, ip) };
     } else {
         let ip = Ipv6Hdr {
@@ -178,7 +181,7 @@ pub fn forward(
         }
     }
 
-    if hop.ifindex == unsafe { (*ctx.ctx).ingress_ifindex } {
+    if hop.ifindex == unsafe { (*ctx.ctx).ingress_ifindex } || ablate::NO_REDIRECT {
         count(stat::TX);
         return Ok(Forwarded::ToBackend(xdp_action::XDP_TX));
     }
@@ -262,6 +265,13 @@ fn next_hop(
     cfg: &LbConfig,
 ) -> Result<NextHop, NoHop> {
     let ingress = unsafe { (*ctx.ctx).ingress_ifindex };
+    if ablate::NO_NEXT_HOP {
+        return Ok(NextHop {
+            dmac: cfg.fallback_mac,
+            ifindex: ingress,
+            ..NextHop::default()
+        });
+    }
     let cache = NEXTHOPS.get_ptr_mut(d.backend_id);
     if let Some(c) = cache {
         let c = unsafe { &*c };

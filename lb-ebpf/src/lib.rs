@@ -7,6 +7,7 @@
 //! against the whole frame.
 #![no_std]
 
+mod ablate;
 mod csum;
 mod decap;
 mod decide;
@@ -41,6 +42,9 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
             return xdp_action::XDP_PASS;
         }
     };
+    if ablate::STOP_AFTER_PARSE {
+        return xdp_action::XDP_PASS;
+    }
     // Element 0 of an array map always exists: the check is for the verifier and never fails.
     let Some(cfg) = CONFIG.get(0) else {
         return xdp_action::XDP_PASS;
@@ -53,6 +57,9 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
         });
         return xdp_action::XDP_PASS;
     };
+    if ablate::STOP_AFTER_VIP {
+        return xdp_action::XDP_PASS;
+    }
     let server = if vip.flags & VIP_F_QUIC_CID != 0 && p.key.proto == PROTO_UDP && !p.icmp_error {
         quic_server(&ctx, &p, &vip, cfg.hash_seed)
     } else {
@@ -89,6 +96,9 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
             return xdp_action::XDP_DROP;
         }
     };
+    if ablate::STOP_AFTER_DECIDE {
+        return xdp_action::XDP_PASS;
+    }
     if p.icmp_error {
         count(stat::ICMP_TOO_BIG_STEERED);
     } else if vip.flags & VIP_F_INBAND != 0 && p.key.proto == PROTO_TCP {

@@ -2,10 +2,16 @@
 
 use lb_common::{stat::Counter, TrafficStats};
 
-use crate::maps::{BACKEND_STATS, STATS, VIP_STATS};
+use crate::{
+    ablate,
+    maps::{BACKEND_STATS, STATS, VIP_STATS},
+};
 
 #[inline(always)]
 pub fn count(counter: Counter) {
+    if ablate::NO_COUNTERS {
+        return;
+    }
     if let Some(c) = STATS.get_ptr_mut(counter.0) {
         unsafe { *c += 1 };
     }
@@ -36,6 +42,9 @@ fn add(s: Option<*mut TrafficStats>, bytes: u64, new_flow: bool, handshake: u8) 
 
 #[inline(always)]
 pub fn traffic(vip: u32, backend: u32, bytes: u64, new_flow: bool, handshake: u8) {
+    if ablate::NO_COUNTERS {
+        return;
+    }
     add(VIP_STATS.get_ptr_mut(vip), bytes, new_flow, handshake);
     add(
         BACKEND_STATS.get_ptr_mut(backend),

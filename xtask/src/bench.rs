@@ -1,4 +1,5 @@
-//! `cargo xtask bench <name> [args...]`: builds (release), then runs `sluice-bench` as root.
+//! `cargo xtask bench <name> [args...]`: builds (release; with `xdp --stages`, also the
+//! stage-ablation objects), then runs `sluice-bench` as root.
 
 use std::process::Command;
 
@@ -11,6 +12,10 @@ use crate::{
 
 pub fn run(name: &str, args: &[String]) -> Result<()> {
     build::run(Profile::Release)?;
+    // The per-packet cost breakdown loads one object per stage taken out.
+    if name == "xdp" && args.iter().any(|a| a == "--stages") {
+        build::build_stage_objects()?;
+    }
     step(&format!("benchmark {name}"));
     let bin = cmd::target_dir().join("release/sluice-bench");
     if !bin.is_file() {

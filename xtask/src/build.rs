@@ -100,63 +100,10 @@ pub fn run(profile: Profile) -> Result<()> {
 pub fn build_ebpf() -> Result<PathBuf> {
     step("build the eBPF object");
     let root = cmd::workspace_root();
-    let ebpf_dir = root.join("lb-ebpf");
-    let linker =
-        setup::find_bpf_linker().context("bpf-linker is not installed: run `cargo xtask setup`")?;
-
-    let exports = exports::scan_dir(&ebpf_dir.join("src"))?;
-    let list = |kind| {
-        exports
-            .iter()
-            .filter(|e| e.kind == kind)
-            .map(|e| e.name.as_str())
-            .collect::<Vec<_>>()
-    };
-    println!(
-        "programs found in lb-ebpf/src: {}",
-        list(Kind::Program).join(", ")
-    );
-    println!(
-        "maps found in lb-ebpf/src:     {}",
-        list(Kind::Map).join(", ")
-    );
-    if list(Kind::Program).is_empty() {
-        bail!("no program (#[xdp], #[classifier], ...) found in lb-ebpf/src");
-    }
-
-    // lb-ebpf is excluded from the workspace and has its own Cargo.lock and target dir;
-    // clean_cargo() drops RUSTFLAGS, CARGO_TARGET_DIR, CARGO_BUILD_TARGET etc. inherited
-    // from the outer cargo or the shell, so only the flags below apply.
-    cmd::run(
-        cmd::clean_cargo()
-            .current_dir(&ebpf_dir)
-            .env("RUSTFLAGS", EBPF_RUSTFLAGS.join(" "))
-            .args(["build", "--release", "--target", EBPF_HOST_TARGET]),
-    )?;
-    let staticlib = ebpf_dir.join(format!("target/{EBPF_HOST_TARGET}/release/liblb_ebpf.a"));
-    if !staticlib.is_file() {
-        bail!("the eBPF build did not produce {}", staticlib.display());
-    }
-
+    let ebpf = EbpfBuild::scan()?;
+    let staticlib = ebpf.compile(&[], &root.join("lb-ebpf/target"))?;
     let out = object_path();
-    let out_dir = out.parent().expect("object path has a parent");
-    fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    // Every program and map must be exported: bpf-linker internalizes the rest, which drops
-    // programs and leaves maps LOCAL (aya: `error parsing map`).
-    let link = |flags: &[&str], dest: &Path| -> Result<()> {
-        let tmp = dest.with_extension("o.tmp");
-        cmd::run(
-            Command::new(&linker)
-                .args(flags)
-                .args(exports.iter().flat_map(|e| ["--export", e.name.as_str()]))
-                .arg("-o")
-                .arg(&tmp)
-                .arg(&staticlib),
-        )?;
-        verify::verify_object(&tmp, &exports)?;
-        replace_if_changed(&tmp, dest)
-    };
-    link(BPF_LINKER_FLAGS, &out)?;
+    ebpf.link(&staticlib, BPF_LINKER_FLAGS, &out)?;
 
     // The upgrade test needs a newer build whose program differs from this one: the same
     // bitcode linked for BPF CPU v2 (no 32-bit jumps) gives other instructions and another
@@ -165,8 +112,129 @@ pub fn build_ebpf() -> Result<PathBuf> {
         .iter()
         .map(|f| if *f == "v3" { "v2" } else { *f })
         .collect();
-    link(&flags, &upgrade_variant_path())?;
+    ebpf.link(&staticlib, &flags, &upgrade_variant_path())?;
     Ok(out)
+}
+
+/// Where [`build_stage_objects`] puts its objects (`<feature>.bpf.o`); `sluice-bench xdp
+/// --stages` loads them from here.
+pub fn stages_dir() -> PathBuf {
+    cmd::workspace_root().join("target/bpf/stages")
+}
+
+/// The stage-ablation objects of the per-packet cost breakdown: one per `ablate-*` or
+/// `stop-after-*` feature of lb-ebpf/Cargo.toml, each built alone, in a target directory of
+/// their own so the production build is not rebuilt after them.
+pub fn build_stage_objects() -> Result<()> {
+    step("build the stage-ablation objects");
+    let root = cmd::workspace_root();
+    let manifest = root.join("lb-ebpf/Cargo.toml");
+    let text =
+        fs::read_to_string(&manifest).with_context(|| format!("reading {}", manifest.display()))?;
+    let features: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split_once(" = []").map(|(name, _)| name.trim()))
+        .filter(|f| f.starts_with("ablate-") || f.starts_with("stop-after-"))
+        .collect();
+    if features.is_empty() {
+        bail!(
+            "{} declares no ablate-* or stop-after-* feature",
+            manifest.display()
+        );
+    }
+    let ebpf = EbpfBuild::scan()?;
+    let dir = stages_dir();
+    fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    for f in features {
+        let staticlib = ebpf.compile(&[f], &root.join("target/bpf-stages"))?;
+        ebpf.link(
+            &staticlib,
+            BPF_LINKER_FLAGS,
+            &dir.join(format!("{f}.bpf.o")),
+        )?;
+    }
+    Ok(())
+}
+
+/// What compiling and linking the eBPF crate needs: bpf-linker and the crate's exports.
+struct EbpfBuild {
+    linker: PathBuf,
+    exports: Vec<exports::Export>,
+}
+
+impl EbpfBuild {
+    fn scan() -> Result<EbpfBuild> {
+        let root = cmd::workspace_root();
+        let linker = setup::find_bpf_linker()
+            .context("bpf-linker is not installed: run `cargo xtask setup`")?;
+        let exports = exports::scan_dir(&root.join("lb-ebpf/src"))?;
+        let list = |kind| {
+            exports
+                .iter()
+                .filter(|e| e.kind == kind)
+                .map(|e| e.name.as_str())
+                .collect::<Vec<_>>()
+        };
+        println!(
+            "programs found in lb-ebpf/src: {}",
+            list(Kind::Program).join(", ")
+        );
+        println!(
+            "maps found in lb-ebpf/src:     {}",
+            list(Kind::Map).join(", ")
+        );
+        if list(Kind::Program).is_empty() {
+            bail!("no program (#[xdp], #[classifier], ...) found in lb-ebpf/src");
+        }
+        Ok(EbpfBuild { linker, exports })
+    }
+
+    /// Compiles lb-ebpf with `features` into `target_dir`; returns its bitcode staticlib.
+    fn compile(&self, features: &[&str], target_dir: &Path) -> Result<PathBuf> {
+        // lb-ebpf is excluded from the workspace and has its own Cargo.lock; clean_cargo()
+        // drops RUSTFLAGS, CARGO_TARGET_DIR, CARGO_BUILD_TARGET etc. inherited from the outer
+        // cargo or the shell, so only the flags below apply.
+        let mut cargo = cmd::clean_cargo();
+        cargo
+            .current_dir(cmd::workspace_root().join("lb-ebpf"))
+            .env("RUSTFLAGS", EBPF_RUSTFLAGS.join(" "))
+            .arg("build")
+            .arg("--target-dir")
+            .arg(target_dir)
+            .args(["--release", "--target", EBPF_HOST_TARGET]);
+        if !features.is_empty() {
+            cargo.args(["--features", &features.join(",")]);
+        }
+        cmd::run(&mut cargo)?;
+        let staticlib = target_dir.join(format!("{EBPF_HOST_TARGET}/release/liblb_ebpf.a"));
+        if !staticlib.is_file() {
+            bail!("the eBPF build did not produce {}", staticlib.display());
+        }
+        Ok(staticlib)
+    }
+
+    /// Links `staticlib` with `flags` into `dest`. Every program and map must be exported:
+    /// bpf-linker internalizes the rest, which drops programs and leaves maps LOCAL (aya:
+    /// `error parsing map`).
+    fn link(&self, staticlib: &Path, flags: &[&str], dest: &Path) -> Result<()> {
+        let dir = dest.parent().expect("object path has a parent");
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let tmp = dest.with_extension("o.tmp");
+        cmd::run(
+            Command::new(&self.linker)
+                .args(flags)
+                .args(
+                    self.exports
+                        .iter()
+                        .flat_map(|e| ["--export", e.name.as_str()]),
+                )
+                .arg("-o")
+                .arg(&tmp)
+                .arg(staticlib),
+        )?;
+        verify::verify_object(&tmp, &self.exports)?;
+        replace_if_changed(&tmp, dest)
+    }
 }
 
 /// The object the upgrade test swaps in: [`build_ebpf`] links it for BPF CPU v2.

@@ -188,8 +188,14 @@ fn add_tenants(dp: &mut Dataplane) -> Result<()> {
 
 /// Loads one data plane with the benchmark's VIPs (IPv4 and IPv6, 4 backends each, full
 /// 65537-slot Maglev rings, in table or second-chance mode) and a conn table of
-/// `conn_table_size`.
-fn load_dp(object: &[u8], conn_table_size: u32, second_chance: bool) -> Result<Dataplane> {
+/// `conn_table_size`; with `tenants`, the tenants' prefixes and limits (a program that stops
+/// before admission uses no tenant map).
+pub(super) fn load_dp(
+    object: &[u8],
+    conn_table_size: u32,
+    second_chance: bool,
+    tenants: bool,
+) -> Result<Dataplane> {
     let opts = LoadOptions {
         conn_table_size,
         affinity_table_size: AFFINITY_TABLE_SIZE,
@@ -235,13 +241,15 @@ fn load_dp(object: &[u8], conn_table_size: u32, second_chance: bool) -> Result<D
         VIP_F_TENANTS,
         &BACKENDS_TENANT,
     )?;
-    add_tenants(&mut dp)?;
+    if tenants {
+        add_tenants(&mut dp)?;
+    }
     Ok(dp)
 }
 
 /// The conn table of a loaded data plane, opened by id (the `Dataplane` API clears it only
 /// as a whole; the new-flow case deletes exactly the flows it inserted).
-fn conn_map(dp: &mut Dataplane) -> Result<BpfHashMap<MapData, FlowKey, ConnEntry>> {
+pub(super) fn conn_map(dp: &mut Dataplane) -> Result<BpfHashMap<MapData, FlowKey, ConnEntry>> {
     Ok(BpfHashMap::try_from(Map::LruHashMap(map_by_name(
         dp,
         maps::CONNS,
@@ -284,7 +292,7 @@ pub(super) fn stats_delta(before: &[u64], after: &[u64], into: &mut BTreeMap<&'s
 /// Configures the `fib` namespace (this thread must be in it): a veth whose segment holds
 /// the backends, with permanent neighbours, and forwarding on (also on `lo`, the ingress
 /// device of BPF_PROG_TEST_RUN).
-fn setup_fib_netns() -> Result<u32> {
+pub(super) fn setup_fib_netns() -> Result<u32> {
     sys::sh("ip link set lo up && ip link add fibA type veth peer name fibB && ip link set fibA address 02:00:00:00:0a:0a && ip link set fibA up && ip link set fibB up")?;
     sys::sh("ip addr add 10.1.0.254/24 dev fibA && ip -6 addr add fd00:1::fe/64 dev fibA nodad")?;
     let mut neigh = String::new();
@@ -306,7 +314,7 @@ fn setup_fib_netns() -> Result<u32> {
 
 /// Enters a variant's namespace. The data plane caches next hops per backend for a second;
 /// a cache learnt in the other namespace would hide this one's path, so it is flushed.
-fn enter_variant(ns: &OwnedFd, dps: &mut [Dataplane]) -> Result<()> {
+pub(super) fn enter_variant(ns: &OwnedFd, dps: &mut [Dataplane]) -> Result<()> {
     sys::enter_netns(ns)?;
     let ids = BACKENDS4
         .iter()
@@ -321,7 +329,12 @@ fn enter_variant(ns: &OwnedFd, dps: &mut [Dataplane]) -> Result<()> {
     Ok(())
 }
 
-fn run_once(dp: &mut Dataplane, prog: &str, frame: &[u8], out: &mut [u8]) -> Result<(u32, usize)> {
+pub(super) fn run_once(
+    dp: &mut Dataplane,
+    prog: &str,
+    frame: &[u8],
+    out: &mut [u8],
+) -> Result<(u32, usize)> {
     let r = dp.program(prog)?.test_run(TestRunOptions {
         data_in: Some(frame),
         data_out: Some(out),
@@ -360,11 +373,11 @@ impl Lab {
         let t = Instant::now();
         let full_size = FULL_TABLE_PER_CPU * possible as u32;
         let mut dps = [
-            load_dp(object, opts.conn_table, false)?,
-            load_dp(object, opts.conn_table, false)?,
-            load_dp(object, full_size, false)?,
+            load_dp(object, opts.conn_table, false, true)?,
+            load_dp(object, opts.conn_table, false, true)?,
+            load_dp(object, full_size, false, true)?,
             // Second chance keeps no TCP flows: the smallest table.
-            load_dp(object, full_size, true)?,
+            load_dp(object, full_size, true, true)?,
         ];
         // The devmap resolves ifindexes in the writer's namespace: write it from `fib`.
         sys::enter_netns(&ns_fib)?;

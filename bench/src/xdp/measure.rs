@@ -26,10 +26,10 @@ pub(super) type Sources = Vec<(CaseId, Vec<Frames>)>;
 
 /// How a batch runs: on these CPUs at once, up to `calls` calls on each, for at most `limit`.
 #[derive(Clone, Copy)]
-struct Run<'a> {
-    cpus: &'a [usize],
-    calls: usize,
-    limit: Duration,
+pub(super) struct Run<'a> {
+    pub(super) cpus: &'a [usize],
+    pub(super) calls: usize,
+    pub(super) limit: Duration,
 }
 
 #[derive(Clone, Debug)]
@@ -91,7 +91,7 @@ fn measure_on(
 
 /// One batch on every CPU of `cpus` at once, each sending its own `frames` (the thread
 /// itself is pinned to the first): the calls of all of them make the batch.
-fn measure(
+pub(super) fn measure(
     prog: &Xdp,
     frames: &mut [Frames],
     run: Run,
@@ -174,7 +174,7 @@ pub struct CaseResult {
 }
 
 /// Deterministic shuffle (xorshift64*), so runs are reproducible.
-fn shuffle<T>(v: &mut [T], seed: u64) {
+pub(super) fn shuffle<T>(v: &mut [T], seed: u64) {
     let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     for i in (1..v.len()).rev() {
         s ^= s >> 12;
@@ -388,7 +388,7 @@ fn run_batch(
     let after = counters(dp)?;
     if def.dp == Dp::New {
         for (f, start) in frames.iter().zip(starts) {
-            delete_fresh(&mut lab.new_conns, f, start)?;
+            delete_fresh(&mut lab.new_conns, f, start, true)?;
         }
     }
     Ok((b, before, after))
@@ -431,7 +431,7 @@ fn measure_batch(
     Ok(())
 }
 
-fn fresh_start(f: &Frames) -> u64 {
+pub(super) fn fresh_start(f: &Frames) -> u64 {
     match f {
         Frames::Fresh { next, .. } => *next,
         _ => 0,
@@ -439,17 +439,21 @@ fn fresh_start(f: &Frames) -> u64 {
 }
 
 /// Deletes the flows a new-flow batch inserted (outside the timed region), so every batch
-/// inserts into a table with room.
-fn delete_fresh(
+/// inserts into a table with room. `inserted`: every flow must have been (a build without
+/// the insert, or that stops before it, has none to delete).
+pub(super) fn delete_fresh(
     m: &mut BpfHashMap<MapData, FlowKey, ConnEntry>,
     f: &Frames,
     start: u64,
+    inserted: bool,
 ) -> Result<()> {
     if let Frames::Fresh { frame, block, next } = f {
         let dport = u16::from_be_bytes([frame[36], frame[37]]);
         for n in start..*next {
-            m.remove(&gen_key(*block, n, dport))
-                .with_context(|| format!("deleting new flow {n}: was it inserted?"))?;
+            let removed = m.remove(&gen_key(*block, n, dport));
+            if inserted {
+                removed.with_context(|| format!("deleting new flow {n}: was it inserted?"))?;
+            }
         }
     }
     Ok(())
