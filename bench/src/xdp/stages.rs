@@ -125,6 +125,9 @@ const PATHS: &[CaseId] = &[
     CaseId::ScSynNew,
 ];
 
+const WHOLE: &str = "whole";
+const WHOLE_AGAIN: &str = "whole-again";
+
 /// One object's data planes (indexed by [`Dp`]).
 struct Build {
     name: &'static str,
@@ -212,14 +215,19 @@ pub(super) fn run(opts: &Opts, dir: &Path, possible: usize, command_line: String
     let ns = sys::new_netns()?;
     sys::enter_netns(&ns)?;
     let fib_ifindex = setup_fib_netns().context("setting up the fib namespace")?;
-    let mut builds = vec![Build::load(
-        "whole",
-        None,
-        BPF_OBJECT,
-        opts,
-        possible,
-        fib_ifindex,
-    )?];
+    // The whole program twice: the second copy's difference from the first (its own maps,
+    // its own JIT image) is the floor below which a stage's figure says nothing.
+    let mut builds = Vec::new();
+    for name in [WHOLE, WHOLE_AGAIN] {
+        builds.push(Build::load(
+            name,
+            None,
+            BPF_OBJECT,
+            opts,
+            possible,
+            fib_ifindex,
+        )?);
+    }
     for (s, bytes) in &objects {
         builds.push(Build::load(
             s.feature,
@@ -367,9 +375,22 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Median over rounds of `a − b`, paired within each round.
-fn paired(a: &[f64], b: &[f64]) -> f64 {
-    median(a.iter().zip(b).map(|(x, y)| x - y).collect())
+/// A difference over rounds: the median and quartiles of `a − b`, paired within each round.
+struct Diff {
+    median: f64,
+    q1: f64,
+    q3: f64,
+}
+
+fn paired(a: &[f64], b: &[f64]) -> Diff {
+    let mut d: Vec<f64> = a.iter().zip(b).map(|(x, y)| x - y).collect();
+    d.sort_by(f64::total_cmp);
+    let q = |p: f64| d.get(((d.len() - 1) as f64 * p).round() as usize).copied();
+    Diff {
+        median: median(d.clone()),
+        q1: q(0.25).unwrap_or(f64::NAN),
+        q3: q(0.75).unwrap_or(f64::NAN),
+    }
 }
 
 /// The breakdown: per path, the whole program's net cost and each stage's share of it.
@@ -387,41 +408,56 @@ fn report(
             .expect("every build measured every path");
         &means[i]
     };
-    let pass = of("whole", CaseId::Pass);
+    let pass = of(WHOLE, CaseId::Pass);
     let mut rows = Vec::new();
-    println!("\nper-packet cost by stage, ns (median over rounds of paired differences)");
+    println!(
+        "\nper-packet cost by stage, ns: median over rounds of paired differences (± half the interquartile range)"
+    );
     let header: Vec<&str> = PATHS.iter().map(|&id| case(id).key).collect();
     println!("| stage | {} |", header.join(" | "));
     println!("|---|{}", "---|".repeat(PATHS.len()));
-    let whole: Vec<f64> = PATHS
+    let mut row = |stage: &str, build: Option<&str>, d: Vec<Diff>| {
+        print_row(stage, &d);
+        rows.push(json!({"stage": stage, "build": build, "ns": cells(&d)}));
+    };
+    let whole = PATHS
         .iter()
-        .map(|&id| paired(of("whole", id), pass))
+        .map(|&id| paired(of(WHOLE, id), pass))
         .collect();
-    print_row("whole program, net of sluice_pass", &whole);
-    rows.push(json!({"stage": "whole program, net of sluice_pass", "ns": cells(&whole)}));
+    row("whole program, net of sluice_pass", None, whole);
+    let again = PATHS
+        .iter()
+        .map(|&id| paired(of(WHOLE, id), of(WHOLE_AGAIN, id)))
+        .collect();
+    row(
+        "the whole program less itself loaded again (the method's floor)",
+        Some(WHOLE_AGAIN),
+        again,
+    );
     let mut before: Option<&str> = None;
     for s in STAGES {
-        let costs: Vec<f64> = PATHS
+        let costs = PATHS
             .iter()
             .map(|&id| match s.cut {
-                Cut::Without => paired(of("whole", id), of(s.feature, id)),
+                Cut::Without => paired(of(WHOLE, id), of(s.feature, id)),
                 Cut::StopAfter => paired(of(s.feature, id), before.map_or(pass, |p| of(p, id))),
             })
             .collect();
         if s.cut == Cut::StopAfter {
             before = Some(s.feature);
         }
-        print_row(s.stage, &costs);
-        rows.push(json!({"stage": s.stage, "build": s.feature, "ns": cells(&costs)}));
+        row(s.stage, Some(s.feature), costs);
     }
     if let Some(last) = before {
-        let rest: Vec<f64> = PATHS
+        let rest = PATHS
             .iter()
-            .map(|&id| paired(of("whole", id), of(last, id)))
+            .map(|&id| paired(of(WHOLE, id), of(last, id)))
             .collect();
-        let stage = "after the decision: in-band, encapsulation, next hop, counters, redirect";
-        print_row(stage, &rest);
-        rows.push(json!({"stage": stage, "ns": cells(&rest)}));
+        row(
+            "after the decision: in-band, encapsulation, next hop, counters, redirect",
+            None,
+            rest,
+        );
     }
     let (git_head, dirty) = sys::git_state();
     json!({
@@ -437,20 +473,29 @@ fn report(
         "calls_per_batch": opts.calls,
         "stages": rows,
         "baseline_ns": median(pass.to_vec()),
+        "cells": "per path: [first quartile, median, third quartile] over rounds of the paired differences, ns",
         "method": "every build (the whole program, and one per lb-ebpf ablate-*/stop-after-* feature) loaded into its own data planes in the fib namespace; every round runs one batch of each (build, path) pair in a shuffled order; a batch's figure is the mean kernel ns per call (BPF_PROG_TEST_RUN, repeat 1); rows of `stop-after-*` builds are prefix differences (the first less sluice_pass), rows of `ablate-*` builds the whole program less the build without the stage; median over rounds of differences paired within a round. Stages overlap only where a build's description says so (next hop includes the redirect)",
     })
 }
 
-fn cells(v: &[f64]) -> Value {
+fn cells(v: &[Diff]) -> Value {
+    let r = |x: f64| (x * 10.0).round() / 10.0;
     PATHS
         .iter()
         .zip(v)
-        .map(|(&id, &ns)| (case(id).key.to_string(), json!((ns * 10.0).round() / 10.0)))
+        .map(|(&id, d)| {
+            let q = json!([r(d.q1), r(d.median), r(d.q3)]);
+            (case(id).key.to_string(), q)
+        })
         .collect::<serde_json::Map<_, _>>()
         .into()
 }
 
-fn print_row(stage: &str, v: &[f64]) {
-    let cells: Vec<String> = v.iter().map(|ns| format!("{ns:.1}")).collect();
+/// A markdown row: each path's median, and in brackets half its interquartile range.
+fn print_row(stage: &str, v: &[Diff]) {
+    let cells: Vec<String> = v
+        .iter()
+        .map(|d| format!("{:.0} (±{:.0})", d.median, (d.q3 - d.q1) / 2.0))
+        .collect();
     println!("| {stage} | {} |", cells.join(" | "));
 }
