@@ -12,7 +12,7 @@ pub mod trace;
 /// Bumped whenever a map's key or value layout changes, or the counter list does (`STATS`
 /// is read by index); pinned maps carry it so a newer program refuses to reuse maps it
 /// cannot read.
-pub const LAYOUT_VERSION: u32 = 8;
+pub const LAYOUT_VERSION: u32 = 9;
 
 pub const MAX_VIPS: u32 = 128;
 /// Backend ids index the backend array; id 0 is the "unset" sentinel (a ring slot or
@@ -198,6 +198,22 @@ pub struct TenantPrefix {
 
 /// Bits of a `TENANT_PREFIXES` key before the address: `TenantPrefix::family` and padding.
 pub const TENANT_PREFIX_FAMILY_BITS: u32 = 32;
+
+/// Words of `TENANT_V4`: one byte per IPv4 /24 (2^24 of them), eight to a word.
+pub const TENANT_V4_WORDS: u32 = 1 << 21;
+
+/// The `TENANT_V4` byte that sends an IPv4 client on to `TENANT_PREFIXES`: a prefix longer
+/// than /24 lies inside its /24 (or the table was never written). Any other byte is the
+/// tenant + 1.
+pub const TENANT_V4_ASK_TRIE: u8 = 0;
+
+/// The `TENANT_V4` word, and the shift of the byte in it, that hold the /24 of an IPv4
+/// address (host order): byte `b` of a word is bits `8b..8b+8` of its value.
+#[inline(always)]
+pub const fn tenant_v4_slot(addr: u32) -> (u32, u32) {
+    let block = addr >> 8;
+    (block >> 3, (block & 7) * 8)
+}
 
 /// A tenant's limits on one VIP: element `vip_id * MAX_TENANTS + tenant` of `TENANT_LIMITS`,
 /// written by the controller. All zero: no limit.
@@ -561,6 +577,10 @@ pub mod maps {
     pub const QUIC_SERVERS: &str = "QUIC_SERVERS";
     /// `Key<TenantPrefix> → u32` (LPM trie): the tenant of a client prefix.
     pub const TENANT_PREFIXES: &str = "TENANT_PREFIXES";
+    /// `[u64; TENANT_V4_WORDS]` (memory-mapped array): the tenant of every IPv4 /24 that
+    /// `TENANT_PREFIXES` answers alike for all its clients, one array read instead of a
+    /// walk of the trie (`tenant_v4_slot`, `TENANT_V4_ASK_TRIE`).
+    pub const TENANT_V4: &str = "TENANT_V4";
     /// `[TenantLimits; MAX_VIPS * MAX_TENANTS]`: each tenant's limits per VIP.
     pub const TENANT_LIMITS: &str = "TENANT_LIMITS";
     /// `[TenantBucket; MAX_VIPS * MAX_TENANTS]`: each tenant's new-session rate state per VIP.

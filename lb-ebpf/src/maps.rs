@@ -17,12 +17,15 @@ use lb_common::{
     LbConfig, NextHop, QuicServerKey, RingSlot, TenantBucket, TenantLimits, TenantPrefix,
     TenantStats, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE, MAX_BACKENDS,
     MAX_TENANTS, MAX_TENANT_PREFIXES, MAX_TX_PORTS, MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX,
+    TENANT_V4_WORDS,
 };
 
 /// Per-CPU LRU lists: each CPU evicts from its own list, so flows steered by RSS to one CPU
 /// never contend on a global LRU lock, while the hash table stays shared (userspace reads one
 /// map, and a flow that moves CPU is still found).
 const BPF_F_NO_COMMON_LRU: u32 = 1 << 1;
+/// An array userspace may mmap: the controller rewrites a table of 16 MiB in place.
+const BPF_F_MMAPABLE: u32 = 1 << 10;
 
 /// Element 0 holds `lb_common::LAYOUT_VERSION` of the program that created the maps, so a
 /// later program can tell whether pinned maps are readable by it.
@@ -105,6 +108,11 @@ pub static QUIC_SERVERS: btf_maps::HashMap<QuicServerKey, u32, { MAX_BACKENDS as
 #[btf_map]
 pub static TENANT_PREFIXES: btf_maps::LpmTrie<TenantPrefix, u32, { MAX_TENANT_PREFIXES as usize }> =
     btf_maps::LpmTrie::new();
+
+/// The tenant of each IPv4 /24 that `TENANT_PREFIXES` answers alike for all its clients,
+/// eight /24s to a word (`lb_common::tenant_v4_slot`); 0 sends the client on to the trie.
+#[map]
+pub static TENANT_V4: Array<u64> = Array::with_max_entries(TENANT_V4_WORDS, BPF_F_MMAPABLE);
 
 /// Each tenant's limits per VIP, element `vip_id * MAX_TENANTS + tenant`.
 #[btf_map]

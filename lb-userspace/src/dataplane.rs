@@ -28,10 +28,13 @@ use lb_common::{
     InbandStats, LbConfig, NextHop, QuicServerKey, RingSlot, TenantBucket, TenantLimits,
     TenantPrefix, TenantStats, TrafficStats, VipKey, VipMeta, AFFINITY_TABLE_SIZE, CONN_TABLE_SIZE,
     LAYOUT_VERSION, LB_F_TRACE, LB_F_WILDCARD_VIPS, MAX_BACKENDS, MAX_TENANTS, MAX_TENANT_PREFIXES,
-    MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX, TENANT_PREFIX_FAMILY_BITS,
+    MAX_VIPS, RINGS_PER_VIP, RING_SIZE_MAX, TENANT_PREFIX_FAMILY_BITS, TENANT_V4_WORDS,
 };
 
 use crate::{config::Cidr, maglev, ring_history, state};
+
+mod tenant_v4;
+use tenant_v4::TenantV4Map;
 
 /// Program names in the object.
 pub const PROG_XDP: &str = "sluice_xdp";
@@ -62,7 +65,7 @@ impl Default for LoadOptions {
 }
 
 /// (map, key size, value size, required entries or 0) as this build reads them.
-fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 19] {
+fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 20] {
     let u32s = size_of::<u32>();
     [
         (maps::META, u32s, u32s, 1),
@@ -111,6 +114,7 @@ fn map_layouts(opts: &LoadOptions) -> [(&'static str, usize, usize, u32); 19] {
             u32s,
             MAX_TENANT_PREFIXES,
         ),
+        (maps::TENANT_V4, u32s, size_of::<u64>(), TENANT_V4_WORDS),
         (
             maps::TENANT_LIMITS,
             u32s,
@@ -354,6 +358,9 @@ pub struct Dataplane {
     quic_shadow: Option<BTreeMap<state::QuicServerKey, u32>>,
     /// Likewise for `TENANT_PREFIXES` and `TENANT_LIMITS`.
     tenant_shadow: Option<TenantShadow>,
+    /// `TENANT_V4`, mapped into memory; compared word by word on every write, so it needs
+    /// no shadow.
+    tenant_v4: TenantV4Map,
 }
 
 /// Sum of a per-CPU value over all CPUs.
@@ -402,6 +409,10 @@ impl Dataplane {
             prog.load()
                 .with_context(|| format!("verifier rejected {name}"))?;
         }
+        let tenant_v4 = match ebpf.map(maps::TENANT_V4) {
+            Some(aya::maps::Map::Array(m)) => TenantV4Map::map(&m.fd().as_fd())?,
+            _ => bail!("the eBPF object has no {} array", maps::TENANT_V4),
+        };
         let mut dp = Self {
             ebpf,
             max_vips: opts.max_vips,
@@ -410,6 +421,7 @@ impl Dataplane {
             saved_rings: StdHashMap::new(),
             quic_shadow: None,
             tenant_shadow: None,
+            tenant_v4,
         };
         if !reused {
             let mut meta: Array<&mut MapData, u32> = Array::try_from(dp.map(maps::META)?)?;
@@ -720,9 +732,9 @@ impl Dataplane {
     /// Brings the tenant maps to `prefixes` and `limits` (non-zero `TENANT_LIMITS` entries
     /// by index), leftovers of a previous run included. The rate state and counters of the
     /// ids in `fresh` (assigned to a new name) are zeroed first, then the limits are
-    /// written, then the prefixes, and limits no longer wanted are zeroed last: a client is
-    /// never sent to an id before its limits are there. Returns the entries written or
-    /// deleted.
+    /// written, then the prefixes (the trie, then the IPv4 table's words), and limits no
+    /// longer wanted are zeroed last: a client is never sent to an id before its limits are
+    /// there. Returns the entries and words written or deleted.
     pub fn sync_tenants(
         &mut self,
         prefixes: &BTreeMap<Cidr, u32>,
@@ -773,6 +785,9 @@ impl Dataplane {
                 n += 1;
             }
         }
+        // After the trie, which holds every prefix: a /24 the table sends to the trie finds
+        // its longer prefix there.
+        n += self.tenant_v4.write(&tenant_v4::table(prefixes));
         {
             let mut a: Array<&mut MapData, TenantLimits> =
                 Array::try_from(self.map(maps::TENANT_LIMITS)?)?;

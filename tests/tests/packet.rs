@@ -2853,6 +2853,77 @@ fn an_ipv4_tenant_prefix_never_matches_an_ipv6_client() {
     }
 }
 
+/// The prefixes as the controller writes them (`Dataplane::sync_tenants`: the trie, then the
+/// IPv4 table): 10.7.0.0/16 tenant 1, 10.7.3.0/24 tenant 2, 10.7.9.16/28 tenant 3 (so the
+/// /24 10.7.9.0 is left to the trie), 2001:db8:7::/48 tenant 1.
+fn sync_tenant_prefixes(lab: &mut Lab) {
+    let prefixes = [
+        ("10.7.0.0/16", 1),
+        ("10.7.3.0/24", 2),
+        ("10.7.9.16/28", 3),
+        ("2001:db8:7::/48", 1),
+    ]
+    .into_iter()
+    .map(|(c, t)| (c.parse().unwrap(), t))
+    .collect();
+    lab.dp
+        .sync_tenants(&prefixes, &Default::default(), &[])
+        .unwrap();
+}
+
+/// Sends one SYN from each client and asserts the tenant whose session it was counted as.
+fn assert_tenants(lab: &mut Lab, vip: &lb_common::VipKey, vip_id: u32, cases: &[(&str, u32)]) {
+    let t = TenantMaps::open(&mut lab.dp).unwrap();
+    for (n, &(client, tenant)) in cases.iter().enumerate() {
+        let before = t.stats(vip_id, tenant).unwrap().admitted;
+        assert_tcp_forwarded(lab, vip, client, 47200 + n as u16, SYN);
+        assert_eq!(
+            t.stats(vip_id, tenant).unwrap().admitted,
+            before + 1,
+            "{client} is tenant {tenant}"
+        );
+    }
+}
+
+#[test]
+fn an_ipv4_clients_tenant_comes_from_its_slash_24_and_a_longer_prefix_inside_from_the_trie() {
+    let mut lab = Lab::new();
+    let vip4 = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS, 0);
+    lab.backends(&vip4, &BACKENDS4);
+    let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, VIP_F_TENANTS, 0);
+    lab.backends(&vip6, &BACKENDS6);
+    sync_tenant_prefixes(&mut lab);
+    assert_tenants(
+        &mut lab,
+        &vip4,
+        0,
+        &[
+            ("10.7.200.1", 1),
+            ("10.7.3.5", 2),
+            ("10.7.9.20", 3),
+            ("10.7.9.5", 1),
+            (CLIENT4, 0),
+        ],
+    );
+    assert_tenants(&mut lab, &vip6, 1, &[(TENANT1_V6, 1), (CLIENT6, 0)]);
+}
+
+/// The IPv4 table answers on its own: with the trie's /16 moved to another tenant behind the
+/// table's back, a client of a /24 the table holds stays tenant 1, while one of the /24 left
+/// to the trie follows the trie.
+#[test]
+fn an_ipv4_slash_24_the_table_holds_is_not_looked_up_in_the_trie() {
+    let mut lab = Lab::new();
+    let vip4 = lab.vip(0, VIP4, 443, PROTO_TCP, VIP_F_TENANTS, 0);
+    lab.backends(&vip4, &BACKENDS4);
+    sync_tenant_prefixes(&mut lab);
+    TenantMaps::open(&mut lab.dp)
+        .unwrap()
+        .set_prefix("10.7.0.0/16", 5)
+        .unwrap();
+    assert_tenants(&mut lab, &vip4, 0, &[("10.7.200.1", 1), ("10.7.9.5", 5)]);
+}
+
 /// A tenant flagged by the controller (`flag`) has each new session refused, counted under
 /// `counter` and in the tenant's `refused` field: answered with an exact RST where the VIP
 /// sheds by RST, dropped where it sheds by drop. Another tenant's SYN is forwarded.

@@ -16,12 +16,13 @@ use lb_common::{
 use serde_json::{json, Value};
 use sluice::{
     addr::to_words,
+    config::Cidr,
     dataplane::{Dataplane, LoadOptions, PROG_DECAP, PROG_XDP},
     maglev::{self, MaglevBackend},
 };
 use sluice_tests::{
     frames::{Mac, ACK, SYN},
-    tenants::TenantMaps,
+    tenants::{self, TenantMaps},
     FALLBACK_MAC, RING, SEED,
 };
 
@@ -122,13 +123,12 @@ const TENANT_VIP: u32 = 5;
 const TENANT_NEW: u32 = 7;
 const TENANT_ESTABLISHED: u32 = 9;
 
-pub(super) const TENANTS_DESCRIBED: &str = "10.200.0.1:9443/tcp with VIP_F_TENANTS (4 backends, as the IPv4 VIP) on every data plane; TENANT_PREFIXES holds 1,000 prefixes: 498 IPv4 (/8 to /28) and 498 IPv6 (/24 to /64) spread over tenants 1..=63, 100.64.0.0/10 (tenant 3), 100.80.0.0/12 inside it (tenant 7: the new flows' clients), 192.0.2.0/24 (tenant 9: the established flow's client) and 2001:db8:c::/48; every tenant's limits on the VIP admit: a rate of 1e9 new sessions/s with a burst of 1e9 (the GCRA bucket is read and written on every new session), no flags. syn_new_flow_tenants sends syn_new_flow's generated SYNs to this port; established_tenants an ACK of a flow the VIP admitted";
+pub(super) const TENANTS_DESCRIBED: &str = "10.200.0.1:9443/tcp with VIP_F_TENANTS (4 backends, as the IPv4 VIP) on every data plane; the controller's write (Dataplane::sync_tenants) puts 1,000 prefixes in TENANT_PREFIXES and the IPv4 /24 table TENANT_V4: 498 IPv4 (/8 to /28) and 498 IPv6 (/24 to /64) spread over tenants 1..=63, 100.64.0.0/10 (tenant 3), 100.80.0.0/12 inside it (tenant 7: the new flows' clients, whose /24s the table answers), 192.0.2.0/24 (tenant 9: the established flow's client) and 2001:db8:c::/48; every tenant's limits on the VIP admit: a rate of 1e9 new sessions/s with a burst of 1e9 (the GCRA bucket is read and written on every new session), no flags. syn_new_flow_tenants sends syn_new_flow's generated SYNs to this port; established_tenants an ACK of a flow the VIP admitted";
 
-/// Fills `TENANT_PREFIXES` with 1,000 prefixes of both families (a fixed pseudo-random
-/// spread, none overlapping the clients' 100.64.0.0/10, 192.0.2.0/24, 2001:db8:c::/48) and
-/// gives every tenant limits on the tenants' VIP that admit.
+/// Gives the tenants 1,000 prefixes of both families (a fixed pseudo-random spread, none
+/// overlapping the clients' 100.64.0.0/10, 192.0.2.0/24, 2001:db8:c::/48) and every tenant
+/// limits on the tenants' VIP that admit, written as the controller writes them.
 fn add_tenants(dp: &mut Dataplane) -> Result<()> {
-    let mut t = TenantMaps::open(dp)?;
     let mut seen = std::collections::BTreeSet::new();
     let mut x: u64 = 0x5eed_7e4a;
     let mut next = || {
@@ -169,20 +169,19 @@ fn add_tenants(dp: &mut Dataplane) -> Result<()> {
         fixed.push((format!("{a}/{len}"), 1 + (next() % 63) as u32));
         v6 += 1;
     }
-    for (cidr, tenant) in &fixed {
-        t.set_prefix(cidr, *tenant)?;
-    }
-    for tenant in 0..lb_common::MAX_TENANTS {
-        t.set_limits(
-            TENANT_VIP,
-            tenant,
-            TenantLimits {
-                interval_ns: 1,
-                burst_ns: 1_000_000_000,
-                ..Default::default()
-            },
-        )?;
-    }
+    let prefixes: BTreeMap<Cidr, u32> = fixed
+        .iter()
+        .map(|(cidr, tenant)| Ok((cidr.parse()?, *tenant)))
+        .collect::<Result<_>>()?;
+    let admit = TenantLimits {
+        interval_ns: 1,
+        burst_ns: 1_000_000_000,
+        ..Default::default()
+    };
+    let limits = (0..lb_common::MAX_TENANTS)
+        .map(|tenant| (tenants::index(TENANT_VIP, tenant), admit))
+        .collect();
+    dp.sync_tenants(&prefixes, &limits, &[])?;
     Ok(())
 }
 

@@ -36,11 +36,14 @@ const NS: u64 = 1_000_000_000;
 pub(super) const AUDIT_FRAMES: u64 = 64;
 
 /// Client prefixes and their tenants: the generator's clients 192.0.2.10 and 2001:db8:c::10
-/// and ::11 are tenant 1, 192.0.2.11 (a /32 inside tenant 1's /24) tenant 2, 2001:db8:d::1
-/// tenant 3, the others the default tenant 0.
-const PREFIXES: [(&str, u32); 4] = [
+/// and ::11 are tenant 1, 192.0.2.11 (a /32 inside tenant 1's /24) and 198.51.100.7 tenant
+/// 2, 2001:db8:d::1 tenant 3, the others the default tenant 0. Written as the controller
+/// writes them, so 192.0.2.0/24 is left to the trie and the other IPv4 clients' /24s are
+/// answered by the IPv4 table.
+const PREFIXES: [(&str, u32); 5] = [
     ("192.0.2.0/24", 1),
     ("192.0.2.11/32", 2),
+    ("198.51.100.0/22", 2),
     ("2001:db8:c::/48", 1),
     ("2001:db8:d::/48", 3),
 ];
@@ -87,13 +90,15 @@ pub(super) struct Tenants {
 
 impl Tenants {
     pub(super) fn setup(lab: &mut Lab) -> Result<Tenants> {
-        let mut maps = TenantMaps::open(&mut lab.dp)?;
         let mut prefixes = vec![];
+        let mut written = BTreeMap::new();
         for (cidr, tenant) in PREFIXES {
-            maps.set_prefix(cidr, tenant)?;
+            written.insert(cidr.parse()?, tenant);
             let (a, len) = cidr.split_once('/').unwrap();
             prefixes.push((a.parse()?, len.parse()?, tenant));
         }
+        lab.dp.sync_tenants(&written, &BTreeMap::new(), &[])?;
+        let mut maps = TenantMaps::open(&mut lab.dp)?;
         let mut tat = BTreeMap::new();
         for (vip, tenant, limit) in LIMITS {
             let l = match limit {
