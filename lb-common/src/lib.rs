@@ -182,6 +182,14 @@ pub struct BackendEntry {
 
 /// Tenants, including the default tenant 0 (clients no configured prefix matches).
 pub const MAX_TENANTS: u32 = 64;
+/// The element of a (VIP, tenant) in the per-(VIP, tenant) arrays (`TENANT_LIMITS`,
+/// `TENANT_BUCKETS`, `TENANT_STATS`): the tenant is masked to `MAX_TENANTS`, so the index
+/// stays among its VIP's own elements.
+#[inline(always)]
+pub const fn tenant_index(vip: u32, tenant: u32) -> u32 {
+    vip * MAX_TENANTS + (tenant & (MAX_TENANTS - 1))
+}
+
 /// Client prefixes all tenants together may name.
 pub const MAX_TENANT_PREFIXES: u32 = 16384;
 

@@ -809,7 +809,7 @@ impl State {
         let mut out = BTreeMap::new();
         for v in self.vips.values() {
             for (id, t) in &tenants {
-                let index = v.id * MAX_TENANTS + id;
+                let index = lb_common::tenant_index(v.id, *id);
                 let (interval_ns, burst_ns) = t.limits_on(&v.spec.tenants).gcra_ns();
                 let l = TenantLimits {
                     interval_ns,
@@ -1573,19 +1573,22 @@ address = "10.1.0.1"
         a.new_sessions_per_sec = 100;
         let s = s.with_tenants(&[a]).unwrap();
         let web = s.vips["web"].id;
-        let idx = web * MAX_TENANTS + 1;
-        let flags = BTreeMap::from([(web * MAX_TENANTS, lb_common::TENANT_F_OVER_SHARE)]);
+        let idx = lb_common::tenant_index(web, 1);
+        let flags = BTreeMap::from([(
+            lb_common::tenant_index(web, 0),
+            lb_common::TENANT_F_OVER_SHARE,
+        )]);
         let l = s.tenant_limits(&flags);
         assert_eq!(l[&idx].interval_ns, 100_000_000);
         assert_eq!(l[&idx].burst_ns, 500_000_000);
         assert_eq!(
-            l[&(web * MAX_TENANTS)].flags,
+            l[&lb_common::tenant_index(web, 0)].flags,
             lb_common::TENANT_F_OVER_SHARE
         );
-        assert_eq!(l[&(web * MAX_TENANTS)].interval_ns, 0);
+        assert_eq!(l[&lb_common::tenant_index(web, 0)].interval_ns, 0);
         // The other VIP: the tenant's own rate.
         let chat = s.vips["chat"].id;
-        assert_eq!(l[&(chat * MAX_TENANTS + 1)].interval_ns, 10_000_000);
+        assert_eq!(l[&lb_common::tenant_index(chat, 1)].interval_ns, 10_000_000);
         // No tenants: nothing to write.
         assert!(base().tenant_limits(&flags).is_empty());
     }

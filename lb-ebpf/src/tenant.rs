@@ -6,7 +6,7 @@
 
 use aya_ebpf::btf_maps::lpm_trie::Key;
 use lb_common::{
-    stat, tenant_v4_slot, FlowKey, TenantPrefix, VipMeta, FAMILY_V4, MAX_TENANTS, TENANT_F_CAPPED,
+    stat, tenant_index, tenant_v4_slot, FlowKey, TenantPrefix, VipMeta, FAMILY_V4, TENANT_F_CAPPED,
     TENANT_F_OVER_SHARE, TENANT_PREFIX_FAMILY_BITS, TENANT_V4_ASK_TRIE,
 };
 
@@ -19,7 +19,7 @@ use crate::{
 #[inline(always)]
 pub fn admit(key: &FlowKey, vip: &VipMeta, now: u64) -> Result<(), Refusal> {
     let tenant = tenant_of(key);
-    let index = vip.id * MAX_TENANTS + (tenant & (MAX_TENANTS - 1));
+    let index = tenant_index(vip.id, tenant);
     let Some(stats) = TENANT_STATS.get_ptr_mut(index) else {
         return Ok(());
     };

@@ -615,7 +615,7 @@ impl<P: Plane> Controller<P> {
         let mut slots = Vec::new();
         for v in state.vips.values() {
             for (id, t) in &tenants {
-                slots.push((v, *id, t, v.id * lb_common::MAX_TENANTS + id));
+                slots.push((v, *id, t, lb_common::tenant_index(v.id, *id)));
             }
         }
         let indexes: Vec<u32> = slots.iter().map(|s| s.3).collect();
@@ -935,7 +935,7 @@ mod tests {
         );
         c.plane().tenant_flows =
             BTreeMap::from([((ids[0], 1), 3), ((ids[1], 1), 2), ((ids[1], 0), 7)]);
-        let acme = vip * lb_common::MAX_TENANTS + 1;
+        let acme = lb_common::tenant_index(vip, 1);
         c.plane().tenant_stats = BTreeMap::from([(
             acme,
             lb_common::TenantStats {

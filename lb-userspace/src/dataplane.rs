@@ -807,7 +807,9 @@ impl Dataplane {
     /// Zeroes a tenant id's rate state and counters on every VIP.
     fn reset_tenant(&mut self, tenant: u32) -> Result<()> {
         let cpus = aya::util::nr_cpus().map_err(|(_, e)| anyhow!("counting CPUs: {e}"))?;
-        let indexes: Vec<u32> = (0..MAX_VIPS).map(|v| v * MAX_TENANTS + tenant).collect();
+        let indexes: Vec<u32> = (0..MAX_VIPS)
+            .map(|v| lb_common::tenant_index(v, tenant))
+            .collect();
         let mut b: Array<&mut MapData, TenantBucket> =
             Array::try_from(self.map(maps::TENANT_BUCKETS)?)?;
         for &i in &indexes {

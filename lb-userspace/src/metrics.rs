@@ -700,7 +700,7 @@ mod tests {
         let b = chat.backends.values().next().unwrap().id;
         c.plane().tenant_flows.insert((b, 1), 2);
         c.plane().tenant_stats.insert(
-            chat.id * lb_common::MAX_TENANTS + 1,
+            lb_common::tenant_index(chat.id, 1),
             lb_common::TenantStats {
                 admitted: 5,
                 refused_sessions: 3,

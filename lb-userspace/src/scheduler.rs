@@ -369,7 +369,7 @@ pub fn decide<P: Plane>(
     let d = policy.step_with_tenants(now, &inputs, &tenant_inputs);
     let index = |vip: &str, tenant: &str| {
         let v = state.vips.get(vip)?;
-        Some(v.id * lb_common::MAX_TENANTS + state.tenants.id(tenant)?)
+        Some(lb_common::tenant_index(v.id, state.tenants.id(tenant)?))
     };
     let overlay = Overlay {
         tenant_flags: d

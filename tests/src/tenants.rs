@@ -10,7 +10,7 @@ use aya::maps::{
     Array, Map, MapData, MapInfo, PerCpuArray,
 };
 use lb_common::{
-    maps, TenantBucket, TenantLimits, TenantPrefix, TenantStats, MAX_TENANTS,
+    maps, tenant_index, TenantBucket, TenantLimits, TenantPrefix, TenantStats,
     TENANT_PREFIX_FAMILY_BITS,
 };
 use sluice::{
@@ -59,30 +59,25 @@ impl TenantMaps {
     }
 
     pub fn set_limits(&mut self, vip: u32, tenant: u32, limits: TenantLimits) -> Result<()> {
-        Ok(self.limits.set(index(vip, tenant), limits, 0)?)
+        Ok(self.limits.set(tenant_index(vip, tenant), limits, 0)?)
     }
 
     pub fn bucket(&self, vip: u32, tenant: u32) -> Result<u64> {
-        Ok(self.buckets.get(&index(vip, tenant), 0)?.tat_ns)
+        Ok(self.buckets.get(&tenant_index(vip, tenant), 0)?.tat_ns)
     }
 
     pub fn set_bucket(&mut self, vip: u32, tenant: u32, tat_ns: u64) -> Result<()> {
         Ok(self
             .buckets
-            .set(index(vip, tenant), TenantBucket { tat_ns }, 0)?)
+            .set(tenant_index(vip, tenant), TenantBucket { tat_ns }, 0)?)
     }
 
     /// A tenant's counters on a VIP, summed over the CPUs.
     pub fn stats(&self, vip: u32, tenant: u32) -> Result<TenantStats> {
-        let v = self.stats.get(&index(vip, tenant), 0)?;
+        let v = self.stats.get(&tenant_index(vip, tenant), 0)?;
         Ok(v.iter()
             .fold(TenantStats::default(), |acc, s| acc.merged(s)))
     }
-}
-
-/// The element of a (VIP, tenant) in the per-VIP tenant arrays.
-pub fn index(vip: u32, tenant: u32) -> u32 {
-    vip * MAX_TENANTS + tenant
 }
 
 /// The `TENANT_PREFIXES` key of a CIDR: the family's 32 bits, then the prefix's own.

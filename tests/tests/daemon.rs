@@ -1114,8 +1114,7 @@ fn tenant_limits(lab: &DaemonLab, vip: &str, tenant: u32) -> lb_common::TenantLi
     let vip_id = v["vip"]["id"].as_u64().unwrap_or_else(|| panic!("{v}")) as u32;
     let m = MapData::from_pin(lab.bpffs.join(lb_common::maps::TENANT_LIMITS)).unwrap();
     let a: Array<_, lb_common::TenantLimits> = Array::try_from(Map::Array(m)).unwrap();
-    a.get(&(vip_id * lb_common::MAX_TENANTS + tenant), 0)
-        .unwrap()
+    a.get(&lb_common::tenant_index(vip_id, tenant), 0).unwrap()
 }
 
 /// The VIP's flags as the pinned `VIPS` map holds them.

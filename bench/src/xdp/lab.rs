@@ -22,7 +22,7 @@ use sluice::{
 };
 use sluice_tests::{
     frames::{Mac, ACK, SYN},
-    tenants::{self, TenantMaps},
+    tenants::TenantMaps,
     FALLBACK_MAC, RING, SEED,
 };
 
@@ -179,7 +179,7 @@ fn add_tenants(dp: &mut Dataplane) -> Result<()> {
         ..Default::default()
     };
     let limits = (0..lb_common::MAX_TENANTS)
-        .map(|tenant| (tenants::index(TENANT_VIP, tenant), admit))
+        .map(|tenant| (lb_common::tenant_index(TENANT_VIP, tenant), admit))
         .collect();
     dp.sync_tenants(&prefixes, &limits, &[])?;
     Ok(())

@@ -858,7 +858,7 @@ fn tenants_are_shown_and_replaced_whole_and_a_bad_list_changes_nothing() {
     assert_eq!(v["tenant"][0]["prefixes"], json!(["10.0.2.0/24"]));
     assert_eq!(v["tenant"][1]["burst"], 0);
     let chat = srv.state().vips["chat"].clone();
-    let acme = chat.id * lb_common::MAX_TENANTS + 1;
+    let acme = lb_common::tenant_index(chat.id, 1);
     {
         let mut ctl = srv.ctl.blocking_lock();
         let b = chat.backends.values().next().unwrap().id;
