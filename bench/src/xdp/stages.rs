@@ -72,7 +72,7 @@ const STAGES: &[Stage] = &[
     },
     Stage {
         feature: "ablate-tenants",
-        stage: "tenant admission (prefix trie, limits, rate bucket, counters)",
+        stage: "tenant admission (IPv4 table or prefix trie, limits, rate bucket, counters)",
         cut: Cut::Without,
         action: XDP_REDIRECT,
     },
