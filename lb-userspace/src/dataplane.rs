@@ -358,8 +358,7 @@ pub struct Dataplane {
     quic_shadow: Option<BTreeMap<state::QuicServerKey, u32>>,
     /// Likewise for `TENANT_PREFIXES` and `TENANT_LIMITS`.
     tenant_shadow: Option<TenantShadow>,
-    /// `TENANT_V4`, mapped into memory; compared word by word on every write, so it needs
-    /// no shadow.
+    /// `TENANT_V4`, mapped into memory (it knows the prefixes it was written for).
     tenant_v4: TenantV4Map,
 }
 
@@ -787,7 +786,7 @@ impl Dataplane {
         }
         // After the trie, which holds every prefix: a /24 the table sends to the trie finds
         // its longer prefix there.
-        n += self.tenant_v4.write(&tenant_v4::table(prefixes));
+        n += self.tenant_v4.sync(prefixes);
         {
             let mut a: Array<&mut MapData, TenantLimits> =
                 Array::try_from(self.map(maps::TENANT_LIMITS)?)?;

@@ -2786,6 +2786,38 @@ fn rst_to(client: &str, sport: u16) -> Vec<u8> {
     )
 }
 
+/// The prefixes as the controller writes them (`Dataplane::sync_tenants`: the trie, then the
+/// IPv4 table): 10.7.0.0/16 tenant 1, 10.7.3.0/24 tenant 2, 10.7.9.16/28 tenant 3 (so the
+/// /24 10.7.9.0 is left to the trie), 2001:db8:7::/48 tenant 1.
+fn sync_tenant_prefixes(lab: &mut Lab) {
+    let prefixes = [
+        ("10.7.0.0/16", 1),
+        ("10.7.3.0/24", 2),
+        ("10.7.9.16/28", 3),
+        ("2001:db8:7::/48", 1),
+    ]
+    .into_iter()
+    .map(|(c, t)| (c.parse().unwrap(), t))
+    .collect();
+    lab.dp
+        .sync_tenants(&prefixes, &Default::default(), &[])
+        .unwrap();
+}
+
+/// Sends one SYN from each client and asserts the tenant whose session it was counted as.
+fn assert_tenants(lab: &mut Lab, vip: &lb_common::VipKey, vip_id: u32, cases: &[(&str, u32)]) {
+    let t = TenantMaps::open(&mut lab.dp).unwrap();
+    for (n, &(client, tenant)) in cases.iter().enumerate() {
+        let before = t.stats(vip_id, tenant).unwrap().admitted;
+        assert_tcp_forwarded(lab, vip, client, 47200 + n as u16, SYN);
+        assert_eq!(
+            t.stats(vip_id, tenant).unwrap().admitted,
+            before + 1,
+            "{client} is tenant {tenant}"
+        );
+    }
+}
+
 #[test]
 fn the_longest_tenant_prefix_names_the_clients_tenant_and_no_match_is_the_default_tenant() {
     let mut lab = Lab::new();
@@ -2794,23 +2826,18 @@ fn the_longest_tenant_prefix_names_the_clients_tenant_and_no_match_is_the_defaul
     let vip6 = lab.vip(1, VIP6, 443, PROTO_TCP, VIP_F_TENANTS, 0);
     lab.backends(&vip6, &BACKENDS6);
     let t = tenant_maps(&mut lab);
-    let cases = [
-        (&vip4, TENANT1_V4, 0, 1),
-        (&vip4, TENANT2_V4, 0, 2),
-        (&vip4, CLIENT4, 0, 0),
-        (&vip6, TENANT1_V6, 1, 1),
-        (&vip6, TENANT2_V6, 1, 2),
-        (&vip6, CLIENT6, 1, 0),
-    ];
-    for (n, (vip, client, vip_id, tenant)) in cases.into_iter().enumerate() {
-        let before = t.stats(vip_id, tenant).unwrap().admitted;
-        assert_tcp_forwarded(&mut lab, vip, client, 47000 + n as u16, SYN);
-        assert_eq!(
-            t.stats(vip_id, tenant).unwrap().admitted,
-            before + 1,
-            "{client} is tenant {tenant}"
-        );
-    }
+    assert_tenants(
+        &mut lab,
+        &vip4,
+        0,
+        &[(TENANT1_V4, 1), (TENANT2_V4, 2), (CLIENT4, 0)],
+    );
+    assert_tenants(
+        &mut lab,
+        &vip6,
+        1,
+        &[(TENANT1_V6, 1), (TENANT2_V6, 2), (CLIENT6, 0)],
+    );
     for (vip_id, tenant) in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)] {
         assert_eq!(
             t.stats(vip_id, tenant).unwrap(),
@@ -2850,38 +2877,6 @@ fn an_ipv4_tenant_prefix_never_matches_an_ipv6_client() {
     );
     for tenant in [5, 6] {
         assert_eq!(t.stats(1, tenant).unwrap(), TenantStats::default());
-    }
-}
-
-/// The prefixes as the controller writes them (`Dataplane::sync_tenants`: the trie, then the
-/// IPv4 table): 10.7.0.0/16 tenant 1, 10.7.3.0/24 tenant 2, 10.7.9.16/28 tenant 3 (so the
-/// /24 10.7.9.0 is left to the trie), 2001:db8:7::/48 tenant 1.
-fn sync_tenant_prefixes(lab: &mut Lab) {
-    let prefixes = [
-        ("10.7.0.0/16", 1),
-        ("10.7.3.0/24", 2),
-        ("10.7.9.16/28", 3),
-        ("2001:db8:7::/48", 1),
-    ]
-    .into_iter()
-    .map(|(c, t)| (c.parse().unwrap(), t))
-    .collect();
-    lab.dp
-        .sync_tenants(&prefixes, &Default::default(), &[])
-        .unwrap();
-}
-
-/// Sends one SYN from each client and asserts the tenant whose session it was counted as.
-fn assert_tenants(lab: &mut Lab, vip: &lb_common::VipKey, vip_id: u32, cases: &[(&str, u32)]) {
-    let t = TenantMaps::open(&mut lab.dp).unwrap();
-    for (n, &(client, tenant)) in cases.iter().enumerate() {
-        let before = t.stats(vip_id, tenant).unwrap().admitted;
-        assert_tcp_forwarded(lab, vip, client, 47200 + n as u16, SYN);
-        assert_eq!(
-            t.stats(vip_id, tenant).unwrap().admitted,
-            before + 1,
-            "{client} is tenant {tenant}"
-        );
     }
 }
 

@@ -15,7 +15,7 @@ const BYTES: usize = TENANT_V4_WORDS as usize * 8;
 /// The table for these prefixes, a byte per /24 (`lb_common::tenant_v4_slot` orders them):
 /// the tenant + 1 of the longest prefix of /24 or shorter that covers it (the default tenant
 /// 0 where none does), or `TENANT_V4_ASK_TRIE` where a longer prefix lies inside it.
-pub fn table(prefixes: &BTreeMap<Cidr, u32>) -> Vec<u8> {
+fn table(prefixes: &BTreeMap<Cidr, u32>) -> Vec<u8> {
     let v4: Vec<(u32, u8, u32)> = prefixes
         .iter()
         .filter_map(|(c, &tenant)| match c.addr {
@@ -41,6 +41,10 @@ pub fn table(prefixes: &BTreeMap<Cidr, u32>) -> Vec<u8> {
 /// The map, memory-mapped: the table is 16 MiB, and only the words that change are written.
 pub struct TenantV4Map {
     words: NonNull<u64>,
+    /// The prefixes the mapped table was last written for: a sync with the same ones (every
+    /// change of weights or flags brings the tenants along) writes nothing and computes
+    /// nothing.
+    written_for: Option<BTreeMap<Cidr, u32>>,
 }
 
 // The mapping is owned by this value alone and only written through `&mut self`.
@@ -67,12 +71,24 @@ impl TenantV4Map {
         }
         Ok(TenantV4Map {
             words: NonNull::new(p.cast()).expect("mmap never returns null on success"),
+            written_for: None,
         })
     }
 
-    /// Writes `table` (from [`table`]); returns the words written. Each word is one aligned
-    /// 8-byte store, so the data plane reads a /24's byte as it was or as it is, never torn.
-    pub fn write(&mut self, table: &[u8]) -> usize {
+    /// Brings the mapped table to [`table`]`(prefixes)`; returns the words written. The
+    /// first sync compares every word (a reused map holds a previous run's table).
+    pub fn sync(&mut self, prefixes: &BTreeMap<Cidr, u32>) -> usize {
+        if self.written_for.as_ref() == Some(prefixes) {
+            return 0;
+        }
+        let n = self.write(&table(prefixes));
+        self.written_for = Some(prefixes.clone());
+        n
+    }
+
+    /// Writes `table`; returns the words written. Each word is one aligned 8-byte store, so
+    /// the data plane reads a /24's byte as it was or as it is, never torn.
+    fn write(&mut self, table: &[u8]) -> usize {
         assert_eq!(table.len(), BYTES, "a TENANT_V4 table has a byte per /24");
         let mut n = 0;
         for (i, chunk) in table.chunks_exact(8).enumerate() {
