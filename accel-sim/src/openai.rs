@@ -204,7 +204,7 @@ pub struct Writer {
     pub id: String,
     pub model: String,
     pub created: u64,
-    /// Offset into [`WORDS`] (from the seed), so accelerators do not all say the same.
+    /// Offset into `WORDS` (from the seed), so accelerators do not all say the same.
     pub word_offset: usize,
 }
 

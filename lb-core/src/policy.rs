@@ -8,25 +8,25 @@
 //! Per step and backend (see the submodules for each rule):
 //! - the load score (an EWMA of the largest normalised load signal), compared with the mean
 //!   of the VIP's backends, sets a weight level `1..=weight_levels`, moved only past a
-//!   hysteresis band ([`score`]), and full while the engine shows room ([`HEADROOM`]); a
+//!   hysteresis band (`score`), and full while the engine shows room ([`HEADROOM`]); a
 //!   backend markedly slower per output token than the median of its VIP's others in
-//!   rotation gets a level in proportion to its relative speed ([`score::Speed`]), and the
+//!   rotation gets a level in proportion to its relative speed (`score::Speed`), and the
 //!   lower of the two levels counts;
 //! - congestion, saturation, throttling or stale telemetry moves the backend away (weight 0
 //!   for new sessions, established ones stay) under an exponential cooldown, and a return
 //!   ramps up over `slow_start`, or after congestion holds the reduced level on probation
-//!   ([`cooldown`]); a saturation move ends as soon as the backend is under its thresholds
-//!   and no more loaded than the others ([`Policy::trigger`]). Saturation counts only for a backend more
+//!   (`cooldown`); a saturation move ends as soon as the backend is under its thresholds
+//!   and no more loaded than the others (`Policy::trigger`). Saturation counts only for a backend more
 //!   loaded than its VIP's others, and only after [`SATURATION_STEPS`] steps in a row: a
 //!   queue or KV reading at its threshold for one scrape is a burst a healthy fleet at 65%
 //!   load sees every few minutes, each move costs affinity and two weight changes, and a
-//!   whole VIP saturated is admission control's business ([`Policy::trigger`]);
+//!   whole VIP saturated is admission control's business (`Policy::trigger`);
 //! - a backend whose clients' TCP handshakes fail far more often than its peers' moves away
-//!   as `refusing` under the same cooldown ([`refusing`]);
+//!   as `refusing` under the same cooldown (`refusing`);
 //! - a down backend gets weight 0 ([`health`] tracks up/down);
 //! - while a backend is moved away for a fault, the markedly more loaded of the rest take
-//!   none of its share: their level is held to the share they had ([`Policy::hold_shares`]);
-//! - full backends and the VIP's shed level come from [`admission`], with `cooldown_base`
+//!   none of its share: their level is held to the share they had (`Policy::hold_shares`);
+//! - full backends and the VIP's shed level come from `admission`, with `cooldown_base`
 //!   as the shed period.
 //!
 //! Guard: telemetry alone never empties a VIP. When every healthy backend of positive weight
@@ -142,7 +142,7 @@ pub struct BackendDecision {
     pub ttfb_s: Option<f64>,
     pub delivery_bps: Option<f64>,
     /// The TCP handshakes the refusing rule judges (its newest, at least
-    /// [`refusing::MIN_HANDSHAKES`] within [`refusing::WINDOW`] where there are as many),
+    /// `refusing::MIN_HANDSHAKES` within `refusing::WINDOW` where there are as many),
     /// started and completed, where the data plane counts them.
     pub handshakes: Option<Handshakes>,
 }
@@ -190,7 +190,7 @@ pub const SATURATION_STEPS: u32 = 2;
 ///
 /// The test counts the share a moved-away backend still carries (a reduced one's quarter) as
 /// the others' load, and a VIP without headroom regains it only below
-/// `HEADROOM - HEADROOM_BAND` ([`Policy::headroom`]).
+/// `HEADROOM - HEADROOM_BAND` (`Policy::headroom`).
 pub const HEADROOM: f64 = 0.5;
 
 /// How far under [`HEADROOM`] a VIP's mean pressure must fall to regain headroom. A lone
@@ -283,7 +283,7 @@ impl Policy {
     }
 
     /// [`Policy::step`] with the VIPs' tenants: their flags are decided with each pool's
-    /// admission ([`tenants`]).
+    /// admission (`tenants`).
     pub fn step_with_tenants(
         &mut self,
         now: Duration,

@@ -138,7 +138,7 @@ pub fn write(path: &Path, bytes: &[u8]) -> io::Result<()> {
     write_mode(path, bytes, MODE)
 }
 
-/// [`write`] with another mode, for a file others read (the backend host's QUIC server IDs,
+/// [`write()`] with another mode, for a file others read (the backend host's QUIC server IDs,
 /// read by the host's QUIC servers), written as safely.
 pub fn write_mode(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     let (dir, name) = open_dir(path)?;

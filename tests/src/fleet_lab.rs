@@ -13,7 +13,7 @@
 //! ```
 //!
 //! Built on the daemon lab ([`DaemonLab`]: topology, backend hosts, token servers, the first
-//! LB host's daemon) with two more LB hosts ([`Topology::add_lb_host`]) whose configuration is
+//! LB host's daemon) with two more LB hosts (`Topology::add_lb_host`) whose configuration is
 //! the first one's with their own paths: the same VIPs, backends and hash seed, so every host
 //! builds the same Maglev tables and a flow that ECMP moves keeps its backend. The client
 //! reaches the VIPs through the router, from [`CLIENT_SOURCES`] source addresses; backends

@@ -1,7 +1,7 @@
 //! Fuzzing the real `sluice_xdp` through BPF_PROG_TEST_RUN: random and mutated frames (cut at
 //! every header, lying length and IHL fields, long, looping and truncated IPv6 extension
 //! chains, stacked VLAN tags, fragments, IP options, ICMP errors quoting garbage, padding,
-//! jumbo sizes), each checked against an oracle written apart from the program ([`check`]):
+//! jumbo sizes), each checked against an oracle written apart from the program (`check`):
 //!
 //! - every frame ends in exactly one outcome counter (a pass, a drop, or a frame sent), of the
 //!   kind its XDP action says, and `rx` counts it;
@@ -17,7 +17,7 @@
 //!   malformed) and takes the 5-tuple path;
 //! - a new session on a VIP with tenants moves exactly one tenant counter, of the tenant the
 //!   oracle's own prefix match names, for the reason its limits and the oracle's GCRA give
-//!   ([`tenant`]); no other frame moves one;
+//!   (`tenant`); no other frame moves one;
 //! - at the end the outcome counters add up to the frames run.
 //!
 //! A run is replayed from its seed (`SLUICE_FUZZ_SEED`).

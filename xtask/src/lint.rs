@@ -1,6 +1,7 @@
 //! `cargo xtask lint`: rustfmt and clippy (warnings are errors) for the workspace and for the
-//! eBPF crate, which is outside the workspace and needs its own runs; no import cycle between
-//! the modules of a crate.
+//! eBPF crate, which is outside the workspace and needs its own runs; rustdoc without a
+//! warning (a doc link that names nothing, or a private item from a public page); no import
+//! cycle between the modules of a crate.
 
 use anyhow::{bail, Result};
 
@@ -57,6 +58,16 @@ pub fn run() -> Result<()> {
             "-D",
             "warnings",
         ])),
+    );
+    step("rustdoc (workspace)");
+    check(
+        "rustdoc (workspace)",
+        cmd::run(
+            cmd::cargo()
+                .current_dir(&root)
+                .env("RUSTDOCFLAGS", "-D warnings")
+                .args(["doc", "--workspace", "--no-deps"]),
+        ),
     );
     step("rustfmt (lb-ebpf)");
     check(

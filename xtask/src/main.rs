@@ -47,7 +47,7 @@ enum Cmd {
     Test,
     /// rustfmt --check and clippy -D warnings, for the workspace and the eBPF crate.
     Lint,
-    /// Build (release), then the Debian package target/package/sluice_<version>_<arch>.deb
+    /// Build (release), then the Debian package target/package/sluice_VERSION_ARCH.deb
     /// (cargo-deb): the binary, systemd units, default configurations, man pages, completions.
     Package,
     /// Build (release), then run `sluice-bench <name> [args...]` as root. Results go under

@@ -5,7 +5,7 @@
 //!
 //! Each cell's p99 TTFT is compared with Maglev's in the same fleet, seed and scenario; the
 //! report gives, per scenario, the worst ratio for `adaptive` and `adaptive+inband`, and the
-//! worst `adaptive+inband` / `adaptive`, next to the aims ([`RATIO_AIMS`]), with broken
+//! worst `adaptive+inband` / `adaptive`, next to the aims (`RATIO_AIMS`), with broken
 //! streams and weight churn. The result file is rewritten after every cell, so an
 //! interrupted run keeps what it measured.
 

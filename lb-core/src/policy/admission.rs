@@ -81,7 +81,7 @@ pub fn configured(cfg: &PolicyConfig, mut max_sessions: impl Iterator<Item = u32
 /// A VIP's admission state, as the data plane is to apply it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Shed {
-    /// Admission control is configured for this VIP ([`configured`]): it refuses new
+    /// Admission control is configured for this VIP (`configured`): it refuses new
     /// sessions that find only full backends, and sheds by class. Without it, full backends
     /// are only probed past and nothing is refused for want of room.
     pub admission: bool,

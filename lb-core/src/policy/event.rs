@@ -6,7 +6,7 @@ use serde::Serialize;
 
 use super::{secs, BackendInput};
 
-/// `Down` and `Up` come from [`health::Health::record`], the rest from [`Policy::step`].
+/// `Down` and `Up` come from `health::Health::record`, the rest from `Policy::step`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum EventKind {

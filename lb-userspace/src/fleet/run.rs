@@ -40,7 +40,7 @@ fn log_events<P: Plane>(c: &mut Controller<P>, events: Vec<Event>) {
 
 /// Keeps this host on the fleet's latest table set until `stop`: reads it (seeding an empty
 /// fleet with this host's state), then follows the watch; whenever etcd fails, the host
-/// keeps what it applied, says so, and tries again every [`RETRY`].
+/// keeps what it applied, says so, and tries again every `RETRY`.
 pub async fn follow<S: Store, P: Plane>(
     fleet: Arc<Fleet<S>>,
     ctl: Arc<Mutex<Controller<P>>>,
@@ -194,7 +194,7 @@ pub struct Steering<P: Plane> {
     pub ctl: Arc<Mutex<Controller<P>>>,
     pub hub: Arc<std::sync::Mutex<Hub>>,
     pub policy: Policy,
-    /// This host's in-band windows (see [`step`]).
+    /// This host's in-band windows (see `step`).
     pub inband: Tracker,
     pub shed_rst: bool,
     pub scrape_interval: Duration,
@@ -203,9 +203,9 @@ pub struct Steering<P: Plane> {
 }
 
 /// Two rounds. Every `lease_ttl / 3`: lease and leadership, and this host's report
-/// ([`lease_round`]). On the leader, at every scrape round once it has reported, as the
+/// (`lease_round`). On the leader, at every scrape round once it has reported, as the
 /// single host's ticker does (`daemon::start_ticker`): the policy step on the fleet's
-/// sessions and drain completion, each published as a new table-set version ([`step`]). A
+/// sessions and drain completion, each published as a new table-set version (`step`). A
 /// step on the lease rounds decided on telemetry up to a scrape interval old.
 pub async fn steer<S: Store, P: Plane>(
     fleet: Arc<Fleet<S>>,

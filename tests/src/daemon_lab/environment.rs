@@ -19,7 +19,7 @@ use crate::netns::tool;
 
 static LAB_COUNTER: AtomicUsize = AtomicUsize::new(0);
 
-/// The `sluice` binary next to the test executable (target/<profile>/sluice). Fails with
+/// The `sluice` binary next to the test executable (`target/<profile>/sluice`). Fails with
 /// what to do when it is missing or older than the daemon's sources. Checked once per test
 /// process, so sources edited while the tests run do not fail the later tests.
 pub fn sluice_binary() -> Result<PathBuf> {
