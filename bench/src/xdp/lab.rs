@@ -187,13 +187,11 @@ fn add_tenants(dp: &mut Dataplane) -> Result<()> {
 
 /// Loads one data plane with the benchmark's VIPs (IPv4 and IPv6, 4 backends each, full
 /// 65537-slot Maglev rings, in table or second-chance mode) and a conn table of
-/// `conn_table_size`; with `tenants`, the tenants' prefixes and limits (a program that stops
-/// before admission uses no tenant map).
+/// `conn_table_size`.
 pub(super) fn load_dp(
     object: &[u8],
     conn_table_size: u32,
     second_chance: bool,
-    tenants: bool,
 ) -> Result<Dataplane> {
     let opts = LoadOptions {
         conn_table_size,
@@ -240,19 +238,15 @@ pub(super) fn load_dp(
         VIP_F_TENANTS,
         &BACKENDS_TENANT,
     )?;
-    if tenants {
-        add_tenants(&mut dp)?;
-    }
+    add_tenants(&mut dp)?;
     Ok(dp)
 }
 
-/// The conn table of a loaded data plane, opened by id (the `Dataplane` API clears it only
-/// as a whole; the new-flow case deletes exactly the flows it inserted).
+/// The conn table of a loaded data plane, a typed handle of its own (the `Dataplane` API
+/// clears it only as a whole; the new-flow case deletes exactly the flows it inserted).
 pub(super) fn conn_map(dp: &mut Dataplane) -> Result<BpfHashMap<MapData, FlowKey, ConnEntry>> {
-    Ok(BpfHashMap::try_from(Map::LruHashMap(map_by_name(
-        dp,
-        maps::CONNS,
-    )?))?)
+    let data = MapData::from_fd(dp.conns_fd()?)?;
+    Ok(BpfHashMap::try_from(Map::LruHashMap(data))?)
 }
 
 /// One of `sluice_xdp`'s maps, found by name through the kernel's program info.
@@ -372,11 +366,11 @@ impl Lab {
         let t = Instant::now();
         let full_size = FULL_TABLE_PER_CPU * possible as u32;
         let mut dps = [
-            load_dp(object, opts.conn_table, false, true)?,
-            load_dp(object, opts.conn_table, false, true)?,
-            load_dp(object, full_size, false, true)?,
+            load_dp(object, opts.conn_table, false)?,
+            load_dp(object, opts.conn_table, false)?,
+            load_dp(object, full_size, false)?,
             // Second chance keeps no TCP flows: the smallest table.
-            load_dp(object, full_size, true, true)?,
+            load_dp(object, full_size, true)?,
         ];
         // The devmap resolves ifindexes in the writer's namespace: write it from `fib`.
         sys::enter_netns(&ns_fib)?;

@@ -133,8 +133,8 @@ struct Build {
     name: &'static str,
     stage: Option<&'static Stage>,
     dps: [Dataplane; 4],
-    /// The new-flow data plane's connection table, where the program has one.
-    new_conns: Option<BpfHashMap<MapData, FlowKey, ConnEntry>>,
+    /// The new-flow data plane's connection table.
+    new_conns: BpfHashMap<MapData, FlowKey, ConnEntry>,
 }
 
 impl Build {
@@ -147,10 +147,7 @@ impl Build {
         fib_ifindex: u32,
     ) -> Result<Build> {
         let full = FULL_TABLE_PER_CPU * possible as u32;
-        let flow_maps = uses_flow_maps(stage);
-        let tenants = flow_maps && stage.is_none_or(|s| s.feature != "ablate-tenants");
-        let load =
-            |size, sc| load_dp(object, size, sc, tenants).with_context(|| format!("build {name}"));
+        let load = |size, sc| load_dp(object, size, sc).with_context(|| format!("build {name}"));
         let mut dps = [
             load(opts.conn_table, false)?,
             load(opts.conn_table, false)?,
@@ -160,11 +157,7 @@ impl Build {
         for dp in dps.iter_mut() {
             dp.add_tx_port(fib_ifindex)?;
         }
-        let new_conns = if flow_maps {
-            Some(conn_map(&mut dps[Dp::New as usize])?)
-        } else {
-            None
-        };
+        let new_conns = conn_map(&mut dps[Dp::New as usize])?;
         Ok(Build {
             name,
             stage,
@@ -173,9 +166,15 @@ impl Build {
         })
     }
 
-    /// Whether a new flow of this build leaves an entry to delete after its batch.
+    /// Whether a new flow of this build leaves an entry to delete after its batch: not
+    /// without the insert, nor where the program ends before the decision.
     fn inserts(&self) -> bool {
-        self.new_conns.is_some() && self.stage.is_none_or(|s| s.feature != "ablate-insert")
+        !self.stage.is_some_and(|s| {
+            matches!(
+                s.feature,
+                "ablate-insert" | "stop-after-parse" | "stop-after-vip"
+            )
+        })
     }
 
     fn expected(&self, id: CaseId) -> u32 {
@@ -185,12 +184,6 @@ impl Build {
             (_, None) => XDP_REDIRECT,
         }
     }
-}
-
-/// Whether a build reaches the decision, and so uses the connection and tenant maps (a
-/// program that stops before it has none; the kernel keeps only the maps a program uses).
-fn uses_flow_maps(stage: Option<&Stage>) -> bool {
-    !stage.is_some_and(|s| matches!(s.feature, "stop-after-parse" | "stop-after-vip"))
 }
 
 /// Loads every stage object from `dir` (built by `cargo xtask bench xdp --stages`).
@@ -317,7 +310,7 @@ fn populate(builds: &mut [Build], fr: &TestFrames, out: &mut [u8]) -> Result<()>
             entries.len()
         );
     }
-    for b in others.iter_mut().filter(|b| b.new_conns.is_some()) {
+    for b in others.iter_mut() {
         let mut m = conn_map(&mut b.dps[Dp::Main as usize])?;
         for (k, e) in &entries {
             m.insert(k, e, 0)
@@ -354,10 +347,10 @@ fn batch(
             r.wrong_actions
         );
     }
-    let inserted = b.inserts();
-    if let (Dp::New, Some(conns)) = (def.dp, b.new_conns.as_mut()) {
+    if def.dp == Dp::New {
+        let inserted = b.inserts();
         for (f, start) in frames.iter().zip(starts) {
-            delete_fresh(conns, f, start, inserted)?;
+            delete_fresh(&mut b.new_conns, f, start, inserted)?;
         }
     }
     Ok(r.kernel_ns)
