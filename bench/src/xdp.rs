@@ -189,7 +189,9 @@ struct Args {
     /// The cost of each stage of the established, new-flow and IPv6 paths in both modes,
     /// measured against builds with the stage taken out (target/bpf/stages/, built by
     /// `cargo xtask bench xdp --stages`) in the `fib` namespace; writes xdp-stages.json.
-    #[arg(long)]
+    /// Its paths, variant, CPU and objects are its own: the options that choose those
+    /// elsewhere are refused beside it.
+    #[arg(long, conflicts_with_all = ["cases", "variants", "cpus", "object", "flows", "svg"])]
     stages: bool,
     /// JSON results (default target/bench/xdp.json).
     #[arg(long)]
