@@ -363,6 +363,10 @@ pub struct ConnEntry {
 /// retransmitted while it is set counts nothing more; the first ACK clears it and counts
 /// `handshakes_completed`. Set only by a SYN that creates the entry or reopens it.
 pub const CONN_F_HANDSHAKE: u8 = 1 << 0;
+/// `ConnEntry::flags`: the client has sent a FIN or RST on this flow, so it no longer counts
+/// as its tenant's session; its packets still follow the entry until it idles out. A SYN
+/// that reopens the entry clears it.
+pub const CONN_F_CLOSED: u8 = 1 << 1;
 
 /// In-band times are `CLOCK_MONOTONIC >> INBAND_TIME_SHIFT`: units of 2^20 ns (about
 /// 1.05 ms), a shift instead of a division on the packet path, 32 bits wrap after 52 days.

@@ -5,13 +5,14 @@ use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
     hash, stat, AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FlowKey, InbandFlow, LbConfig,
     VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_CAPPED, BACKEND_F_FULL,
-    BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, CONN_F_HANDSHAKE, LB_F_WILDCARD_VIPS, MAX_PROBES,
+    BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, CONN_F_CLOSED, CONN_F_HANDSHAKE, LB_F_WILDCARD_VIPS, MAX_PROBES,
     PROTO_TCP, RINGS_PER_VIP, RING_HISTORY, RING_SIZE_MAX, VIP_F_ADMISSION, VIP_F_SECOND_CHANCE,
     VIP_F_SHED, VIP_F_SRC_HASH, VIP_F_TENANTS,
 };
 
 use crate::{
     ablate,
+    hdr::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
     maps::{AFFINITY, BACKENDS, CONNS, FLOOD, MAGLEV_RINGS, VIPS},
     refusal::Refusal,
     stats::{count, HANDSHAKE_COMPLETED, HANDSHAKE_STARTED},
@@ -79,9 +80,10 @@ fn backend(id: u32, vip: &VipMeta) -> Option<&'static BackendEntry> {
 /// Steers one packet of a VIP flow. `track` is false for ICMP errors: they follow a flow
 /// but never create one. `opens` is true for a packet that starts a session (a TCP SYN, or
 /// any UDP packet without a connection entry): only those are subject to admission
-/// control, so an established stream whose entry was evicted is never shed. `acks` is true
-/// for a TCP acknowledgement without SYN or RST: the first one of a flow whose SYN was
-/// counted completes its handshake. `server` is the backend a QUIC packet's connection ID
+/// control, so an established stream whose entry was evicted is never shed. `tcp` is a TCP
+/// packet's flags (0 for an ICMP error or another protocol): the first acknowledgement
+/// without SYN or RST of a flow whose SYN was counted completes its handshake, and a FIN or
+/// RST marks its entry closed. `server` is the backend a QUIC packet's connection ID
 /// names (high word; 0: none) and the hash of that ID (low word), one word so that it costs
 /// one stack slot: the backend takes the packet while it takes its flows; otherwise the
 /// 5-tuple path does.
@@ -93,7 +95,7 @@ pub fn decide(
     server: u64,
     track: bool,
     opens: bool,
-    acks: bool,
+    tcp: u8,
 ) -> Result<Decision, Refusal> {
     // A QUIC packet whose connection ID names a backend that still takes the flows it has
     // (active or draining) goes there, with no connection-table entry.
@@ -129,7 +131,7 @@ pub fn decide(
         // A SYN on a 5-tuple whose entry outlived its connection (the client reused the
         // port) opens a new session.
         let reopens = opens && track && key.proto == PROTO_TCP;
-        if let Some(d) = established(key, vip, e, now, reopens, acks) {
+        if let Some(d) = established(key, vip, e, now, reopens, tcp) {
             count(stat::CONN_HIT);
             return Ok(d);
         }
@@ -198,11 +200,12 @@ fn established(
     e: *mut ConnEntry,
     now: u64,
     reopens: bool,
-    acks: bool,
+    tcp: u8,
 ) -> Option<Decision> {
     let id = unsafe { (*e).backend };
     let b = backend(id, vip)?;
-    let pending = unsafe { (*e).flags } & CONN_F_HANDSHAKE;
+    let flags = unsafe { (*e).flags };
+    let pending = flags & CONN_F_HANDSHAKE;
     if !takes(b, false) || (reopens && !keeps_affinity(b, true)) {
         return None;
     }
@@ -222,20 +225,26 @@ fn established(
         }
     }
     // A SYN on an entry whose handshake is pending is a retransmission: the handshake
-    // counts once. One on a completed entry starts a new one. The first ACK completes it;
-    // once it has, every later packet pays one bit test of the entry it already read.
-    // Toggling the bit: `HANDSHAKE_STARTED` is `CONN_F_HANDSHAKE`. Written so, the entry's
-    // handshake state adds no branch; a branch per flag would split the verifier's paths
-    // through everything after it (docs/design.md, "The verifier's budget").
+    // counts once. One on a completed entry starts a new one. The first ACK completes it.
+    // Toggling the bit: `HANDSHAKE_STARTED` is `CONN_F_HANDSHAKE`. A client's FIN or RST
+    // closes the entry, a reopening SYN opens it again. Both bits are computed and written
+    // at once, so the entry's state adds one branch (the write) and every later packet of a
+    // settled flow pays a compare of the entry it already read; a branch per flag would
+    // split the verifier's paths through everything after it (docs/design.md, "The
+    // verifier's budget").
     let handshake = if reopens {
         pending ^ HANDSHAKE_STARTED
-    } else if pending != 0 && acks {
+    } else if pending != 0 && tcp & (TCP_SYN | TCP_RST | TCP_ACK) == TCP_ACK {
         HANDSHAKE_COMPLETED
     } else {
         0
     };
-    if handshake != 0 {
-        unsafe { (*e).flags ^= CONN_F_HANDSHAKE };
+    let toggle = if handshake != 0 { CONN_F_HANDSHAKE } else { 0 };
+    let open = if reopens { CONN_F_CLOSED } else { 0 };
+    let closes = if tcp & (TCP_FIN | TCP_RST) != 0 { CONN_F_CLOSED } else { 0 };
+    let next = ((flags ^ toggle) & !open) | closes;
+    if next != flags {
+        unsafe { (*e).flags = next };
     }
     Some(Decision {
         backend_id: id,

@@ -19,6 +19,7 @@ pub const GUE_HLEN: usize = 4;
 /// TTL / hop limit of every header the programs build (tunnels, RST and ICMP replies).
 pub const TTL: u8 = 64;
 
+pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;

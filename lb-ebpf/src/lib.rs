@@ -72,7 +72,7 @@ pub fn sluice_xdp(ctx: XdpContext) -> u32 {
         server,
         !p.icmp_error,
         p.opens(),
-        p.acks() && !p.icmp_error,
+        if p.icmp_error { 0 } else { p.tcp_flags },
     ) {
         Ok(d) => {
             if cfg.flags & LB_F_TRACE != 0 {

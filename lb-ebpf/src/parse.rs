@@ -18,7 +18,7 @@ use core::mem::offset_of;
 
 use crate::hdr::{
     Ipv4Hdr, Ipv6Hdr, ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_IP, ETH_P_IPV6, IPV4_HLEN,
-    IPV6_HLEN, TCP_ACK, TCP_RST, TCP_SYN,
+    IPV6_HLEN, TCP_ACK, TCP_SYN,
 };
 
 /// IPv6 extension headers walked before giving up (hop-by-hop, routing, destination options).
@@ -50,10 +50,6 @@ impl Parsed {
         self.key.proto != PROTO_TCP || self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
     }
 
-    /// A TCP acknowledgement that neither opens nor resets: what completes a handshake.
-    pub fn acks(&self) -> bool {
-        self.key.proto == PROTO_TCP && self.tcp_flags & (TCP_SYN | TCP_RST | TCP_ACK) == TCP_ACK
-    }
 }
 
 /// A frame that passes untouched, with the counter that says why.

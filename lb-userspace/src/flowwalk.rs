@@ -23,7 +23,7 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use lb_common::{ConnEntry, FlowKey, MAX_BACKENDS};
+use lb_common::{ConnEntry, FlowKey, CONN_F_CLOSED, MAX_BACKENDS};
 
 use crate::config::Cidr;
 
@@ -162,8 +162,9 @@ impl TenantMatcher {
 pub struct FlowCounts {
     /// Backend id → entries seen within the idle timeout.
     pub active: BTreeMap<u32, u64>,
-    /// (backend id, tenant id) → entries seen within the idle timeout, where tenants are
-    /// configured (the client's tenant by [`TenantMatcher`]).
+    /// (backend id, tenant id) → entries seen within the idle timeout that their client has
+    /// not closed (`CONN_F_CLOSED`), where tenants are configured (the client's tenant by
+    /// [`TenantMatcher`]).
     pub tenants: BTreeMap<(u32, u32), u64>,
     /// Every entry found, active or not (the table's fill).
     pub entries: u64,
@@ -215,7 +216,13 @@ impl Tally {
             // An id out of range is no backend's (never written by the data plane).
             if let Some(n) = self.active.get_mut(e.backend as usize) {
                 *n += 1;
-                if let Some((m, counts)) = &mut self.tenants {
+                // A flow its client has closed is no longer its tenant's session: a tenant's
+                // cap counts open streams, not the ones ended within the idle timeout.
+                if let Some((m, counts)) = self
+                    .tenants
+                    .as_mut()
+                    .filter(|_| e.flags & CONN_F_CLOSED == 0)
+                {
                     let t = m.tenant(k.family, &k.src);
                     *counts.entry((e.backend, t)).or_default() += 1;
                 }
@@ -444,6 +451,22 @@ mod tests {
             BTreeMap::from([((5, 2), 2), ((5, 1), 1), ((6, 0), 1)])
         );
         assert_eq!(c.active, BTreeMap::from([(5, 3), (6, 1)]));
+    }
+
+    #[test]
+    fn a_flow_its_client_closed_is_its_backends_but_no_longer_its_tenants_session() {
+        let prefixes: BTreeMap<Cidr, u32> = [("10.0.0.0/8".parse().unwrap(), 1)].into();
+        let m = TenantMatcher::new(&prefixes);
+        let now = 100_000_000_000;
+        let mut t = Tally::new(now, Duration::from_secs(60), 0, Some(Arc::new(m)));
+        t.add(&client("10.0.0.1"), &entry(5, now));
+        let mut closed = entry(5, now);
+        closed.flags = CONN_F_CLOSED;
+        t.add(&client("10.0.0.2"), &closed);
+        let c = t.finish();
+        assert_eq!(c.tenants, BTreeMap::from([((5, 1), 1)]));
+        // Its packets still reach the backend until the flow idles out (a drain waits for it).
+        assert_eq!(c.active, BTreeMap::from([(5, 2)]));
     }
 
     #[test]

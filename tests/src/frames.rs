@@ -96,7 +96,9 @@ pub fn ipv6(src: &str, dst: &str, next: u8, tclass: u8, flow: u32, payload: &[u8
     h
 }
 
+pub const FIN: u8 = 0x01;
 pub const SYN: u8 = 0x02;
+pub const RST: u8 = 0x04;
 pub const ACK: u8 = 0x10;
 pub const PSH: u8 = 0x08;
 

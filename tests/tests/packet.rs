@@ -7,9 +7,9 @@ use std::net::IpAddr;
 use lb_common::{
     quic, stat, AffinityEntry, AffinityKey, QuicServerKey, TenantLimits, TenantStats, BACKEND_DOWN,
     BACKEND_DRAINING, BACKEND_F_CAPPED, BACKEND_F_FULL, BACKEND_F_GUE, BACKEND_F_NO_AFFINITY,
-    CONN_F_HANDSHAKE, PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP, PROTO_UDP,
-    TENANT_F_CAPPED, TENANT_F_OVER_SHARE, VIP_F_ADMISSION, VIP_F_QUIC_CID, VIP_F_SECOND_CHANCE,
-    VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH, VIP_F_TENANTS,
+    CONN_F_CLOSED, CONN_F_HANDSHAKE, PROTO_ICMP, PROTO_ICMPV6, PROTO_IPIP, PROTO_IPV6, PROTO_TCP,
+    PROTO_UDP, TENANT_F_CAPPED, TENANT_F_OVER_SHARE, VIP_F_ADMISSION, VIP_F_QUIC_CID,
+    VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SHED_RST, VIP_F_SRC_HASH, VIP_F_TENANTS,
 };
 use sluice::dataplane::PROG_DECAP;
 use sluice_tests::{flow, frames::*, run_prog, tenants::TenantMaps, Lab, FALLBACK_MAC};
@@ -3216,6 +3216,49 @@ fn a_tenants_admitted_counter_counts_each_new_session_once() {
     }
     assert_eq!(t.stats(1, 1).unwrap().admitted, 1);
     assert_eq!(t.stats(0, 1).unwrap().admitted, 2);
+}
+
+/// A client's FIN or RST marks its flow's entry closed (no longer its tenant's session), while
+/// the flow's later packets, the FIN's own and the last ACK, still reach its backend; a SYN
+/// that reopens the 5-tuple opens the entry again. The handshake bit is kept apart.
+#[test]
+fn a_clients_fin_or_rst_closes_its_entry_and_a_syn_reusing_the_5_tuple_opens_it() {
+    let mut lab = Lab::new();
+    let vip = lab.vip(0, VIP4, 443, PROTO_TCP, 0, 0);
+    lab.backends(&vip, &BACKENDS4);
+    let flags = |lab: &mut Lab, sport: u16| {
+        let key = flow(CLIENT4, sport, VIP4, 443, PROTO_TCP);
+        lab.dp.conn(&key).unwrap().unwrap().flags
+    };
+    for (sport, close) in [(48000, FIN | ACK), (48001, RST), (48002, RST | ACK)] {
+        assert_tcp_forwarded(&mut lab, &vip, CLIENT4, sport, SYN);
+        assert_eq!(flags(&mut lab, sport), CONN_F_HANDSHAKE);
+        assert_tcp_forwarded(&mut lab, &vip, CLIENT4, sport, ACK | PSH);
+        assert_eq!(flags(&mut lab, sport), 0, "an open, established flow");
+        assert_tcp_forwarded(&mut lab, &vip, CLIENT4, sport, close);
+        assert_eq!(
+            flags(&mut lab, sport),
+            CONN_F_CLOSED,
+            "closed by {close:#x}"
+        );
+        assert_tcp_forwarded(&mut lab, &vip, CLIENT4, sport, ACK);
+        assert_eq!(
+            flags(&mut lab, sport),
+            CONN_F_CLOSED,
+            "a late ACK keeps it closed"
+        );
+        assert_tcp_forwarded(&mut lab, &vip, CLIENT4, sport, SYN);
+        assert_eq!(
+            flags(&mut lab, sport),
+            CONN_F_HANDSHAKE,
+            "the next session's SYN opens it, its handshake pending"
+        );
+    }
+    // A FIN before the handshake completes closes the entry and leaves the handshake pending.
+    assert_tcp_forwarded(&mut lab, &vip, CLIENT4, 48003, SYN);
+    assert_tcp_forwarded(&mut lab, &vip, CLIENT4, 48003, FIN);
+    assert_eq!(flags(&mut lab, 48003), CONN_F_HANDSHAKE | CONN_F_CLOSED);
+    assert_eq!(lab.stat(stat::CONN_HIT), 13);
 }
 
 /// A SYN reusing the 5-tuple of a connection whose handshake completed is the client's next
