@@ -844,7 +844,12 @@ impl Policy {
                 .filter(|(t, _)| t.vip == vip)
                 .copied()
                 .collect();
-            let decided = tenants::decide(pool_full, &of_vip);
+            let caps = work
+                .iter()
+                .filter(|w| w.input.vip == vip && w.eligible)
+                .map(|w| w.input.max_sessions);
+            let room = tenants::room(pool_full, self.cfg.tenant_busy_fraction, &of_vip, caps);
+            let decided = tenants::decide(room, &of_vip);
             over_share |= decided.iter().any(|d| d.over_share);
             out.tenants.extend(decided);
         }

@@ -1095,6 +1095,7 @@ queue_depth_high = 0
 temp_high_c = 200
 ecn_rate_high = -1.0
 cnp_rate_high = inf
+tenant_busy_fraction = 0
 "#,
         errors: &[
             "t.toml:7:14: policy.ewma_alpha: 0.0 is out of range; allowed: 0 < ewma_alpha <= 1",
@@ -1106,6 +1107,7 @@ cnp_rate_high = inf
             "t.toml:13:15: policy.temp_high_c: 200.0 is out of range; allowed: 0 < temp_high_c <= 150",
             "t.toml:14:17: policy.ecn_rate_high: -1.0 is out of range; allowed: a number > 0 (marked packets per second)",
             "t.toml:15:17: policy.cnp_rate_high: inf is out of range; allowed: a number > 0 (CNPs per second)",
+            "t.toml:16:24: policy.tenant_busy_fraction: 0.0 is out of range; allowed: 0 < tenant_busy_fraction <= 1",
         ],
     },
     Case {

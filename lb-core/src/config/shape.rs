@@ -317,6 +317,7 @@ pub(super) struct RawPolicy {
     pub(super) stable_period: Option<DurStr>,
     pub(super) slow_start: Option<DurStr>,
     pub(super) shed: Option<String>,
+    pub(super) tenant_busy_fraction: Option<Num>,
 }
 
 /// (span, key path, message) of a shape error.

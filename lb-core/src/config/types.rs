@@ -509,6 +509,10 @@ pub struct PolicyConfig {
     /// only VIPs with a `max_sessions` cap on a backend refuse (by drop), and elsewhere a
     /// backend full by telemetry is only probed past.
     pub shed: Option<ShedMode>,
+    /// The part (0, 1] of a VIP's backends' session caps its sessions fill when its pool is
+    /// busy for tenants' shares: from there a tenant over its share that presses its limits
+    /// is refused new sessions, before any backend is full.
+    pub tenant_busy_fraction: f64,
 }
 
 impl Default for PolicyConfig {
@@ -529,6 +533,7 @@ impl Default for PolicyConfig {
             stable_period: Duration::from_secs(120),
             slow_start: Duration::from_secs(30),
             shed: None,
+            tenant_busy_fraction: 0.25,
         }
     }
 }

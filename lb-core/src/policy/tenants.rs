@@ -1,17 +1,23 @@
 //! Tenant isolation: which tenants of a VIP are at their session cap, and which hold more
-//! than their weighted share of a full pool.
+//! than their weighted share of a busy or full pool.
 //!
 //! The data plane refuses a new session of a flagged tenant (`TENANT_F_CAPPED`,
 //! `TENANT_F_OVER_SHARE`) and applies each tenant's rate itself; this module sets the flags
-//! once per step from the connection table's session counts. A tenant is capped while its
-//! sessions on the VIP reach its `max_sessions` (0 = no cap). While the VIP's pool is all
-//! full (every healthy backend of positive weight is full, [`super::admission`]), a tenant is
-//! over share when its sessions on the VIP exceed the VIP's sessions times its weight over
-//! the weights of the VIP's tenants that hold sessions or tried to open one since the last
-//! step: a tenant with no traffic does not reserve room. Once the pool has room, no tenant is
-//! over share. While some tenant of a pool is over share, class shedding does not tighten:
-//! the tenants furthest over their share are shed first, and a quiet tenant under its share
-//! keeps being admitted.
+//! once per step from the connection table's session counts (open flows: ones their client
+//! has closed do not count). A tenant is capped while its sessions on the VIP reach its
+//! `max_sessions` (0 = no cap). Its share is the VIP's sessions times its weight over the
+//! weights of the VIP's tenants that hold sessions or tried to open one since the last step:
+//! a tenant with no traffic does not reserve room. While the VIP's pool is all full (every
+//! healthy backend of positive weight is full, [`super::admission`]), every tenant over its
+//! share is over share. Before that, once the VIP's sessions fill
+//! `policy.tenant_busy_fraction` of its backends' session caps, a tenant over its share is
+//! over share while it presses its limits: a burst that its own rate and cap already refuse
+//! is held to its share of what the pool serves, so it does not fill the engines' batches
+//! the others' sessions share, while a tenant within its limits is never refused for where
+//! its sessions happen to lie. With room below that, no tenant is over share. While some
+//! tenant of a pool is over share, class shedding does not tighten: the tenants furthest
+//! over their share are shed first, and a quiet tenant under its share keeps being
+//! admitted.
 
 use std::{collections::BTreeMap, time::Duration};
 
@@ -76,6 +82,9 @@ pub(super) struct Memory {
 pub(super) struct Activity {
     attempts: u64,
     admitted_per_sec: f64,
+    /// Its limits refused at least as many of its new sessions as they admitted since the
+    /// previous step (and at least one): it offers twice what they let through.
+    pressing: bool,
 }
 
 impl Memory {
@@ -92,15 +101,17 @@ impl Memory {
                         if t.admitted >= admitted && t.refused >= refused =>
                     {
                         let dt = now.saturating_sub(at).as_secs_f64();
-                        let new = t.admitted - admitted;
+                        let (new, no) = (t.admitted - admitted, t.refused - refused);
                         Activity {
-                            attempts: new + (t.refused - refused),
+                            attempts: new + no,
                             admitted_per_sec: if dt > 0.0 { new as f64 / dt } else { 0.0 },
+                            pressing: no >= new.max(1),
                         }
                     }
                     _ => Activity {
                         attempts: 0,
                         admitted_per_sec: 0.0,
+                        pressing: false,
                     },
                 };
                 next.insert(key, (now, t.admitted, t.refused));
@@ -112,9 +123,49 @@ impl Memory {
     }
 }
 
-/// The decisions for one VIP's tenants (`tenants` with their `activity`), its pool all full
-/// or not.
-pub(super) fn decide(pool_full: bool, tenants: &[(&TenantInput, Activity)]) -> Vec<TenantDecision> {
+/// How much room a VIP's pool has, as tenants' shares see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Room {
+    /// No share applies.
+    Plenty,
+    /// The VIP's sessions fill `policy.tenant_busy_fraction` of its backends' session caps. A tenant over
+    /// its share that presses its limits (refused at least as often as admitted since the
+    /// previous step, by its rate, its cap or its share) is refused new sessions: it stays
+    /// refused while it keeps trying and is over its share. A tenant whose limits let most
+    /// of its sessions through is not, however its sessions happen to lie.
+    Busy,
+    /// Every healthy backend is full: every tenant over its share is refused.
+    Full,
+}
+
+/// The room in a VIP's pool, `pool_full` or not, for its `tenants` on backends in rotation
+/// with session caps `caps`, busy from `busy_fraction` of their sum. Busy needs every one of
+/// them capped: without a cap the pool's room is unknown short of full.
+pub(super) fn room(
+    pool_full: bool,
+    busy_fraction: f64,
+    tenants: &[(&TenantInput, Activity)],
+    caps: impl Iterator<Item = u32>,
+) -> Room {
+    let sessions: u64 = tenants.iter().map(|(t, _)| t.sessions).sum();
+    let (mut capacity, mut any, mut uncapped) = (0u64, false, false);
+    for c in caps {
+        any = true;
+        uncapped |= c == 0;
+        capacity += u64::from(c);
+    }
+    if pool_full {
+        Room::Full
+    } else if any && !uncapped && sessions as f64 >= busy_fraction * capacity as f64 {
+        Room::Busy
+    } else {
+        Room::Plenty
+    }
+}
+
+/// The decisions for one VIP's tenants (`tenants` with their `activity`) with `room` in its
+/// pool.
+pub(super) fn decide(room: Room, tenants: &[(&TenantInput, Activity)]) -> Vec<TenantDecision> {
     let total: u64 = tenants.iter().map(|(t, _)| t.sessions).sum();
     let active_weight: u64 = tenants
         .iter()
@@ -124,14 +175,15 @@ pub(super) fn decide(pool_full: bool, tenants: &[(&TenantInput, Activity)]) -> V
     tenants
         .iter()
         .map(|(t, a)| {
-            let share = (pool_full && active_weight > 0)
+            let share = (room != Room::Plenty && active_weight > 0)
                 .then(|| total as f64 * f64::from(t.weight) / active_weight as f64);
+            let held = room == Room::Full || a.pressing;
             TenantDecision {
                 vip: t.vip.to_owned(),
                 tenant: t.tenant.to_owned(),
                 sessions: t.sessions,
                 capped: t.max_sessions > 0 && t.sessions >= u64::from(t.max_sessions),
-                over_share: share.is_some_and(|s| t.sessions as f64 > s),
+                over_share: held && share.is_some_and(|s| t.sessions as f64 > s),
                 share,
                 admitted_per_sec: a.admitted_per_sec,
             }
@@ -160,7 +212,8 @@ mod tests {
     fn run(mem: &mut Memory, now: Duration, full: bool, ts: &[TenantInput]) -> Vec<TenantDecision> {
         let act = mem.observe(now, ts);
         let work: Vec<_> = ts.iter().zip(act).collect();
-        decide(full, &work)
+        let room = if full { Room::Full } else { Room::Plenty };
+        decide(room, &work)
     }
 
     #[test]
@@ -193,6 +246,44 @@ mod tests {
         );
         // Room in the pool: nobody is over share, however the sessions lie.
         let d = run(&mut mem, 2 * S, false, &ts);
+        assert!(d.iter().all(|d| !d.over_share && d.share.is_none()));
+    }
+
+    #[test]
+    fn a_busy_pool_refuses_a_tenant_over_its_share_only_while_it_presses_its_limits() {
+        let mut mem = Memory::default();
+        let mut busy = |now, ts: &[TenantInput]| {
+            let act = mem.observe(now, ts);
+            decide(Room::Busy, &ts.iter().zip(act).collect::<Vec<_>>())
+        };
+        let mut ts = [
+            input("noisy", 1, 20),
+            input("quiet", 1, 10),
+            input("other", 1, 10),
+        ];
+        busy(S, &ts); // the counters' baseline
+                      // Noisy's limits refused 5 and admitted 3: it presses them. Quiet holds more than its
+                      // share (16 of 46 / 3) by chance, its limits refused 1 and admitted 3: not pressing.
+        (ts[0].admitted, ts[0].refused) = (3, 5);
+        (ts[1].admitted, ts[1].refused, ts[1].sessions) = (3, 1, 16);
+        let d = busy(2 * S, &ts);
+        assert!(d[0].over_share && d[0].flags() == TENANT_F_OVER_SHARE);
+        assert!(
+            !d[1].over_share,
+            "quiet's limits let most of its sessions through"
+        );
+        // Flagged, noisy keeps trying: every attempt refused keeps it flagged.
+        ts[0].refused = 9;
+        assert!(busy(3 * S, &ts)[0].over_share);
+        // It stops trying: nothing to hold it to.
+        assert!(!busy(4 * S, &ts)[0].over_share);
+        // Pressing again but within its share (10 of 36 / 3): admitted.
+        (ts[0].sessions, ts[0].refused) = (10, 20);
+        assert!(!busy(5 * S, &ts)[0].over_share);
+        // The same pressing tenant over its share where the pool has plenty of room.
+        (ts[0].sessions, ts[0].refused) = (20, 30);
+        let act = mem.observe(6 * S, &ts);
+        let d = decide(Room::Plenty, &ts.iter().zip(act).collect::<Vec<_>>());
         assert!(d.iter().all(|d| !d.over_share && d.share.is_none()));
     }
 

@@ -1534,3 +1534,54 @@ fn a_full_pool_sheds_the_tenant_over_its_share_before_any_class() {
     let d = sim.step_with_tenants(&[tenant("noisy", 9, admitted), tenant("quiet", 0, 3)]);
     assert!(d.tenants.iter().all(|t| !t.over_share && t.flags() == 0));
 }
+
+/// A pool is busy for tenants' shares once its VIP's sessions fill `tenant_busy_fraction` of
+/// its backends' session caps: from there a tenant over its share that presses its limits is
+/// refused, though no backend is full; below it, or where a backend has no cap, only a full
+/// pool applies shares.
+#[test]
+fn a_busy_pool_holds_a_pressing_tenant_to_its_share_before_any_backend_is_full() {
+    let cfg = PolicyConfig {
+        tenant_busy_fraction: 0.25,
+        ..PolicyConfig::default()
+    };
+    let mut sim = Sim::new(cfg, 2);
+    for b in &mut sim.backends {
+        b.max_sessions = 20;
+        b.sessions = 5;
+    }
+    // Busy from 0.25 x 40 = 10 sessions.
+    let (mut admitted, mut refused) = (0, 0);
+    let mut step = |sim: &mut Sim, noisy: u64, quiet: u64| {
+        // Noisy's limits refuse two of its new sessions for each one admitted.
+        admitted += 1;
+        refused += 2;
+        let tenant = |name, sessions, admitted, refused| TenantInput {
+            vip: "v",
+            tenant: name,
+            weight: 1,
+            max_sessions: 0,
+            sessions,
+            admitted,
+            refused,
+        };
+        let d = sim.step_with_tenants(&[
+            tenant("noisy", noisy, admitted, refused),
+            tenant("quiet", quiet, admitted, 0),
+        ]);
+        assert!(d.backends.iter().all(|b| !b.full));
+        assert!(!d.tenants[1].over_share, "quiet is within its limits");
+        d.tenants[0].over_share
+    };
+    step(&mut sim, 6, 2);
+    assert!(!step(&mut sim, 6, 3), "9 sessions of 40: not busy");
+    assert!(
+        step(&mut sim, 7, 3),
+        "10 of 40: busy, noisy holds 7 of a 5 share"
+    );
+    sim.backends[1].max_sessions = 0;
+    assert!(
+        !step(&mut sim, 7, 3),
+        "a backend without a cap: the pool's room is unknown"
+    );
+}

@@ -223,6 +223,13 @@ pub(in crate::config) fn policy(
         None => Some(d.shed),
         s => c.keyword(&p.key("shed"), s, ShedMode::Drop).map(Some),
     };
+    let tenant_busy_fraction = c.num(
+        &p.key("tenant_busy_fraction"),
+        r.tenant_busy_fraction,
+        d.tenant_busy_fraction,
+        unit,
+        "0 < tenant_busy_fraction <= 1",
+    );
     let out = PolicyConfig {
         ewma_alpha: ewma_alpha?,
         weight_levels: weight_levels?,
@@ -238,6 +245,7 @@ pub(in crate::config) fn policy(
         flap_window: flap_window?,
         stable_period: stable_period?,
         slow_start: slow_start?,
+        tenant_busy_fraction: tenant_busy_fraction?,
         shed: shed?,
     };
     (out.cooldown_max >= out.cooldown_base).then_some(out)
