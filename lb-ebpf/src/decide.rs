@@ -5,9 +5,9 @@ use aya_ebpf::helpers::bpf_ktime_get_coarse_ns;
 use lb_common::{
     hash, stat, AffinityEntry, AffinityKey, BackendEntry, ConnEntry, FlowKey, InbandFlow, LbConfig,
     VipKey, VipMeta, BACKEND_ACTIVE, BACKEND_DRAINING, BACKEND_F_CAPPED, BACKEND_F_FULL,
-    BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, CONN_F_CLOSED, CONN_F_HANDSHAKE, LB_F_WILDCARD_VIPS, MAX_PROBES,
-    PROTO_TCP, RINGS_PER_VIP, RING_HISTORY, RING_SIZE_MAX, VIP_F_ADMISSION, VIP_F_SECOND_CHANCE,
-    VIP_F_SHED, VIP_F_SRC_HASH, VIP_F_TENANTS,
+    BACKEND_F_GUE, BACKEND_F_NO_AFFINITY, CONN_F_CLOSED, CONN_F_HANDSHAKE, LB_F_WILDCARD_VIPS,
+    MAX_PROBES, PROTO_TCP, RINGS_PER_VIP, RING_HISTORY, RING_SIZE_MAX, VIP_F_ADMISSION,
+    VIP_F_SECOND_CHANCE, VIP_F_SHED, VIP_F_SRC_HASH, VIP_F_TENANTS,
 };
 
 use crate::{
@@ -241,7 +241,11 @@ fn established(
     };
     let toggle = if handshake != 0 { CONN_F_HANDSHAKE } else { 0 };
     let open = if reopens { CONN_F_CLOSED } else { 0 };
-    let closes = if tcp & (TCP_FIN | TCP_RST) != 0 { CONN_F_CLOSED } else { 0 };
+    let closes = if tcp & (TCP_FIN | TCP_RST) != 0 {
+        CONN_F_CLOSED
+    } else {
+        0
+    };
     let next = ((flags ^ toggle) & !open) | closes;
     if next != flags {
         unsafe { (*e).flags = next };

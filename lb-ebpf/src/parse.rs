@@ -49,7 +49,6 @@ impl Parsed {
     pub fn opens(&self) -> bool {
         self.key.proto != PROTO_TCP || self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
     }
-
 }
 
 /// A frame that passes untouched, with the counter that says why.

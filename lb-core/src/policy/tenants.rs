@@ -128,11 +128,11 @@ impl Memory {
 pub(super) enum Room {
     /// No share applies.
     Plenty,
-    /// The VIP's sessions fill `policy.tenant_busy_fraction` of its backends' session caps. A tenant over
-    /// its share that presses its limits (refused at least as often as admitted since the
-    /// previous step, by its rate, its cap or its share) is refused new sessions: it stays
-    /// refused while it keeps trying and is over its share. A tenant whose limits let most
-    /// of its sessions through is not, however its sessions happen to lie.
+    /// The VIP's sessions fill `policy.tenant_busy_fraction` of its backends' session caps.
+    /// A tenant over its share that presses its limits (refused at least as often as
+    /// admitted since the previous step, by its rate, its cap or its share) is refused new
+    /// sessions: it stays refused while it keeps trying and is over its share. A tenant
+    /// whose limits let most of its sessions through is not, however its sessions lie.
     Busy,
     /// Every healthy backend is full: every tenant over its share is refused.
     Full,
@@ -261,9 +261,10 @@ mod tests {
             input("quiet", 1, 10),
             input("other", 1, 10),
         ];
-        busy(S, &ts); // the counters' baseline
-                      // Noisy's limits refused 5 and admitted 3: it presses them. Quiet holds more than its
-                      // share (16 of 46 / 3) by chance, its limits refused 1 and admitted 3: not pressing.
+        // The counters' baseline.
+        busy(S, &ts);
+        // Noisy's limits refused 5 and admitted 3: it presses them. Quiet holds more than its
+        // share (16 of 46 / 3) by chance, its limits refused 1 and admitted 3: not pressing.
         (ts[0].admitted, ts[0].refused) = (3, 5);
         (ts[1].admitted, ts[1].refused, ts[1].sessions) = (3, 1, 16);
         let d = busy(2 * S, &ts);
