@@ -1285,10 +1285,10 @@ weight = 1001
 burst = 10
 "#,
         errors: &[
-            "t.toml:9:10: tenant[0].weight: 0 is out of range; allowed: 1..=1000 (a share of a full pool)",
+            "t.toml:9:10: tenant[0].weight: 0 is out of range; allowed: 1..=1000 (a share of a busy or full pool)",
             "t.toml:10:16: tenant[0].max_sessions: -1 is out of range; allowed: 0..=4294967295 (0 = no limit)",
             "t.toml:11:24: tenant[0].new_sessions_per_sec: 1000001 is out of range; allowed: 0..=1000000 (0 = no limit)",
-            "t.toml:15:10: tenant[1].weight: 1001 is out of range; allowed: 1..=1000 (a share of a full pool)",
+            "t.toml:15:10: tenant[1].weight: 1001 is out of range; allowed: 1..=1000 (a share of a busy or full pool)",
             "t.toml:16:9: tenant[1].burst: 10 is set without new_sessions_per_sec; allowed: a burst only with a rate (set new_sessions_per_sec, or leave burst out)",
         ],
     },
@@ -1334,7 +1334,7 @@ port = 443
 "#,
         errors: &[
             "t.toml:17:10: vip[0].tenant[1].name: \"acme\" is already overridden by tenant[0] of this VIP; allowed: one override per tenant and VIP",
-            "t.toml:20:12: vip[0].tenant[2].weight: 0 is out of range; allowed: 1..=1000 (a share of a full pool)",
+            "t.toml:20:12: vip[0].tenant[2].weight: 0 is out of range; allowed: 1..=1000 (a share of a busy or full pool)",
         ],
     },
     Case {

@@ -55,7 +55,7 @@ pub struct Overlay {
     /// those refused because all of its backends are full (not only shed VIPs).
     pub rst: bool,
     /// `TENANT_F_*` flags by `TENANT_LIMITS` index (`vip_id * MAX_TENANTS + tenant`), where
-    /// not zero: the tenants at their session cap or over their share of a full pool.
+    /// not zero: the tenants at their session cap or over their share of a busy or full pool.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tenant_flags: BTreeMap<u32, u32>,
 }

@@ -430,7 +430,7 @@ fn tenant_families(reg: &mut Registry, snap: &Snapshot) {
     counters(
         reg,
         "tenant_refused",
-        "New sessions of the tenant on the VIP refused, by the limit that refused them          (sessions: at max_sessions; share: over its share of a full pool; rate: over          new_sessions_per_sec)",
+        "New sessions of the tenant on the VIP refused, by the limit that refused them          (sessions: at max_sessions; share: over its share of a busy or full pool; rate: over          new_sessions_per_sec)",
         rows.iter()
             .flat_map(|t| {
                 [
@@ -449,7 +449,7 @@ fn tenant_families(reg: &mut Registry, snap: &Snapshot) {
     gauges(
         reg,
         "tenant_limited",
-        "1 while the tenant's new sessions on the VIP are refused for a limit (sessions: at          max_sessions; share: over its share of a full pool), else 0",
+        "1 while the tenant's new sessions on the VIP are refused for a limit (sessions: at          max_sessions; share: over its share of a busy or full pool), else 0",
         rows.iter()
             .flat_map(|t| {
                 [("sessions", "capped"), ("share", "over-share")].map(|(limit, state)| {

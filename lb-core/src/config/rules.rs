@@ -38,7 +38,7 @@ pub const QUIC_SERVER_ID_LEN_MAX: u8 = lb_common::quic::SERVER_ID_LEN_MAX;
 /// "unroutable").
 pub const QUIC_ROTATION_MAX: u8 = lb_common::quic::ROTATION_UNROUTABLE - 1;
 
-/// Largest tenant weight (a share of a full pool among the tenants using it).
+/// Largest tenant weight (a share of a busy or full pool among the tenants using it).
 pub const TENANT_WEIGHT_MAX: u32 = 1000;
 /// Highest `new_sessions_per_sec` and `burst` of a tenant: the rate's interval stays at
 /// least a microsecond, well above the data plane clock's granularity.

@@ -39,7 +39,7 @@ pub struct TenantConfig {
     /// Client prefixes (host bits zero), each in one tenant only; empty exactly for
     /// `"default"`.
     pub prefixes: Vec<Cidr>,
-    /// The tenant's share of a full pool, 1..=1000.
+    /// The tenant's share of a busy or full pool, 1..=1000.
     pub weight: u32,
     /// Concurrent sessions per VIP; 0 = no limit.
     pub max_sessions: u32,

@@ -49,7 +49,7 @@ pub struct TenantDecision {
     pub sessions: u64,
     /// At its `max_sessions`: new sessions are refused.
     pub capped: bool,
-    /// Over its share of a full pool: new sessions are refused.
+    /// Over its share of a busy or full pool: new sessions are refused.
     pub over_share: bool,
     /// Its share of the VIP's sessions while the pool is full; `None` while it has room.
     pub share: Option<f64>,

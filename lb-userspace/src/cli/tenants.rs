@@ -20,7 +20,7 @@ Examples:
 MAX and RATE/BURST are the tenant's limits on the VIP (- = none); SESSIONS are its clients'
 active flows there; ADMIT/S is the rate of new sessions admitted at the latest policy step;
 REFUSED counts new sessions refused at the cap, for the share and by the rate; STATE is
-ok, capped (at MAX) or over-share (over its weighted share of a full pool).")]
+ok, capped (at MAX) or over-share (over its weighted share of a busy or full pool).")]
     List,
     /// Replace every [[tenant]] table with those of a TOML file (checked as the configuration is)
     #[command(after_help = "\

@@ -201,7 +201,7 @@ fn limits(c: &mut Checker, p: &KeyPath, raw: [Option<Int>; 4]) -> Limits {
         weight,
         1,
         rules::TENANT_WEIGHT_MAX.into(),
-        " (a share of a full pool)",
+        " (a share of a busy or full pool)",
     );
     let max_sessions = one(
         "max_sessions",
