@@ -1490,6 +1490,19 @@ fn a_refusing_backend_needs_enough_handshakes_and_a_peer_to_depart_from() {
     }
 }
 
+/// A tenant of VIP "v" at weight 1 without a cap, with its counters.
+fn tenant(name: &str, sessions: u64, admitted: u64, refused: u64) -> TenantInput<'_> {
+    TenantInput {
+        vip: "v",
+        tenant: name,
+        weight: 1,
+        max_sessions: 0,
+        sessions,
+        admitted,
+        refused,
+    }
+}
+
 /// A full pool with a noisy tenant over its share: the noisy tenant is flagged, the quiet
 /// one keeps being admitted, and no class is shed while the tenant is; once the noisy
 /// tenant is back within its share and the pool is still full, classes shed as before.
@@ -1507,15 +1520,7 @@ fn a_full_pool_sheds_the_tenant_over_its_share_before_any_class() {
         b.max_sessions = 4;
         b.sessions = 4;
     }
-    let tenant = |name, sessions, admitted| TenantInput {
-        vip: "v",
-        tenant: name,
-        weight: 1,
-        max_sessions: 0,
-        sessions,
-        admitted,
-        refused: 0,
-    };
+    let tenant = |name, sessions, admitted| tenant(name, sessions, admitted, 0);
     let mut admitted = 0;
     for _ in 0..3 * period.as_secs() {
         admitted += 10;
@@ -1556,15 +1561,6 @@ fn a_busy_pool_holds_a_pressing_tenant_to_its_share_before_any_backend_is_full()
         // Noisy's limits refuse two of its new sessions for each one admitted.
         admitted += 1;
         refused += 2;
-        let tenant = |name, sessions, admitted, refused| TenantInput {
-            vip: "v",
-            tenant: name,
-            weight: 1,
-            max_sessions: 0,
-            sessions,
-            admitted,
-            refused,
-        };
         let d = sim.step_with_tenants(&[
             tenant("noisy", noisy, admitted, refused),
             tenant("quiet", quiet, admitted, 0),
