@@ -45,7 +45,8 @@ enum Cmd {
     },
     /// setup, build, then all tests (the packet and namespace tests need root).
     Test,
-    /// rustfmt --check and clippy -D warnings, for the workspace and the eBPF crate.
+    /// rustfmt --check and clippy -D warnings, for the workspace and the eBPF crate; rustdoc
+    /// without a warning; no import cycle between a crate's modules.
     Lint,
     /// Build (release), then the Debian package target/package/sluice_VERSION_ARCH.deb
     /// (cargo-deb): the binary, systemd units, default configurations, man pages, completions.

@@ -51,7 +51,8 @@ pub struct TenantDecision {
     pub capped: bool,
     /// Over its share of a busy or full pool: new sessions are refused.
     pub over_share: bool,
-    /// Its share of the VIP's sessions while the pool is full; `None` while it has room.
+    /// Its share of the VIP's sessions while the pool is busy or full; `None` while it has
+    /// plenty of room.
     pub share: Option<f64>,
     /// New sessions admitted per second since the previous step.
     pub admitted_per_sec: f64,
